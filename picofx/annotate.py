@@ -1,0 +1,76 @@
+"""Node annotations every pass can rely on, kept true by the pass manager after each pass.
+
+node.meta["val"]          fake tensor (or tuple of them): shape, dtype, device
+node.meta["flops"]        FLOPs of the node, from torch.utils.flop_counter's formulas
+node.meta["bytes"]        bytes of the node's tensor outputs
+node.meta["module_path"]  the module the node came from, e.g. "model.layers.3.mlp.down_proj"
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import picofx.flops  # noqa: F401  (registers the CPU attention formulas)
+
+
+def tensor_bytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+class _AnnotatingInterpreter(fx.Interpreter):
+    def run_node(self, node: fx.Node):
+        if node.op in ("placeholder", "output"):
+            return super().run_node(node)
+        with FlopCounterMode(display=False) as counter:
+            value = super().run_node(node)
+        node.meta["val"] = value
+        node.meta["flops"] = counter.get_total_flops()
+        node.meta["bytes"] = tensor_bytes(value)
+        return value
+
+
+def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode(vals) or FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def annotate(gm: fx.GraphModule) -> None:
+    """(Re)compute val, flops and bytes of every node by propagating the placeholders' fake values;
+    give nodes a pass created without a module path the path their inputs share."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    missing = [n.name for n in placeholders if "val" not in n.meta]
+    if missing:
+        raise ValueError(f"annotate: placeholders {missing} have no meta['val']; a pass that adds a "
+                         "graph input must set its fake value.")
+    mode = fake_mode_of(gm)
+    inputs = [_as_fake(mode, n.meta["val"]) for n in placeholders]
+    with mode:
+        _AnnotatingInterpreter(gm).run(*inputs)
+    for node in placeholders:
+        node.meta["flops"], node.meta["bytes"] = 0, tensor_bytes(node.meta["val"])
+    for node in gm.graph.nodes:
+        if "module_path" not in node.meta:
+            node.meta["module_path"] = _shared_path(node)
+
+
+def _as_fake(mode: FakeTensorMode, value):
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+        return mode.from_tensor(value)
+    return value
+
+
+def _shared_path(node: fx.Node) -> str:
+    paths = [n.meta["module_path"] for n in node.all_input_nodes if n.meta.get("module_path")]
+    if not paths:
+        return ""
+    parts = [p.split(".") for p in paths]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)

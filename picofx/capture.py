@@ -1,0 +1,232 @@
+"""Capture a training step's forward (loss included) as an ATen-level FX graph.
+
+`capture` exports the model with `torch.export` (non-strict), lowers it to ATen while keeping
+`linear` and `scaled_dot_product_attention` whole (pattern rules and the cost model read them),
+and records how the graph's placeholders map back to the model: parameters and buffers by
+their fully qualified names, so that the optimized model keeps using the model's own tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+from picofx.annotate import annotate
+
+KEPT_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+class CaptureError(RuntimeError):
+    """The model cannot be captured as one graph; the message says where, why and what to do."""
+
+
+@dataclass(frozen=True)
+class InputSlot:
+    kind: str  # "parameter", "buffer", "constant" or "user"
+    target: str  # the model's parameter/buffer name, the constant's name, or the user input's index
+
+
+@dataclass
+class Signature:
+    """How the graph's placeholders and outputs map onto the model and its call."""
+
+    inputs: list[InputSlot]
+    in_spec: pytree.TreeSpec  # of (args, kwargs) as the user passes them
+    out_spec: pytree.TreeSpec  # of what the model (or loss_fn) returns
+    outputs: list[tuple[str, str | None]]  # ("user", None) or ("buffer", fqn) per graph output
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_key: tuple = ()  # shapes/dtypes/values of the captured call; another key recaptures
+
+
+class LossStep(nn.Module):
+    """`loss_fn(model(*args, **kwargs), labels)`: the step for models that return logits."""
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args, labels, **kwargs):
+        return self.loss_fn(self.model(*args, **kwargs), labels)
+
+
+def split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def input_key(args: tuple, kwargs: dict) -> tuple:
+    """What a captured graph is specialised on: tensor shapes and dtypes, other values as they are."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device.type))
+        else:
+            key.append(("value", repr(leaf)))
+    return tuple(key)
+
+
+def capture(model: nn.Module, example_inputs, loss_fn=None) -> fx.GraphModule:
+    """The forward of one training step, loss included, as an annotated ATen GraphModule.
+
+    `example_inputs` is a tuple of positional arguments or a dict of keyword arguments.
+    A model that computes its own loss (Hugging Face models given `labels`) is captured as it is.
+    A model that returns logits takes `loss_fn(output, labels)`: the inputs then carry a
+    `labels` keyword, which is given to `loss_fn` instead of the model.
+    """
+    args, kwargs = split_inputs(example_inputs)
+    return capture_call(model, args, kwargs, loss_fn)
+
+
+def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> fx.GraphModule:
+    """`capture` for a call given as positional and keyword arguments."""
+    step, prefix = (LossStep(model, loss_fn), "model.") if loss_fn is not None else (model, "")
+    if loss_fn is not None and "labels" not in kwargs:
+        raise CaptureError("capture: with loss_fn, example_inputs must be a dict (or kwargs) with a "
+                           "'labels' entry; it is passed to loss_fn(output, labels) and not to the model.")
+    with _module_path_tracker(model) as where:
+        try:
+            ep = torch.export.export(step, args, kwargs, strict=False)
+            table = torch.export.default_decompositions()
+            for op in KEPT_WHOLE:
+                del table[op]
+            ep = ep.run_decompositions(table)
+        except Exception as e:  # every export failure is explained, then chained
+            raise explain_capture_failure(e, where) from e
+    gm = ep.graph_module
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    signature = _signature(ep, prefix, args, kwargs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, signature.inputs):
+        node.meta["picofx_input"] = slot
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["module_path"] = _strip(list(stack.values())[-1][0], prefix)
+        elif node.op == "placeholder" and node.meta["picofx_input"].kind in ("parameter", "buffer"):
+            node.meta["module_path"] = node.meta["picofx_input"].target.rpartition(".")[0]
+    gm.meta["picofx_signature"] = signature
+    gm.recompile()
+    annotate(gm)
+    return gm
+
+
+def _strip(path: str, prefix: str) -> str:
+    return path[len(prefix):] if prefix and path.startswith(prefix) else ("" if path + "." == prefix else path)
+
+
+def _signature(ep, prefix: str, args: tuple, kwargs: dict) -> Signature:
+    slots = []
+    user_index = 0
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            slots.append(InputSlot("parameter", _strip(spec.target, prefix)))
+        elif spec.kind == InputKind.BUFFER:
+            slots.append(InputSlot("buffer", _strip(spec.target, prefix)))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            slots.append(InputSlot("constant", spec.target))
+        elif spec.kind == InputKind.USER_INPUT:
+            slots.append(InputSlot("user", str(user_index)))
+            user_index += 1
+        else:
+            raise CaptureError(f"capture: unsupported graph input {spec.arg} of kind {spec.kind.name}; "
+                               "picofx handles parameters, buffers, constants and tensor inputs.")
+    tensor_leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if user_index != len(tensor_leaves):
+        raise CaptureError(f"capture: the graph takes {user_index} inputs but the call has "
+                           f"{len(tensor_leaves)} tensors; pass non-tensor options as Python constants.")
+    outputs = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(("user", None))
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            outputs.append(("buffer", _strip(spec.target, prefix)))
+        else:
+            raise CaptureError(f"capture: the step {spec.kind.name.lower().replace('_', ' ')}s "
+                               f"{spec.target}; picofx captures steps that mutate nothing but buffers.")
+    constants = {name: value for name, value in ep.constants.items() if isinstance(value, torch.Tensor)}
+    return Signature(slots, ep.call_spec.in_spec, ep.call_spec.out_spec, outputs, constants,
+                     input_key(args, kwargs))
+
+
+@contextlib.contextmanager
+def _module_path_tracker(model: nn.Module):
+    """Track which submodule is running, so a failure can name it."""
+    stack: list[str] = []
+
+    def leave(module, args, output):
+        if stack:
+            stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PICOFX_DIR = os.path.dirname(__file__)
+
+# (words in the error, the cause in one sentence, what to do)
+_CAUSES = [
+    (("DynamicCache", "Cache", "past_key_values"),
+     "the model returns a key/value cache object, which cannot be a graph output",
+     "pass use_cache=False (in the call or the model's config) for training"),
+    (("data-dependent", "data dependent", "GuardOnDataDependentSymNode", "Could not guard on", ".item()",
+      "could not extract specialized integer", "DataDependentOutputException"),
+     "Python control flow (an if, a loop bound or .item()) depends on a tensor's values",
+     "move the branch out of the model, express it with torch.where or torch.cond, or register the "
+     "function as a torch.library.custom_op with a fake implementation"),
+    (("no fake", "fake impl", "Meta", "meta kernel", "UnsupportedOperatorException", "NotImplementedError"),
+     "an operator has no fake (meta) implementation, so its output shape cannot be traced",
+     "register the function as a torch.library.custom_op and give it a fake implementation"),
+    (("not a registered pytree", "pytree", "unsupported type"),
+     "an input or output is a Python object torch.export cannot flatten",
+     "return tensors (or a registered output class) and pass tensors or constants"),
+]
+
+
+def explain_capture_failure(error: Exception, module_stack: list[str]) -> CaptureError:
+    text = f"{type(error).__name__}: {error}"
+    cause, hint = "torch.export could not trace the step", "see the torch error below; a model that " \
+        "runs eagerly with static shapes and no data-dependent Python control flow captures"
+    for words, c, h in _CAUSES:
+        if any(w in text for w in words):
+            cause, hint = c, h
+            break
+    where = _user_frame(error)
+    module = f" in module '{module_stack[-1]}'" if module_stack and module_stack[-1] else ""
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    return CaptureError(f"cannot capture the model: {cause}.\n  at {where}{module}\n  fix: {hint}.\n"
+                        f"  torch said: {type(error).__name__}: {first_line}")
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost frame of the failure that is the user's code, not torch's or picofx's."""
+    frames = []
+    e: BaseException | None = error
+    while e is not None:
+        frames.extend(traceback.extract_tb(e.__traceback__))
+        e = e.__cause__ or e.__context__
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _PICOFX_DIR, "<"))]
+    if not user:
+        return "an unknown place (no frame outside torch)"
+    f = user[-1]
+    return f"{f.filename}:{f.lineno} ({f.name}: {(f.line or '').strip()})"

@@ -1,0 +1,178 @@
+"""`picofx.optimize`: capture, run the passes stage by stage, compile; a module that trains like the model."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from picofx.capture import Signature, capture_call, input_key, split_inputs
+from picofx.dump import DumpGraphs
+from picofx.pass_manager import Context, PassManager, Stage
+from picofx.report import Report
+from picofx.runtime import compile_graph
+
+
+class InputShapeError(ValueError):
+    """A call's inputs differ from the captured ones and recapture is off."""
+
+
+def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The graph's placeholders' values for a call: the model's own parameters and buffers."""
+    user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    values = []
+    for slot in signature.inputs:
+        if slot.kind == "parameter":
+            values.append(model.get_parameter(slot.target))
+        elif slot.kind == "buffer":
+            values.append(model.get_buffer(slot.target))
+        elif slot.kind == "constant":
+            values.append(signature.constants[slot.target])
+        else:
+            values.append(user[int(slot.target)])
+    return values
+
+
+@dataclass
+class CompiledStep:
+    signature: Signature
+    run: object                    # list of inputs -> list of outputs
+    graph_module: fx.GraphModule   # the transformed forward graph, before partitioning
+    graphs: dict                   # "joint", "forward", "backward" graphs as the passes left them
+    report: Report
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
+        outputs = self.run(graph_inputs(self.signature, model, args, kwargs))
+        user_outputs = []
+        with torch.no_grad():
+            for (kind, target), value in zip(self.signature.outputs, outputs):
+                if kind == "buffer":
+                    model.get_buffer(target).copy_(value)
+                else:
+                    user_outputs.append(value)
+        return pytree.tree_unflatten(user_outputs, self.signature.out_spec)
+
+
+def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options) -> CompiledStep:
+    """One capture and compilation, for the call's input shapes. The order of stages is fixed:
+    forward passes see the captured graph; joint and partitioned passes run inside compilation."""
+    manager = PassManager(passes, verify=verify, instruments=instruments)
+    start = time.perf_counter()
+    gm = capture_call(model, args, kwargs, loss_fn)
+    report = Report(backend=backend, input_key=input_key(args, kwargs),
+                    capture_seconds=time.perf_counter() - start, records=manager.records)
+    signature = gm.meta["picofx_signature"]
+    inputs = graph_inputs(signature, model, args, kwargs)
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend, options=dict(options))
+    manager.announce("captured", gm, ctx)
+    graphs = manager.run(Stage.FORWARD, gm, ctx)
+    if len(graphs) != 1:
+        raise NotImplementedError("a forward pass split the graph into stages: run it with picofx's "
+                                  "pipeline runtime under torchrun, not picofx.optimize.")
+    start = time.perf_counter()
+    run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
+    report.compile_seconds = time.perf_counter() - start
+    return CompiledStep(signature, run, graphs[0], stage_graphs, report)
+
+
+class OptimizedModule(nn.Module):
+    """Trains like `model`: same call, same outputs, the model's own parameters and state_dict keys."""
+
+    def __init__(self, model: nn.Module, example_inputs, recapture: bool, **build_options):
+        object.__setattr__(self, "_model", model)
+        super().__init__()
+        # Share the model's containers: parameters, buffers and submodules are the model's own objects,
+        # so .parameters(), .to(), optimizers and checkpoints see exactly what they would see on `model`.
+        self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
+        self.training = model.training
+        object.__setattr__(self, "_build_options", build_options)
+        object.__setattr__(self, "_recapture", recapture)
+        object.__setattr__(self, "_steps", {})
+        args, kwargs = split_inputs(example_inputs)
+        object.__setattr__(self, "_first_call", (args, kwargs))
+        self._step_for(args, kwargs)
+
+    def _step_for(self, args: tuple, kwargs: dict) -> CompiledStep:
+        key = (self._model.training, input_key(args, kwargs))
+        step = self._steps.get(key)
+        if step is None:
+            if self._steps and not self._recapture:
+                raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
+            step = build_step(self._model, args, kwargs, **self._build_options)
+            self._steps[key] = step
+        object.__setattr__(self, "_current", step)
+        return step
+
+    def forward(self, *args, **kwargs):
+        return self._step_for(args, kwargs)(self._model, args, kwargs)
+
+    @property
+    def report(self) -> Report:
+        return self._current.report
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._current.graph_module
+
+    @property
+    def graphs(self) -> dict:
+        return self._current.graphs
+
+    def state_dict(self, *args, **kwargs):
+        return self._model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self._model.load_state_dict(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._model, name)
+
+
+def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict) -> str:
+    old, old_spec = pytree.tree_flatten_with_path((args0, kwargs0))
+    new, new_spec = pytree.tree_flatten_with_path((args, kwargs))
+    if old_spec != new_spec:
+        return (f"the call's inputs are structured differently from the captured call "
+                f"({new_spec} vs {old_spec}); call with the same arguments, or optimize with recapture=True.")
+    for (path, a), (_, b) in zip(old, new):
+        name = pytree.keystr(path)
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            for dim, (x, y) in enumerate(zip(a.shape, b.shape)):
+                if x != y:
+                    return (f"input {name} dimension {dim} is {y}, but the graph was captured with {x} "
+                            f"(shape {tuple(a.shape)}); optimize with recapture=True to capture each new shape.")
+            if a.dim() != b.dim() or a.dtype != b.dtype:
+                return f"input {name} is {b.dtype} {tuple(b.shape)}, captured as {a.dtype} {tuple(a.shape)}."
+        elif not isinstance(a, torch.Tensor) and a != b:
+            return f"input {name} is {b!r}, captured as {a!r}; the graph is specialised on it."
+    return "the model's train/eval mode changed since capture; optimize with recapture=True."
+
+
+def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "inductor", loss_fn=None,
+             verify: str | None = "invariants", dump_dir: str | None = None, instruments=(),
+             recapture: bool = True, options: dict | None = None) -> OptimizedModule:
+    """Capture `model`'s training step on `example_inputs`, run `passes`, compile with `backend`.
+
+    passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order;
+               each runs at its own stage.
+    backend:   "inductor" (torch.compile's code generation) or "eager" (run the graphs as they are).
+    loss_fn:   for models that return logits: `loss_fn(output, labels)`; the call then passes `labels=`.
+    verify:    after every pass, "invariants" (default), "numerics" (also compare outputs and gradients
+               with the graph before the pass) or None.
+    dump_dir:  write every graph (`NN_<pass>.txt` and `.dot`) there.
+    recapture: a call with other input shapes captures and compiles again; False raises instead.
+    """
+    instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
+    return OptimizedModule(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,
+                           backend=backend, verify=verify, instruments=instruments, options=options or {})

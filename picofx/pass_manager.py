@@ -1,0 +1,189 @@
+"""Passes, their context, and the manager that runs them, measures them and rolls them back.
+
+A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
+frozen dataclass with `__call__` when it has options. It declares its stage with a `stage`
+attribute. The manager, not the pass, measures time and node counts, re-annotates, verifies
+and restores the previous graph when the pass fails.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import fx, nn
+
+from picofx.annotate import annotate
+from picofx.verify import VerificationError, check_invariants, check_numerics
+
+
+class Stage(enum.Enum):
+    FORWARD = "forward"          # the captured forward graph, loss included
+    JOINT = "joint"              # forward + backward in one graph (primals, tangents)
+    PARTITIONED = "partitioned"  # the forward and backward graphs after partitioning
+
+
+@dataclass
+class PassResult:
+    changed: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+    tolerance: tuple[float, float] | None = None  # (rtol, atol) when the pass changes rounding on purpose
+    graphs: list[fx.GraphModule] | None = None      # set when the pass splits the graph into several
+
+
+@dataclass
+class Context:
+    """Everything a pass may read. Passes read no globals and no environment variables."""
+
+    model: nn.Module
+    example_inputs: list           # real values of the current graph's placeholders, in order
+    device: torch.device
+    backend: str = "eager"
+    options: dict[str, Any] = field(default_factory=dict)
+    cost_model: Any = None
+    stage: Stage = Stage.FORWARD
+    graph_role: str = "forward"    # "forward", "joint" or "backward"
+
+
+@dataclass
+class PassRecord:
+    name: str
+    stage: Stage
+    graph_role: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    added: list[str]
+    removed: list[str]
+    changed: bool
+    notes: dict[str, Any]
+
+
+class PassError(RuntimeError):
+    """A pass raised or failed verification; the graph is left as it was before the pass."""
+
+
+class Instrument(Protocol):
+    def on_graph(self, label: str, gm: fx.GraphModule, ctx: Context) -> None: ...
+    def after_pass(self, record: PassRecord, gm: fx.GraphModule, ctx: Context) -> None: ...
+
+
+PASSES: dict[str, Callable[[], Callable]] = {}
+
+
+def register_pass(name: str, stage: Stage = Stage.FORWARD):
+    """Register a pass under `name`: a function `(gm, ctx) -> PassResult` or a dataclass type
+    whose no-argument instance is the pass with default options."""
+
+    def register(obj):
+        if name in PASSES:
+            raise ValueError(f"register_pass: a pass named {name!r} is already registered")
+        if isinstance(obj, type):
+            PASSES[name] = obj
+        else:
+            obj.stage = getattr(obj, "stage", stage)
+            PASSES[name] = lambda: obj
+        obj.pass_name = name
+        return obj
+
+    return register
+
+
+def resolve_pass(spec) -> Callable:
+    if isinstance(spec, str):
+        import picofx.passes  # noqa: F401  (registers the built-in passes)
+
+        if spec not in PASSES:
+            raise KeyError(f"unknown pass {spec!r}; available passes: {', '.join(sorted(PASSES))}")
+        return PASSES[spec]()
+    if not callable(spec):
+        raise TypeError(f"a pass is a registered name or a callable (gm, ctx) -> PassResult, got {spec!r}")
+    return spec
+
+
+def pass_name(p) -> str:
+    return getattr(p, "pass_name", None) or getattr(p, "__name__", None) or type(p).__name__.lower()
+
+
+def pass_stage(p) -> Stage:
+    return getattr(p, "stage", Stage.FORWARD)
+
+
+def _node_keys(graph: fx.Graph) -> dict[str, str]:
+    return {n.name: f"{n.name} = {n.op} {getattr(n.target, '__name__', n.target)}" for n in graph.nodes}
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+def restore_graph(graph: fx.Graph, saved: fx.Graph) -> None:
+    """Put `saved`'s nodes back into `graph` in place (callers may hold the Graph object)."""
+    for node in reversed(list(graph.nodes)):
+        graph.erase_node(node)
+    graph.output(graph.graph_copy(saved, {}))
+
+
+class PassManager:
+    def __init__(self, passes, *, verify: str | None = "invariants", instruments=()):
+        if verify not in (None, "invariants", "numerics"):
+            raise ValueError(f"verify must be None, 'invariants' or 'numerics', got {verify!r}")
+        self.passes = [resolve_pass(p) for p in passes]
+        self.verify = verify
+        self.instruments = list(instruments)
+        self.records: list[PassRecord] = []
+
+    def passes_at(self, stage: Stage) -> list:
+        return [p for p in self.passes if pass_stage(p) is stage]
+
+    def announce(self, label: str, gm: fx.GraphModule, ctx: Context) -> None:
+        for instrument in self.instruments:
+            instrument.on_graph(label, gm, ctx)
+
+    def run(self, stage: Stage, gm: fx.GraphModule, ctx: Context) -> list[fx.GraphModule]:
+        """Run this stage's passes over `gm`; returns the graphs that come out (one, unless split)."""
+        graphs = [gm]
+        for p in self.passes_at(stage):
+            graphs = [out for g in graphs for out in self.run_one(p, g, ctx)]
+        return graphs
+
+    def run_one(self, p, gm: fx.GraphModule, ctx: Context) -> list[fx.GraphModule]:
+        name = pass_name(p)
+        saved = copy_graph(gm.graph)
+        before_keys = _node_keys(gm.graph)
+        start = time.perf_counter()
+        try:
+            result = p(gm, ctx)
+            seconds = time.perf_counter() - start
+            if not isinstance(result, PassResult):
+                raise TypeError(f"returned {type(result).__name__}; a pass returns PassResult(changed, notes)")
+            outputs = result.graphs or [gm]
+            for out in outputs:
+                out.graph.lint()
+                out.recompile()
+                annotate(out)
+                check_invariants(out, ctx)
+            if self.verify == "numerics" and ctx.example_inputs is not None and result.graphs is None:
+                before = fx.GraphModule(gm, copy_graph(saved))
+                check_numerics(before, gm, ctx, result.tolerance)
+        except Exception as e:
+            restore_graph(gm.graph, saved)
+            gm.recompile()
+            what = "failed verification" if isinstance(e, VerificationError) else "raised"
+            raise PassError(f"pass '{name}' ({ctx.stage.value} stage, {ctx.graph_role} graph) {what}: "
+                            f"{type(e).__name__}: {e}\n  the graph is left as it was before '{name}'.") from e
+        after_keys = {k: v for out in outputs for k, v in _node_keys(out.graph).items()}
+        record = PassRecord(
+            name=name, stage=ctx.stage, graph_role=ctx.graph_role, seconds=seconds,
+            nodes_before=len(before_keys), nodes_after=len(after_keys),
+            added=[v for k, v in after_keys.items() if before_keys.get(k) != v],
+            removed=[v for k, v in before_keys.items() if after_keys.get(k) != v],
+            changed=result.changed, notes=dict(result.notes))
+        self.records.append(record)
+        for instrument in self.instruments:
+            instrument.after_pass(record, outputs[0], ctx)
+        return outputs

@@ -1,0 +1,147 @@
+"""Compile the transformed forward graph for training, running the joint and partitioned stages.
+
+backend="eager":    aot_autograd(fw_compiler, bw_compiler, partition_fn) runs every stage and
+                    executes the resulting GraphModules as they are (no code generation).
+backend="inductor": Inductor's own hooks run the same stages (joint_custom_post_pass,
+                    custom_partitioner_fn, post_grad_custom_post_pass), then Inductor generates code.
+Both partition with `default_partition` when a joint pass tagged nodes for recomputation
+(it honours torch's `recompute` tags exactly); otherwise each backend keeps its usual partitioner.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from picofx.annotate import annotate
+from picofx.pass_manager import Context, PassManager, Stage
+
+
+def has_recompute_tags(gm: fx.GraphModule) -> bool:
+    return any("recompute" in n.meta for n in gm.graph.nodes)
+
+
+class StageRunner:
+    """Runs the joint and partitioned stages of one compilation with real inputs for verification."""
+
+    def __init__(self, manager: PassManager, ctx: Context, primals: list):
+        self.manager, self.ctx, self.primals = manager, ctx, primals
+        self.forward_values: dict[str, torch.Tensor] = {}
+        self.numerics = manager.verify == "numerics"
+        self.graphs: dict[str, fx.GraphModule] = {}
+
+    def _context(self, stage: Stage, role: str, inputs) -> Context:
+        return Context(model=self.ctx.model, example_inputs=inputs, device=self.ctx.device,
+                       backend=self.ctx.backend, options=self.ctx.options, cost_model=self.ctx.cost_model,
+                       stage=stage, graph_role=role)
+
+    def _real_inputs(self, gm: fx.GraphModule) -> list | None:
+        if not self.numerics:
+            return None
+        inputs = []
+        primals = iter(self.primals)
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            val = node.meta["val"]
+            if node.name.startswith("primals"):
+                inputs.append(next(primals))
+            elif node.name in self.forward_values:
+                inputs.append(self.forward_values[node.name])
+            elif isinstance(val, torch.Tensor):  # tangents: the loss's seed and any other output's
+                inputs.append(torch.ones(val.shape, dtype=val.dtype, device=self.ctx.device))
+            else:
+                inputs.append(val)
+        return inputs
+
+    def run(self, stage: Stage, role: str, gm: fx.GraphModule) -> fx.GraphModule:
+        with unset_fake_temporarily():
+            annotate(gm)
+            ctx = self._context(stage, role, self._real_inputs(gm))
+            self.manager.announce(f"{stage.value}.{role}" if stage is Stage.PARTITIONED else stage.value, gm, ctx)
+            graphs = self.manager.run(stage, gm, ctx)
+            if len(graphs) != 1:
+                raise NotImplementedError(f"a {stage.value}-stage pass split the {role} graph; "
+                                          "only forward-stage passes may split graphs.")
+            if role == "forward" and self.numerics:
+                outputs = graphs[0](*ctx.example_inputs)
+                names = [a.name if isinstance(a, fx.Node) else None for a in graphs[0].graph.output_node().args[0]]
+                self.forward_values = {n: v for n, v in zip(names, outputs) if n is not None}
+        self.graphs[role] = graphs[0]
+        return graphs[0]
+
+    # backend="eager": aot_autograd callbacks
+    def eager_partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        self.run(Stage.JOINT, "joint", joint)
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    def eager_forward(self, gm: fx.GraphModule, example_inputs):
+        return make_boxed_func(self.run(Stage.PARTITIONED, "forward", gm).forward)
+
+    def eager_backward(self, gm: fx.GraphModule, example_inputs):
+        return make_boxed_func(self.run(Stage.PARTITIONED, "backward", gm).forward)
+
+
+class _JointHook(CustomGraphPass):
+    def __init__(self, runner: StageRunner):
+        self.runner = runner
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.runner.run(Stage.JOINT, "joint", graph.owning_module)
+
+    def uuid(self):
+        return None  # never reuse a cached compile: the passes' decisions depend on the model
+
+
+class _PostGradHook(_JointHook):
+    def __call__(self, graph: fx.Graph) -> None:
+        role = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) \
+            else "forward"
+        self.runner.run(Stage.PARTITIONED, role, graph.owning_module)
+
+
+class _Partitioner(CustomPartitionerFn):
+    def __call__(self, gm, joint_inputs, **kwargs):
+        if has_recompute_tags(gm):
+            kwargs.pop("compiler", None)
+            return default_partition(gm, joint_inputs, **kwargs)
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self):
+        return None
+
+
+def inductor_decompositions(device: torch.device) -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = dict(select_decomp_table())
+    if device.type == "cpu":  # let Inductor write C++ for the pointwise fused ops; on GPU Triton kernels run
+        from picofx.kernels import inductor_decompositions as fused_op_decompositions
+
+        table.update(fused_op_decompositions())
+    return table
+
+
+def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context):
+    """Compile `gm` (flat inputs, flat outputs) for training; returns `fn(inputs: list) -> list`."""
+    runner = StageRunner(manager, ctx, inputs)
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        if ctx.backend == "eager":
+            fn = aot_module_simplified(gm, inputs, fw_compiler=runner.eager_forward,
+                                       bw_compiler=runner.eager_backward, partition_fn=runner.eager_partition)
+        elif ctx.backend == "inductor":
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx
+
+            hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(),
+                     "post_grad_custom_post_pass": _PostGradHook(runner)}
+            with inductor_config.patch(hooks):
+                fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))
+        else:
+            raise ValueError(f"backend must be 'eager' or 'inductor', got {ctx.backend!r}")
+    # Both entry points return a function of unboxed arguments (whatever its `_boxed_call` says).
+    return (lambda args: fn(*args)), runner.graphs

@@ -1,0 +1,104 @@
+"""What the manager checks after every pass: picofx's invariants, and optionally numerics."""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+FP32_TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): the same math in fp32, rounding aside
+ANNOTATIONS = ("val", "flops", "bytes", "module_path")
+
+
+class VerificationError(AssertionError):
+    """A graph broke an invariant or changed the numbers; the message says which and how to fix it."""
+
+
+def check_invariants(gm: fx.GraphModule, ctx) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        missing = [key for key in ANNOTATIONS if key not in node.meta]
+        if missing:
+            raise VerificationError(f"node {node.name} ({node.op} {node.target}) lacks meta {missing}; "
+                                    "annotate(gm) after adding nodes, or give new nodes a fake 'val'.")
+    own = [name for name, _ in gm.named_parameters()]
+    if own:
+        raise VerificationError(f"the graph holds parameters of its own {own[:3]}: a pass copied model "
+                                "weights. Take them as placeholders (the model's own tensors) instead.")
+    signature = gm.meta.get("picofx_signature")
+    if signature is None:
+        return
+    slots = [n.meta.get("picofx_input") for n in gm.graph.nodes if n.op == "placeholder"]
+    if slots != signature.inputs:
+        raise VerificationError("the graph's placeholders no longer match the captured inputs "
+                                "(parameters, buffers, user inputs); passes must not add, drop or reorder them.")
+    for slot, value in zip(slots, ctx.example_inputs):
+        if slot.kind == "parameter" and value is not ctx.model.get_parameter(slot.target):
+            raise VerificationError(f"input {slot.target} is no longer the model's own parameter.")
+
+
+def _leaf_copies(inputs):
+    return [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) and
+            x.is_floating_point() else x for x in inputs]
+
+
+def _run(gm: fx.GraphModule, inputs, with_grad: bool):
+    leaves = _leaf_copies(inputs) if with_grad else inputs
+    with torch.set_grad_enabled(with_grad):
+        outputs = pytree.tree_leaves(gm(*leaves))
+    grads = []
+    if with_grad:
+        generator = torch.Generator().manual_seed(0)
+        total = 0
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                cotangent = torch.randn(out.shape, generator=generator).to(out.device)
+                total = total + (out.float() * cotangent).sum()
+        wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        if torch.is_tensor(total):
+            grads = torch.autograd.grad(total, wrt, allow_unused=True)
+    return outputs, grads
+
+
+def check_numerics(before: fx.GraphModule, after: fx.GraphModule, ctx, tolerance=None) -> None:
+    """Run both graphs on the example inputs; outputs (and, for forward graphs, the gradients of
+    every input that requires grad) must agree within `tolerance` (default: fp32's)."""
+    rtol, atol = tolerance or FP32_TOLERANCE
+    with_grad = ctx.stage.value == "forward"
+    out_b, grads_b = _run(before, ctx.example_inputs, with_grad)
+    out_a, grads_a = _run(after, ctx.example_inputs, with_grad)
+    if len(out_b) != len(out_a):
+        raise VerificationError(f"the graph returns {len(out_a)} values instead of {len(out_b)}.")
+    for i, (b, a) in enumerate(zip(out_b, out_a)):
+        if a is None or not isinstance(b, torch.Tensor):
+            continue  # an output the pass dropped on purpose (e.g. logits never materialized)
+        _close(a, b, rtol, atol, f"output {i}")
+    names = [_input_name(n) for n, x in zip(_placeholders(after), ctx.example_inputs)
+             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+    for name, b, a in zip(names, grads_b, grads_a):
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            raise VerificationError(f"the gradient of {name} is {'missing' if a is None else 'new'} after the pass.")
+        _close(a, b, rtol, atol, f"the gradient of {name}")
+
+
+def _placeholders(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _input_name(node: fx.Node) -> str:
+    slot = node.meta.get("picofx_input")
+    return slot.target if slot is not None and slot.kind != "user" else node.name
+
+
+def _close(actual, expected, rtol, atol, what: str) -> None:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise VerificationError(f"{what} changed from {tuple(expected.shape)} {expected.dtype} to "
+                                f"{tuple(actual.shape)} {actual.dtype}.")
+    if not torch.allclose(actual.float(), expected.float(), rtol=rtol, atol=atol, equal_nan=True):
+        diff = (actual.float() - expected.float()).abs()
+        rel = (diff / expected.float().abs().clamp_min(atol)).max().item()
+        raise VerificationError(f"{what} differs: max abs error {diff.max().item():.3g}, max rel error "
+                                f"{rel:.3g} (rtol {rtol:g}, atol {atol:g}). If the pass changes rounding on "
+                                "purpose, return PassResult(tolerance=(rtol, atol)) with the reason.")

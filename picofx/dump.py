@@ -12,6 +12,9 @@ def _target(node: fx.Node) -> str:
     if node.op in ("call_function", "call_method"):
         return str(getattr(node.target, "__name__", node.target)) if not isinstance(
             node.target, torch._ops.OpOverload) else str(node.target)
+    slot = node.meta.get("picofx_input")
+    if slot is not None:
+        return f"{slot.kind} {slot.target}"
     return str(node.target) if node.op != "output" else ""
 
 

@@ -7,6 +7,7 @@ and restores the previous graph when the pass fails.
 """
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ def _node_keys(graph: fx.Graph) -> dict[str, str]:
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
+    new._codegen = copy.deepcopy(graph._codegen)  # joint graphs take (primals, tangents) as pytrees
     new.output(new.graph_copy(graph, {}))
     return new
 
@@ -125,6 +127,7 @@ def restore_graph(graph: fx.Graph, saved: fx.Graph) -> None:
     """Put `saved`'s nodes back into `graph` in place (callers may hold the Graph object)."""
     for node in reversed(list(graph.nodes)):
         graph.erase_node(node)
+    graph._graph_namespace = fx.graph._Namespace()  # erased names stay reserved otherwise; keep them
     graph.output(graph.graph_copy(saved, {}))
 
 

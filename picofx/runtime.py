@@ -68,7 +68,7 @@ class StageRunner:
                 raise NotImplementedError(f"a {stage.value}-stage pass split the {role} graph; "
                                           "only forward-stage passes may split graphs.")
             if role == "forward" and self.numerics:
-                outputs = graphs[0](*ctx.example_inputs)
+                outputs = fx.Interpreter(graphs[0]).run(*ctx.example_inputs)
                 names = [a.name if isinstance(a, fx.Node) else None for a in graphs[0].graph.output_node().args[0]]
                 self.forward_values = {n: v for n, v in zip(names, outputs) if n is not None}
         self.graphs[role] = graphs[0]

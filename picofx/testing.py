@@ -1,0 +1,75 @@
+"""Helpers for pass tests: a captured graph in, assertions on the graph out, numerics against eager."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+from torch import fx
+
+from picofx.capture import capture
+from picofx.optimize import graph_inputs, optimize
+from picofx.pass_manager import Context, PassManager, Stage
+from picofx.verify import FP32_TOLERANCE
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """How many call_function nodes call each target, keyed by the target's string (e.g. 'aten.mm.default')."""
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def count_ops(gm: fx.GraphModule, *targets) -> int:
+    names = {str(t) for t in targets}
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in names)
+
+
+def captured(zoo_model) -> tuple[fx.GraphModule, Context]:
+    """A zoo model's captured forward graph and the forward-stage context its passes receive."""
+    gm = capture(zoo_model.model, zoo_model.example_inputs, zoo_model.loss_fn)
+    inputs = graph_inputs(gm.meta["picofx_signature"], zoo_model.model, (), dict(zoo_model.example_inputs))
+    return gm, Context(model=zoo_model.model, example_inputs=inputs, device=inputs[0].device)
+
+
+def run_pass(p, gm: fx.GraphModule, ctx: Context, verify: str = "numerics"):
+    """Run one forward-stage pass through the manager (re-annotation, invariants, numerics);
+    returns its PassRecord."""
+    manager = PassManager([p], verify=verify)
+    manager.run(Stage.FORWARD, gm, ctx)
+    return manager.records[-1]
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _reference_call(zoo_model, model, batch):
+    if zoo_model.loss_fn is None:
+        return _loss(model(**batch))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return zoo_model.loss_fn(model(**inputs), batch["labels"])
+
+
+def assert_trains_like_eager(zoo_model, passes, *, backend: str = "eager", batches=None,
+                             tolerance=FP32_TOLERANCE, **optimize_kwargs):
+    """Optimize a copy of the zoo model and check, on each batch (default: the example inputs and one
+    more of the same shape), that its loss and every parameter gradient equal the plain model's."""
+    reference = copy.deepcopy(zoo_model.model)
+    opt = optimize(zoo_model.model, zoo_model.example_inputs, passes, backend=backend,
+                   loss_fn=zoo_model.loss_fn, **optimize_kwargs)
+    if batches is None:
+        shifted = {k: v.roll(1, dims=-1) if isinstance(v, torch.Tensor) else v
+                   for k, v in zoo_model.example_inputs.items()}
+        batches = [zoo_model.example_inputs, shifted]
+    rtol, atol = tolerance
+    for batch in batches:
+        for p in (*zoo_model.model.parameters(), *reference.parameters()):
+            p.grad = None
+        loss = _loss(opt(**batch))
+        expected = _reference_call(zoo_model, reference, batch)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=rtol, atol=atol)
+        for (name, p), ref in zip(zoo_model.model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, ref.grad, rtol=rtol, atol=atol,
+                                       msg=lambda m, name=name: f"gradient of {name}: {m}")
+    return opt

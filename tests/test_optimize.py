@@ -1,0 +1,100 @@
+import copy
+
+import pytest
+import torch
+
+import picofx
+from picofx.examples import zoo
+from picofx.testing import assert_trains_like_eager
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "hf-llama-tiny", "gpt2-tiny"])
+def test_no_passes_trains_exactly_like_eager(name):
+    assert_trains_like_eager(zoo.build(name), [], verify="numerics")
+
+
+def test_hugging_face_output_object_is_kept():
+    z = zoo.build("hf-llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager")
+    out = opt(**z.example_inputs)
+    assert type(out).__name__ == "CausalLMOutputWithPast"
+    assert out.loss.shape == () and out.logits.shape == (2, 32, z.model.config.vocab_size)
+    assert opt.config is z.model.config  # attributes fall through to the model
+
+
+def test_state_dict_keys_values_and_checkpoint_round_trip(tmp_path):
+    z = zoo.build("llama-tiny")
+    plain_keys = list(z.model.state_dict())
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn)
+    assert list(opt.state_dict()) == plain_keys
+    assert all(a is b for a, b in zip(opt.parameters(), z.model.parameters()))
+    optimizer = torch.optim.AdamW(z.model.parameters(), lr=1e-2)  # built on the original model
+    before = {k: v.clone() for k, v in z.model.state_dict().items()}
+    opt(**z.example_inputs).backward()
+    optimizer.step()
+    assert any(not torch.equal(before[k], v) for k, v in opt.state_dict().items())
+    torch.save(opt.state_dict(), tmp_path / "ckpt.pt")
+    fresh = zoo.build("llama-tiny", seed=7).model
+    fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    for (k, a), b in zip(fresh.state_dict().items(), opt.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+
+
+def test_new_shape_recaptures_and_stays_exact():
+    z = zoo.build("llama-tiny", seq=16)
+    reference = copy.deepcopy(z.model)
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn)
+    longer = zoo.build("llama-tiny", seq=24, seed=3).example_inputs
+    loss = opt(**longer)
+    expected = z.loss_fn(reference(longer["input_ids"]), longer["labels"])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert len(opt._steps) == 2 and opt.report.input_key != ()
+
+
+def test_new_shape_without_recapture_names_the_dimension():
+    z = zoo.build("llama-tiny", seq=16)
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn, recapture=False)
+    longer = zoo.build("llama-tiny", seq=24).example_inputs
+    with pytest.raises(picofx.InputShapeError, match=r"input_ids'\] dimension 1 is 24.*captured with 16"):
+        opt(**longer)
+
+
+def test_eval_mode_gets_its_own_graph():
+    z = zoo.build("llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn)
+    opt.eval()
+    assert not z.model.training
+    with torch.no_grad():
+        opt(**z.example_inputs)
+    assert len(opt._steps) == 2
+
+
+def test_report_lists_every_pass_with_stage_and_counts():
+    z = zoo.build("llama-tiny")
+
+    def noop(gm, ctx):
+        return picofx.PassResult(changed=False, notes={"seen": len(gm.graph.nodes)})
+
+    opt = picofx.optimize(z.model, z.example_inputs, [noop], backend="eager", loss_fn=z.loss_fn)
+    table = opt.report.table()
+    assert "noop" in table and "seen=" in table and "capture" in table and "compile (eager)" in table
+    record = opt.report.records[0]
+    assert record.nodes_before == record.nodes_after == len(opt.graph_module.graph.nodes)
+
+
+@pytest.mark.slow
+def test_inductor_training_step_matches_eager_and_runs_every_stage():
+    z = zoo.build("llama-tiny")
+    seen = []
+
+    def watch(stage):
+        def watcher(gm, ctx):
+            seen.append((ctx.stage, ctx.graph_role))
+            return picofx.PassResult()
+        watcher.stage = stage
+        return watcher
+
+    passes = [watch(s) for s in picofx.Stage]
+    assert_trains_like_eager(z, passes, backend="inductor")
+    assert seen == [(picofx.Stage.FORWARD, "forward"), (picofx.Stage.JOINT, "joint"),
+                    (picofx.Stage.PARTITIONED, "forward"), (picofx.Stage.PARTITIONED, "backward")]

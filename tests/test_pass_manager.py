@@ -1,0 +1,159 @@
+import operator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import picofx
+from picofx.examples import zoo
+from picofx.pass_manager import PassManager, Stage
+from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.build("llama-tiny")
+
+
+def add_as_sub_of_neg(gm, ctx):
+    """a + b -> a - (-b): the same numbers, one node more per add."""
+    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and isinstance(n.args[1], torch.fx.Node)]
+    for node in adds:
+        with gm.graph.inserting_before(node):
+            negated = gm.graph.call_function(aten.neg.default, (node.args[1],))
+            sub = gm.graph.call_function(aten.sub.Tensor, (node.args[0], negated))
+        node.replace_all_uses_with(sub)
+        gm.graph.erase_node(node)
+    return picofx.PassResult(changed=bool(adds), notes={"rewritten": len(adds)})
+
+
+def add_as_sub(gm, ctx):
+    """Deliberately wrong: a + b -> a - b."""
+    for node in gm.graph.nodes:
+        if node.target is aten.add.Tensor and isinstance(node.args[1], torch.fx.Node):
+            node.target = aten.sub.Tensor
+    return picofx.PassResult(changed=True)
+
+
+def test_manager_records_time_counts_and_node_changes(llama):
+    gm, ctx = captured(llama)
+    adds = sum(1 for n in gm.graph.nodes if n.target is aten.add.Tensor and isinstance(n.args[1], torch.fx.Node))
+    before = len(gm.graph.nodes)
+    record = run_pass(add_as_sub_of_neg, gm, ctx)
+    assert record.name == "add_as_sub_of_neg" and record.seconds > 0
+    assert record.nodes_before == before and record.nodes_after == before + adds
+    assert len(record.added) == 2 * adds and len(record.removed) == adds
+    assert record.notes == {"rewritten": adds}
+    assert count_ops(gm, aten.neg.default) >= adds
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")  # re-annotated
+
+
+def test_numerics_verification_catches_a_wrong_pass_and_rolls_back(llama):
+    gm, ctx = captured(llama)
+    code_before = gm.code
+    with pytest.raises(picofx.PassError, match=r"pass 'add_as_sub' \(forward stage.*failed verification.*differs"):
+        run_pass(add_as_sub, gm, ctx)
+    assert gm.code == code_before
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+def test_a_pass_that_raises_leaves_the_graph_intact(llama):
+    gm, ctx = captured(llama)
+    code_before = gm.code
+
+    def half_done(gm, ctx):
+        first = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+        first.target = aten.mul.Tensor
+        raise RuntimeError("gave up halfway")
+
+    with pytest.raises(picofx.PassError, match="half_done.*raised: RuntimeError: gave up halfway"):
+        run_pass(half_done, gm, ctx, verify="invariants")
+    assert gm.code == code_before
+
+
+def test_a_pass_must_return_a_pass_result(llama):
+    gm, ctx = captured(llama)
+    with pytest.raises(picofx.PassError, match="returns PassResult"):
+        run_pass(lambda gm, ctx: None, gm, ctx)
+
+
+def test_invariants_catch_copied_weights(llama):
+    gm, ctx = captured(llama)
+
+    def copy_a_weight(gm, ctx):
+        gm.register_parameter("stolen", torch.nn.Parameter(torch.zeros(2)))
+        return picofx.PassResult(changed=True)
+
+    with pytest.raises(picofx.PassError, match="parameters of its own"):
+        run_pass(copy_a_weight, gm, ctx, verify="invariants")
+
+
+def test_unknown_pass_name_lists_the_available_ones():
+    with pytest.raises(KeyError, match="unknown pass 'fusee'; available passes:"):
+        PassManager(["fusee"])
+
+
+def test_dataclass_pass_with_options_and_stage(llama):
+    @dataclass(frozen=True)
+    class CountNodes:
+        label: str = "nodes"
+        stage = Stage.JOINT
+
+        def __call__(self, gm, ctx):
+            return picofx.PassResult(notes={self.label: len(gm.graph.nodes), "role": ctx.graph_role})
+
+    opt = picofx.optimize(llama.model, llama.example_inputs, [CountNodes("joint_nodes")], backend="eager",
+                          loss_fn=llama.loss_fn)
+    (record,) = opt.report.records
+    assert record.stage is Stage.JOINT and record.notes["role"] == "joint"
+    assert record.notes["joint_nodes"] == len(opt.graphs["joint"].graph.nodes)
+
+
+def test_joint_stage_numerics_catch_a_wrong_pass(llama):
+    def scale_gradients(gm, ctx):
+        out = gm.graph.output_node()
+        grads = list(out.args[0])
+        first = next(i for i, g in enumerate(grads) if isinstance(g, torch.fx.Node) and i > 0)
+        with gm.graph.inserting_before(out):
+            grads[first] = gm.graph.call_function(aten.mul.Tensor, (grads[first], 2.0))
+        out.args = (type(out.args[0])(grads),)
+        return picofx.PassResult(changed=True)
+
+    scale_gradients.stage = Stage.JOINT
+    with pytest.raises(picofx.PassError, match="scale_gradients' \\(joint stage, joint graph\\) failed verification"):
+        picofx.optimize(llama.model, llama.example_inputs, [scale_gradients], backend="eager",
+                        loss_fn=llama.loss_fn, verify="numerics")
+
+
+def test_instruments_see_every_graph_and_dump_files(tmp_path, llama):
+    calls = []
+
+    class Recorder:
+        def on_graph(self, label, gm, ctx):
+            calls.append(("graph", label))
+
+        def after_pass(self, record, gm, ctx):
+            calls.append(("pass", record.name))
+
+    opt = picofx.optimize(llama.model, llama.example_inputs, [add_as_sub_of_neg], backend="eager",
+                          loss_fn=llama.loss_fn, instruments=[Recorder()], dump_dir=str(tmp_path))
+    assert calls == [("graph", "captured"), ("pass", "add_as_sub_of_neg"), ("graph", "joint"),
+                     ("graph", "partitioned.forward"), ("graph", "partitioned.backward")]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[:4] == ["00_captured.dot", "00_captured.txt", "01_add_as_sub_of_neg.dot", "01_add_as_sub_of_neg.txt"]
+    assert "03_partitioned.forward.txt" in names and "04_partitioned.backward.txt" in names
+    text = (tmp_path / "01_add_as_sub_of_neg.txt").read_text()
+    assert "aten.sub.Tensor" in text and "decoder_layers.0" in text
+    assert opt.report.records[0].notes["rewritten"] > 0
+
+
+def test_rewritten_graph_still_trains_like_eager(llama):
+    assert_trains_like_eager(zoo.build("hf-llama-tiny"), [add_as_sub_of_neg], verify="numerics")
+
+
+def test_getitem_and_multi_output_nodes_survive_annotation(llama):
+    gm, ctx = captured(llama)
+    getitems = [n for n in gm.graph.nodes if n.target is operator.getitem]
+    assert getitems and all(isinstance(n.meta["val"], torch.Tensor) for n in getitems)

@@ -20,8 +20,9 @@ class InputShapeError(ValueError):
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
-    """The graph's placeholders' values for a call: the model's own parameters and buffers."""
-    user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    """The graph's placeholders' values for a call: the model's own parameters and buffers, and the
+    call's tensors made contiguous (compiled code is specialised on the captured strides)."""
+    user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     values = []
     for slot in signature.inputs:
         if slot.kind == "parameter":

@@ -30,7 +30,7 @@ class StageRunner:
 
     def __init__(self, manager: PassManager, ctx: Context, primals: list):
         self.manager, self.ctx, self.primals = manager, ctx, primals
-        self.forward_values: dict[str, torch.Tensor] = {}
+        self.forward_outputs: list = []
         self.numerics = manager.verify == "numerics"
         self.graphs: dict[str, fx.GraphModule] = {}
 
@@ -39,20 +39,23 @@ class StageRunner:
                        backend=self.ctx.backend, options=self.ctx.options, cost_model=self.ctx.cost_model,
                        stage=stage, graph_role=role)
 
-    def _real_inputs(self, gm: fx.GraphModule) -> list | None:
+    def _real_inputs(self, gm: fx.GraphModule, role: str) -> list | None:
+        """Real values for the graph's placeholders: the example primals; for the backward graph the
+        values the forward graph saved (its trailing outputs, in order); ones for the tangents."""
         if not self.numerics:
             return None
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if role == "backward":
+            saved_count = sum(1 for n in placeholders if not n.name.startswith("tangents"))
+            known = iter(self.forward_outputs[len(self.forward_outputs) - saved_count:])
+        else:
+            known = iter(self.primals)
         inputs = []
-        primals = iter(self.primals)
-        for node in gm.graph.nodes:
-            if node.op != "placeholder":
-                continue
+        for node in placeholders:
             val = node.meta["val"]
-            if node.name.startswith("primals"):
-                inputs.append(next(primals))
-            elif node.name in self.forward_values:
-                inputs.append(self.forward_values[node.name])
-            elif isinstance(val, torch.Tensor):  # tangents: the loss's seed and any other output's
+            if not node.name.startswith("tangents"):
+                inputs.append(next(known))
+            elif isinstance(val, torch.Tensor):  # the loss's seed and any other output's cotangent
                 inputs.append(torch.ones(val.shape, dtype=val.dtype, device=self.ctx.device))
             else:
                 inputs.append(val)
@@ -61,16 +64,14 @@ class StageRunner:
     def run(self, stage: Stage, role: str, gm: fx.GraphModule) -> fx.GraphModule:
         with unset_fake_temporarily():
             annotate(gm)
-            ctx = self._context(stage, role, self._real_inputs(gm))
+            ctx = self._context(stage, role, self._real_inputs(gm, role))
             self.manager.announce(f"{stage.value}.{role}" if stage is Stage.PARTITIONED else stage.value, gm, ctx)
             graphs = self.manager.run(stage, gm, ctx)
             if len(graphs) != 1:
                 raise NotImplementedError(f"a {stage.value}-stage pass split the {role} graph; "
                                           "only forward-stage passes may split graphs.")
             if role == "forward" and self.numerics:
-                outputs = fx.Interpreter(graphs[0]).run(*ctx.example_inputs)
-                names = [a.name if isinstance(a, fx.Node) else None for a in graphs[0].graph.output_node().args[0]]
-                self.forward_values = {n: v for n, v in zip(names, outputs) if n is not None}
+                self.forward_outputs = list(fx.Interpreter(graphs[0]).run(*ctx.example_inputs))
         self.graphs[role] = graphs[0]
         return graphs[0]
 

@@ -1,0 +1,192 @@
+"""The final projection fused with the cross-entropy loss, chunked over tokens.
+
+    picofx::linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor labels,
+                                 int ignore_index=-100, str reduction="mean", bool upcast=True,
+                                 int chunk_size=2048, bool compute_grad=True)
+        -> (Tensor loss, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
+
+    loss equals F.cross_entropy(logits.float() if upcast else logits, labels.flatten(),
+    ignore_index=ignore_index, reduction=reduction) with logits = F.linear(x.flatten(0, -2),
+    weight, bias): x (..., C), weight (V, C), bias (V,) or None, labels (...) int64 with
+    x.shape[:-1] == labels.shape. reduction is "mean" (over non-ignored tokens; nan when all
+    are ignored, as F.cross_entropy) or "sum". The loss is fp32 with upcast, else in the
+    logits' dtype; softmax statistics are fp32 either way.
+
+    The (N, V) logits are never materialized: tokens are processed chunk_size at a time, and
+    since the loss is the graph's last op, the gradients with respect to x, weight and bias
+    are computed in the same pass (softmax - one_hot is known once a chunk's logits are) and
+    returned as extra, non-differentiable outputs; the backward only scales them by the
+    loss's incoming gradient. That costs no recomputation matmul (3 matmuls in all, as
+    unfused). With compute_grad=False they are empty and the gradient matmuls are skipped;
+    differentiating such a call raises. grad_bias is empty when bias is None.
+
+Use `linear_cross_entropy(...)` below for the loss alone: it sets compute_grad from autograd.
+chunk_size trades memory, chunk_size * V logits (plus an fp32 copy on the generic path), for
+speed: every chunk reads and writes the (V, C) grad_weight accumulator once, so chunks much
+smaller than C make the backward matmuls memory-bound.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+try:
+    from picofx.kernels import triton_cross_entropy
+except ImportError:  # no triton: CUDA runs the generic chunk step below
+    triton_cross_entropy = None
+
+DEFAULT_CHUNK_SIZE = 2048
+
+
+def cross_entropy_chunk(logits: Tensor, labels: Tensor, loss_out: Tensor, grad_scale: Tensor,
+                        ignore_index: int, compute_grad: bool) -> Optional[Tensor]:
+    """One chunk's loss per token into loss_out (n,), and its d(loss)/d(logits) (n, V).
+
+    grad_scale is a 0-dim fp32 tensor: 1 / (number of non-ignored tokens) for mean, else 1.
+    Ignored tokens get loss 0 and gradient 0.
+    """
+    logits_f = logits.float()  # (n, V)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0)[:, None]  # (n, 1)
+    lse = torch.logsumexp(logits_f, dim=-1, keepdim=True)  # (n, 1)
+    target = logits_f.gather(1, safe_labels)
+    loss_out.copy_(torch.where(valid, (lse - target).squeeze(1), 0.0))
+    if not compute_grad:
+        return None
+    grad = torch.exp(logits_f - lse)  # softmax
+    grad.scatter_add_(1, safe_labels, torch.full_like(target, -1.0))
+    grad.mul_(torch.where(valid, grad_scale, 0.0)[:, None])
+    return grad.to(logits.dtype)
+
+
+def _check_args(x, weight, labels, reduction):
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r} "
+                         "(per-token losses would need the unreduced logits gradient in the backward)")
+    torch._check(x.shape[:-1].numel() == labels.numel(),
+                 lambda: f"linear_cross_entropy: x {tuple(x.shape)} and labels {tuple(labels.shape)} "
+                         "disagree on the number of tokens")
+    torch._check(x.shape[-1] == weight.shape[1],
+                 lambda: f"linear_cross_entropy: x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+
+
+def _loss_dtype(x, weight, upcast):
+    return torch.float32 if upcast else torch.promote_types(x.dtype, weight.dtype)
+
+
+def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
+                                  chunk_size, compute_grad, chunk_step):
+    _check_args(x, weight, labels, reduction)
+    x2 = x.reshape(-1, x.shape[-1])  # (N, C)
+    labels = labels.reshape(-1)  # (N,)
+    n_tokens = x2.shape[0]
+    n_valid = (labels != ignore_index).sum()
+    grad_scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=x.device)  # fp32, 0-dim
+    loss_per_token = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
+    grad_x, grad_weight, grad_bias = x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    if compute_grad:
+        # Low-precision grads accumulate over chunks in fp32 and are rounded once at the end.
+        acc_dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+        grad_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # (N, C)
+        grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)  # (V, C)
+        if bias is not None:
+            grad_bias = torch.zeros(bias.shape, dtype=acc_dtype, device=x.device)  # (V,)
+    for start in range(0, n_tokens, chunk_size):
+        end = min(start + chunk_size, n_tokens)
+        x_chunk = x2[start:end]  # (n, C)
+        logits = x_chunk @ weight.T if bias is None else torch.addmm(bias, x_chunk, weight.T)  # (n, V)
+        grad_logits = chunk_step(logits, labels[start:end], loss_per_token[start:end], grad_scale,
+                                 ignore_index, compute_grad)
+        if not compute_grad:
+            continue
+        torch.mm(grad_logits, weight, out=grad_x[start:end])
+        if grad_weight.dtype == grad_logits.dtype:
+            grad_weight.addmm_(grad_logits.T, x_chunk)
+        else:
+            grad_weight += grad_logits.T @ x_chunk
+        if bias is not None:
+            grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
+        del logits, grad_logits
+    loss = loss_per_token.sum()
+    if reduction == "mean":
+        loss = loss / n_valid
+    loss = loss.to(_loss_dtype(x, weight, upcast))
+    if compute_grad:
+        grad_x = grad_x.view(x.shape)
+        grad_weight = grad_weight.to(weight.dtype)
+        if bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+    return loss, grad_x, grad_weight, grad_bias
+
+
+@torch.library.custom_op("picofx::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                            ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
+                            chunk_size: int = DEFAULT_CHUNK_SIZE, compute_grad: bool = True,
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
+                                         chunk_size, compute_grad, cross_entropy_chunk)
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, weight, bias, labels, ignore_index=-100, reduction="mean", upcast=True,
+      chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True):
+    _check_args(x, weight, labels, reduction)
+    loss = x.new_empty((), dtype=_loss_dtype(x, weight, upcast))
+    if not compute_grad:
+        return loss, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    grad_bias = x.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return loss, x.new_empty(x.shape), weight.new_empty(weight.shape), grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_x, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(grad_x, grad_weight, grad_bias)
+    ctx.compute_grad = inputs[8]
+    ctx.save_for_backward(grad_x, grad_weight, grad_bias)
+
+
+def _backward(ctx, grad_loss, *unused_grads):
+    if not ctx.compute_grad:
+        raise RuntimeError("picofx::linear_cross_entropy ran with compute_grad=False, so it has no gradients: "
+                           "call it with compute_grad=True (or through picofx.kernels.linear_cross_entropy) "
+                           "when the loss is differentiated")
+    grad_x, grad_weight, grad_bias = ctx.saved_tensors
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    return (grad_x * grad_loss if needs_x else None,
+            grad_weight * grad_loss if needs_weight else None,
+            grad_bias * grad_loss if needs_bias else None,
+            None, None, None, None, None, None)
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.picofx.linear_cross_entropy)
+def _linear_cross_entropy_flops(x_shape, weight_shape, *args, compute_grad=True, out_shape=None, **kwargs):
+    """The projection matmul, plus the grad_x and grad_weight matmuls the unfused backward has."""
+    if len(args) >= 7:
+        compute_grad = args[6]
+    n_tokens = 1
+    for size in x_shape[:-1]:
+        n_tokens *= size
+    vocab, hidden = weight_shape
+    return 2 * n_tokens * hidden * vocab * (3 if compute_grad else 1)
+
+
+if triton_cross_entropy is not None:
+    @linear_cross_entropy_op.register_kernel("cuda")
+    def _(x, weight, bias, labels, ignore_index=-100, reduction="mean", upcast=True,
+          chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True):
+        return _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
+                                             chunk_size, compute_grad, triton_cross_entropy.cross_entropy_chunk)
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """The loss alone; gradients are computed in the forward only when autograd will want them."""
+    compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return torch.ops.picofx.linear_cross_entropy(x, weight, bias, labels, ignore_index, reduction, upcast,
+                                                 chunk_size, compute_grad)[0]

@@ -1,0 +1,159 @@
+"""RMSNorm, alone and fused with the residual add before it.
+
+    picofx::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
+        weight * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(x.dtype), with xf = x.float().
+        Statistics in fp32; the output dtype is the promotion of weight's and x's dtypes
+        (an fp32 weight times a bf16 x gives fp32). weight is (C,), x is (..., C).
+
+    picofx::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor sum, Tensor normed)
+        sum = x + residual; normed = rms_norm(sum, weight, eps), in one pass over the row.
+        x and residual have the same shape.
+
+    picofx::rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, float eps, Tensor? grad_sum)
+        -> (Tensor grad_x, Tensor grad_weight)
+        The gradient of rms_norm; grad_sum (the gradient flowing into add_rms_norm's `sum`
+        output) is added to grad_x in the same pass.
+
+The backward saves x (for add_rms_norm: sum) and weight only: the per-row rstd is recomputed
+from x in the backward, where it is one more reduction over a row the backward reads anyway,
+instead of being an extra op output that every graph using rms_norm would have to carry.
+All outputs are contiguous.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    from picofx.kernels import triton_rms_norm
+except ImportError:  # no triton: CUDA runs the generic code below
+    triton_rms_norm = None
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, weight: Tensor, eps: float,
+                                grad_sum: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    # The steps are those autograd takes through the unfused graph, in the same order: when
+    # the two terms of grad_xf nearly cancel (narrow rows), any other order differs visibly.
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    normed = (xf * rstd).to(x.dtype)
+    grad_weight = (grad_out * normed).sum_to_size(weight.shape).to(weight.dtype)  # (C,)
+    # The forward rounds to x.dtype before multiplying by weight, so its gradient does too.
+    grad_normed = (grad_out * weight).to(x.dtype).float()
+    grad_rstd = (grad_normed * xf).sum(-1, keepdim=True)
+    grad_mean_square = -0.5 * grad_rstd * rstd.pow(3)
+    grad_xf = grad_normed * rstd + (grad_mean_square / x.shape[-1]) * (2 * xf)
+    if grad_sum is not None:
+        grad_xf = grad_xf + grad_sum.float()
+    return grad_xf.to(x.dtype), grad_weight
+
+
+def _out_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+# ---- picofx::rms_norm -------------------------------------------------------------------
+
+@torch.library.custom_op("picofx::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return rms_norm_reference(x, weight, eps).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = torch.ops.picofx.rms_norm_backward(grad_out, x, weight, ctx.eps, None)
+    return grad_x, grad_weight, None
+
+
+rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+# ---- picofx::add_rms_norm ---------------------------------------------------------------
+
+@torch.library.custom_op("picofx::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total, normed = add_rms_norm_reference(x, residual, weight, eps)
+    return total.contiguous(), normed.contiguous()
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    torch._check(x.shape == residual.shape, lambda: "add_rms_norm: x and residual must have the same shape")
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    normed_dtype = torch.promote_types(sum_dtype, weight.dtype)
+    return x.new_empty(x.shape, dtype=sum_dtype), x.new_empty(x.shape, dtype=normed_dtype)
+
+
+def _add_rms_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    total, _ = output
+    ctx.save_for_backward(total, weight)
+    ctx.eps = eps
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+
+
+def _add_rms_norm_backward(ctx, grad_sum, grad_normed):
+    total, weight = ctx.saved_tensors
+    grad_total, grad_weight = torch.ops.picofx.rms_norm_backward(grad_normed, total, weight, ctx.eps, grad_sum)
+    return grad_total.to(ctx.x_dtype), grad_total.to(ctx.residual_dtype), grad_weight, None
+
+
+add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
+
+
+# ---- picofx::rms_norm_backward ----------------------------------------------------------
+
+@torch.library.custom_op("picofx::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad_out: Tensor, x: Tensor, weight: Tensor, eps: float,
+                      grad_sum: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    grad_x, grad_weight = rms_norm_backward_reference(grad_out, x, weight, eps, grad_sum)
+    return grad_x.contiguous(), grad_weight
+
+
+@rms_norm_backward.register_fake
+def _(grad_out, x, weight, eps, grad_sum=None):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+# ---- CUDA: Triton when it is installed and the row fits in one block ----------------------
+
+if triton_rms_norm is not None:
+    @rms_norm.register_kernel("cuda")
+    def _(x, weight, eps):
+        if not triton_rms_norm.supports(x):
+            return rms_norm_reference(x, weight, eps).contiguous()
+        return triton_rms_norm.rms_norm(x, weight, eps)
+
+    @add_rms_norm.register_kernel("cuda")
+    def _(x, residual, weight, eps):
+        if not triton_rms_norm.supports(x):
+            return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps))
+        return triton_rms_norm.add_rms_norm(x, residual, weight, eps)
+
+    @rms_norm_backward.register_kernel("cuda")
+    def _(grad_out, x, weight, eps, grad_sum=None):
+        if not triton_rms_norm.supports(x):
+            grad_x, grad_weight = rms_norm_backward_reference(grad_out, x, weight, eps, grad_sum)
+            return grad_x.contiguous(), grad_weight
+        return triton_rms_norm.rms_norm_backward(grad_out, x, weight, eps, grad_sum)

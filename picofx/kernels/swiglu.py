@@ -1,0 +1,77 @@
+"""The SwiGLU activation: silu(gate) * up, after a merged gate/up projection.
+
+    picofx::silu_mul(Tensor a, Tensor b) -> Tensor
+        F.silu(a) * b. a and b have the same shape; they may be strided views (the two halves
+        of a merged gate/up matmul's output), the result is contiguous. Output dtype is the
+        promotion of a's and b's dtypes.
+
+    picofx::silu_mul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor grad_a, Tensor grad_b)
+
+The backward saves a and b only; silu(a) is recomputed.
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    from picofx.kernels import triton_swiglu
+except ImportError:  # no triton: CUDA runs the generic code below
+    triton_swiglu = None
+
+
+def silu_mul_reference(a: Tensor, b: Tensor) -> Tensor:
+    return F.silu(a) * b
+
+
+def silu_mul_backward_reference(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    grad_a = torch.ops.aten.silu_backward(grad.mul(b).to(a.dtype), a)
+    grad_b = grad.mul(F.silu(a)).to(b.dtype)
+    return grad_a, grad_b
+
+
+@torch.library.custom_op("picofx::silu_mul", mutates_args=())
+def silu_mul(a: Tensor, b: Tensor) -> Tensor:
+    return silu_mul_reference(a, b).contiguous()
+
+
+@silu_mul.register_fake
+def _(a, b):
+    torch._check(a.shape == b.shape, lambda: "silu_mul: a and b must have the same shape")
+    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+def _silu_mul_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _silu_mul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return torch.ops.picofx.silu_mul_backward(grad, a, b)
+
+
+silu_mul.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup_context)
+
+
+@torch.library.custom_op("picofx::silu_mul_backward", mutates_args=())
+def silu_mul_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    grad_a, grad_b = silu_mul_backward_reference(grad, a, b)
+    return grad_a.contiguous(), grad_b.contiguous()
+
+
+@silu_mul_backward.register_fake
+def _(grad, a, b):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+if triton_swiglu is not None:
+    @silu_mul.register_kernel("cuda")
+    def _(a, b):
+        if not triton_swiglu.supports(a, b):
+            return silu_mul_reference(a, b).contiguous()
+        return triton_swiglu.silu_mul(a, b)
+
+    @silu_mul_backward.register_kernel("cuda")
+    def _(grad, a, b):
+        if not triton_swiglu.supports(a, b):
+            return tuple(t.contiguous() for t in silu_mul_backward_reference(grad, a, b))
+        return triton_swiglu.silu_mul_backward(grad, a, b)

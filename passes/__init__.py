@@ -1,1 +1,3 @@
 """picofx's passes, one module each; importing this package registers them by name."""
+from picofx.passes.precision import Precision  # noqa: F401  (registers "precision")
+from picofx.passes.fuse import Fuse  # noqa: F401  (registers "fuse")

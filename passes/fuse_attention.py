@@ -1,0 +1,127 @@
+"""Fusion rules for attention: rotate-half RoPE on q and k as one op; attention written as
+matmul-softmax-matmul as SDPA; grouped-query attention (k and v repeated per query head before
+SDPA) as SDPA with enable_gqa, which reads k and v as they are. The last two compose: eager
+attention after repeat_kv becomes SDPA, then SDPA with enable_gqa."""
+import torch
+import torch.nn.functional as F
+
+import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.rules import Rule, register_rule, scalar, tensor
+
+
+def rotate_half_by_chunks(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_by_slices(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_pattern(q, k, cos, sin, rotate_half):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rope_replacement(q, k, cos, sin, rotate_half):
+    return torch.ops.picofx.rope(q, k, cos, sin)
+
+
+def broadcasts_to(small, shape) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(small, shape)) == tuple(shape)
+    except RuntimeError:
+        return False
+
+
+def cos_sin_broadcast_to_q_and_k(match):
+    for table in ("cos", "sin"):
+        for name in ("q", "k"):
+            table_shape, shape = tuple(match.val(table).shape), tuple(match.val(name).shape)
+            if not broadcasts_to(table_shape, shape):
+                return f"{table} {table_shape} does not broadcast to {name} {shape}"
+    return None
+
+
+def head_dim_is_even(match):
+    dim = match.val("q").shape[-1]
+    return f"the head dim {dim} is odd: the fused op rotates two equal halves" if dim % 2 else None
+
+
+def attention_pattern(q, k, v, attn_mask, scale, dropout):
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (B, H, T, S)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:  # training mode with p=0, as Hugging Face's eager attention calls it
+        probs = F.dropout(probs, p=0.0, training=True)
+    return torch.matmul(probs, v)
+
+
+def attention_replacement(q, k, v, attn_mask, scale, dropout):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def mask_broadcasts_to_the_scores(match):
+    if match.bindings.get("attn_mask") is None:
+        return None
+    mask, scores = match.val("attn_mask").shape, (*match.val("q").shape[:-1], match.val("k").shape[-2])
+    return None if broadcasts_to(mask, scores) else f"the mask {tuple(mask)} does not broadcast to the scores {scores}"
+
+
+def repeat_kv_by_expand(x, n):
+    batch, heads, length, dim = x.shape  # (B, Hkv, T, D) -> (B, Hkv * n, T, D)
+    return x[:, :, None, :, :].expand(batch, heads, n, length, dim).reshape(batch, heads * n, length, dim)
+
+
+def repeat_kv_by_interleave(x, n):
+    return x.repeat_interleave(n, dim=1)
+
+
+def grouped_query_attention_pattern(q, k, v, attn_mask, dropout_p, is_causal, scale, repeat_kv):
+    n = q.shape[1] // k.shape[1]  # query heads per key/value head
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+def grouped_query_attention_replacement(q, k, v, attn_mask, dropout_p, is_causal, scale, repeat_kv):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=True)
+
+
+ROPE = register_rule(Rule(
+    name="rope", pattern=rope_pattern, replacement=rope_replacement,
+    inputs={"q": tensor(2, 8, 4, 16), "k": tensor(2, 8, 2, 16), "cos": tensor(8, 1, 16), "sin": tensor(8, 1, 16),
+            "rotate_half": rotate_half_by_chunks},
+    variants=({"rotate_half": rotate_half_by_chunks}, {"rotate_half": rotate_half_by_slices}),
+    checks=(cos_sin_broadcast_to_q_and_k, head_dim_is_even),
+))
+
+ATTENTION = register_rule(Rule(
+    name="attention", pattern=attention_pattern, replacement=attention_replacement,
+    inputs={"q": tensor(2, 4, 8, 16), "k": tensor(2, 4, 8, 16), "v": tensor(2, 4, 8, 16), "attn_mask": None,
+            "scale": scalar(0.0789), "dropout": False},
+    # q as a projection's (B, T, H, D) output transposed, or contiguous (e.g. from the rope op); an
+    # additive mask or none; the p=0 dropout of training mode or none; fp32 or bf16.
+    variants=[{"q": tensor(2, 4, 8, 16, stored_as=layout), "attn_mask": mask, "dropout": dropout, "dtype": dtype}
+              for layout in (None, (0, 2, 1, 3)) for mask in (None, tensor(2, 1, 8, 8))
+              for dropout in (False, True) for dtype in (torch.float32, torch.bfloat16)],
+    checks=(mask_broadcasts_to_the_scores,),
+    # SDPA's kernel computes the softmax block by block with a running maximum: other rounding.
+    tolerance=(1e-5, 1e-5), tolerance_reason="SDPA computes the softmax blockwise, in another order",
+))
+
+GROUPED_QUERY_ATTENTION = register_rule(Rule(
+    name="grouped_query_attention", pattern=grouped_query_attention_pattern,
+    replacement=grouped_query_attention_replacement,
+    inputs={"q": tensor(2, 4, 8, 16), "k": tensor(2, 2, 8, 16), "v": tensor(2, 2, 8, 16), "attn_mask": None,
+            "dropout_p": scalar(0.0123), "is_causal": True, "scale": scalar(0.0456, optional=True),
+            "repeat_kv": repeat_kv_by_expand},
+    # An explicit mask (Hugging Face's) or is_causal (SDPA's own); repeat_interleave or expand + reshape.
+    variants=[{"attn_mask": mask, "is_causal": causal, "repeat_kv": repeat}
+              for mask, causal in ((None, True), (None, False), (tensor(2, 1, 8, 8, dtype=torch.bool), False))
+              for repeat in (repeat_kv_by_expand, repeat_kv_by_interleave)],
+    # The forward is the same; the backward sums the gradients of the query heads that share a k/v
+    # head inside the kernel instead of through repeat's backward: another order.
+    tolerance=(1e-5, 1e-5), tolerance_reason="k and v gradients are summed over their query heads in another order",
+))

@@ -1,0 +1,64 @@
+"""Fusion rule for the final projection and the cross-entropy loss: a chunked fused op that never
+materializes the (tokens x vocab) logits, forward or backward.
+
+It matches F.cross_entropy on the projection's output as the seed's training loop writes it
+(labels already shifted) and as Hugging Face's loss does (logits upcast with .float(), labels
+shifted by padding upstream, which the rule leaves alone), mean or sum reduction, any ignore_index.
+The pattern also returns the logits: when the graph returns them too (Hugging Face's output),
+they become None unless the rule's keep_logits option is set.
+"""
+import torch
+import torch.nn.functional as F
+
+import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.kernels import DEFAULT_CHUNK_SIZE
+from picofx.rules import Rule, register_rule, scalar, tensor
+
+# Tokens per chunk: as many as keep one chunk's fp32 logits near this many bytes (the op holds a
+# few such buffers at once), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the whole
+# (vocab x hidden) weight-gradient accumulator, which smaller chunks would make dominate.
+LOGITS_CHUNK_BYTES = 16 * 2**20
+MIN_CHUNK_TOKENS = 128
+
+
+def chunk_size(vocab: int) -> int:
+    return int(min(DEFAULT_CHUNK_SIZE, max(MIN_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))))
+
+
+def linear_cross_entropy_pattern(x, weight, bias, labels, ignore_index, reduction, upcast):
+    logits = F.linear(x, weight, bias)  # (..., V)
+    scores = logits.float() if upcast else logits
+    loss = F.cross_entropy(scores.view(-1, scores.size(-1)), labels.view(-1), ignore_index=ignore_index,
+                           reduction=reduction)
+    return loss, logits
+
+
+def linear_cross_entropy_replacement(x, weight, bias, labels, ignore_index, reduction, upcast, keep_logits=False):
+    chunk = chunk_size(weight.shape[0])
+    loss = torch.ops.picofx.linear_cross_entropy(x, weight, bias, labels, ignore_index, reduction, upcast,
+                                                 chunk, True)[0]
+    return loss, F.linear(x, weight, bias) if keep_logits else None
+
+
+def labels_are_token_ids(match):
+    x, labels = match.val("x"), match.val("labels")
+    if labels.dtype != torch.int64:
+        return f"labels are {labels.dtype}; the fused loss takes int64 class indices (not probabilities)"
+    if labels.numel() != x.shape[:-1].numel():
+        return f"labels {tuple(labels.shape)} do not have one entry per token of x {tuple(x.shape)}"
+    return None
+
+
+LINEAR_CROSS_ENTROPY = register_rule(Rule(
+    name="linear_cross_entropy", pattern=linear_cross_entropy_pattern, replacement=linear_cross_entropy_replacement,
+    inputs={"x": tensor(2, 8, 16), "weight": tensor(64, 16), "bias": None, "labels": tensor(2, 8, dtype=torch.int64),
+            "ignore_index": scalar(-12345), "reduction": "mean", "upcast": True},
+    variants=[{"dtype": dtype, "upcast": upcast, "reduction": reduction, "bias": bias}
+              for dtype, upcast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False))
+              for reduction in ("mean", "sum") for bias in (None, tensor(64))],
+    checks=(labels_are_token_ids,),
+    options={"keep_logits": False},
+    # Chunked log-sum-exp and gradients computed in the forward round differently from
+    # log_softmax + autograd: a few ulps of the fp32 loss and gradients.
+    tolerance=(1e-5, 1e-5), tolerance_reason="the fused loss sums chunk by chunk, in another order",
+))

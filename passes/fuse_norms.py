@@ -1,0 +1,70 @@
+"""Fusion rules for RMSNorm: the norm alone, and the residual add before it fused into it."""
+import torch
+
+import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.rules import Rule, register_rule, scalar, tensor
+
+FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})  # casts vanish in fp32
+# The fused backward recomputes rstd and sums the weight gradient in one reduction over rows,
+# where autograd through the unfused ops rounds each intermediate: a few ulps in fp32.
+RMS_NORM_TOLERANCE = (1e-5, 1e-5)
+RMS_NORM_TOLERANCE_REASON = "the fused backward sums in another order than autograd through the unfused ops"
+
+
+def rms_norm_pattern(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm_replacement(x, weight, eps):
+    return torch.ops.picofx.rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm_pattern(x, residual, weight, eps):
+    total = x + residual
+    return total, torch.ops.picofx.rms_norm(total, weight, eps)
+
+
+def add_rms_norm_replacement(x, residual, weight, eps):
+    return torch.ops.picofx.add_rms_norm(x, residual, weight, float(eps))
+
+
+def weight_scales_the_last_dim(match):
+    x, weight = match.val("x"), match.val("weight")
+    if tuple(weight.shape) != (x.shape[-1],):
+        return f"weight is {tuple(weight.shape)}, the fused op takes one weight per channel ({x.shape[-1]},)"
+    return None
+
+
+def same_device(*names):
+    def same_device(match):
+        devices = {name: match.val(name).device for name in names}
+        if len(set(devices.values())) > 1:
+            return f"inputs live on different devices: {devices}"
+        return None
+    return same_device
+
+
+def residual_has_the_same_shape(match):
+    x, residual = match.val("x"), match.val("residual")
+    if tuple(x.shape) != tuple(residual.shape):
+        return f"the add broadcasts {tuple(x.shape)} with {tuple(residual.shape)}: not a residual add"
+    if not (x.dtype.is_floating_point and residual.dtype.is_floating_point):
+        return f"the add sums {x.dtype} and {residual.dtype}; the fused op adds floating-point tensors"
+    return None
+
+
+RMS_NORM = register_rule(Rule(
+    name="rms_norm", pattern=rms_norm_pattern, replacement=rms_norm_replacement,
+    inputs={"x": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6)},
+    variants=FLOAT_AND_LOW_PRECISION,
+    checks=(weight_scales_the_last_dim, same_device("x", "weight")),
+    tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,
+))
+
+ADD_RMS_NORM = register_rule(Rule(
+    name="add_rms_norm", pattern=add_rms_norm_pattern, replacement=add_rms_norm_replacement,
+    inputs={"x": tensor(2, 8, 16), "residual": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6)},
+    checks=(residual_has_the_same_shape, same_device("x", "residual", "weight")),
+    tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,
+))

@@ -46,15 +46,14 @@ def cross_entropy_chunk(logits: Tensor, labels: Tensor, loss_out: Tensor, grad_s
     grad_scale is a 0-dim fp32 tensor: 1 / (number of non-ignored tokens) for mean, else 1.
     Ignored tokens get loss 0 and gradient 0.
     """
-    logits_f = logits.float()  # (n, V)
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, 0)[:, None]  # (n, 1)
-    lse = torch.logsumexp(logits_f, dim=-1, keepdim=True)  # (n, 1)
-    target = logits_f.gather(1, safe_labels)
-    loss_out.copy_(torch.where(valid, (lse - target).squeeze(1), 0.0))
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (n, V): the op F.cross_entropy uses
+    target = log_probs.gather(1, safe_labels)
+    loss_out.copy_(torch.where(valid, -target.squeeze(1), 0.0))
     if not compute_grad:
         return None
-    grad = torch.exp(logits_f - lse)  # softmax
+    grad = log_probs.exp_()  # softmax, in the buffer log_softmax gave: no second (n, V) tensor
     grad.scatter_add_(1, safe_labels, torch.full_like(target, -1.0))
     grad.mul_(torch.where(valid, grad_scale, 0.0)[:, None])
     return grad.to(logits.dtype)

@@ -73,3 +73,33 @@ def assert_trains_like_eager(zoo_model, passes, *, backend: str = "eager", batch
             torch.testing.assert_close(p.grad, ref.grad, rtol=rtol, atol=atol,
                                        msg=lambda m, name=name: f"gradient of {name}: {m}")
     return opt
+
+
+def markov_batches(vocab_size: int, batch: int, seq: int, count: int, branching: int = 4, seed: int = 0) -> list[dict]:
+    """`count` batches of a learnable language: each token is followed by one of `branching` fixed
+    successors, chosen uniformly, so a model that learns the table reaches a loss of log(branching).
+    Dicts of input_ids (B, T) and labels (B, T), the next tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=generator)
+    batches = []
+    for _ in range(count):
+        ids = torch.empty(batch, seq + 1, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab_size, (batch,), generator=generator)
+        choices = torch.randint(0, branching, (batch, seq), generator=generator)
+        for t in range(seq):
+            ids[:, t + 1] = successors[ids[:, t], choices[:, t]]
+        batches.append({"input_ids": ids[:, :-1], "labels": ids[:, 1:].contiguous()})
+    return batches
+
+
+def train_losses(step_loss, parameters, batches, *, lr: float = 3e-3) -> list[float]:
+    """Train with AdamW, one step per batch; `step_loss(batch)` returns the loss. Returns the losses."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    losses = []
+    for batch in batches:
+        loss = step_loss(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,140 @@
+"""Rewrite a graph to a per-node dtype plan: insert casts, shared by every user, and retype nodes.
+
+`insert_casts(gm, plan)` walks the graph in order. A planned node gets each floating input cast
+to its dtype; the cast of a value to a dtype is made once, before its first user, and shared
+by all later users (so a weight is cast once per step, and the backward reuses the forward's
+cast through autograd). Unplanned nodes follow their inputs' new dtypes by ATen type promotion;
+an op that needs equal dtypes (index_put, scatter) gets its inputs cast to their promotion.
+Graph outputs keep the dtypes they were captured with, so the step's results look as before.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from picofx.annotate import fake_mode_of
+from picofx.passes.precision_rules import EQUAL_DTYPE_OPS, LOW_PRECISION, is_float_tensor, op_name
+
+CAST = torch.ops.aten._to_copy.default
+SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CASTABLE = (torch.bfloat16, torch.float16, torch.float32)  # fp64 values are left as the model made them
+
+
+def dtype_of(node) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _dtypes(val) -> list:
+    return [t.dtype for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+
+def is_plain_cast(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is CAST and set(node.kwargs) == {"dtype"}
+
+
+class CastInserter:
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self.mode = gm, fake_mode_of(gm)
+        self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.counts: Counter = Counter()  # casts by kind ("weight", "activation", "output"), "loss_upcast"
+
+    def cast(self, src: fx.Node, dtype: torch.dtype, before: fx.Node, kind: str) -> fx.Node:
+        # An upcast of a low-precision value, cast back down, is the value itself (bf16 -> fp32 -> bf16).
+        if is_plain_cast(src) and dtype_of(src.args[0]) == dtype and dtype in LOW_PRECISION:
+            return src.args[0]
+        key = (src, dtype)
+        if key not in self.casts:
+            with self.gm.graph.inserting_before(before):
+                name = f"{src.name}_{SHORT_NAMES[dtype]}"
+                node = self.gm.graph.create_node("call_function", CAST, (src,), {"dtype": dtype}, name=name)
+            with self.mode:
+                node.meta["val"] = CAST(src.meta["val"], dtype=dtype)
+            node.meta["module_path"] = src.meta.get("module_path", "")
+            slot = src.meta.get("picofx_input")
+            self.counts["weight" if slot is not None and slot.kind == "parameter" else kind] += 1
+            self.casts[key] = node
+        return self.casts[key]
+
+    def cast_inputs(self, node: fx.Node, wanted) -> bool:
+        """Replace node's floating inputs by casts to `wanted(dtype) -> dtype | None`; True if any."""
+        changed = False
+
+        def replace(arg):
+            nonlocal changed
+            dtype = dtype_of(arg)
+            target = wanted(dtype) if dtype in CASTABLE else None
+            if target is None or target == dtype:
+                return arg
+            changed = True
+            return self.cast(arg, target, node, "activation")
+
+        node.args, node.kwargs = pytree.tree_map_only(fx.Node, replace, (node.args, node.kwargs))
+        return changed
+
+    def fake_value(self, node: fx.Node):
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
+        with self.mode:
+            return node.target(*args, **kwargs)
+
+
+def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counter:
+    """Make every node in `plan` compute in its dtype; returns what changed: casts inserted by kind
+    ("weight", "activation", "output") and "loss_upcast" (fused losses set to compute in fp32)."""
+    inserter = CastInserter(gm)
+    output = gm.graph.output_node()
+    captured = {n: dtype_of(n) for n in output.all_input_nodes}
+    retyped: set[fx.Node] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        dtype = plan.get(node)
+        changed = False
+        if dtype is not None:
+            changed = inserter.cast_inputs(node, lambda d, dtype=dtype: dtype)
+            if _keep_loss_in_fp32(node):
+                inserter.counts["loss_upcast"] += 1
+                changed = True
+        if not changed and not any(arg in retyped for arg in node.all_input_nodes):
+            continue
+        if op_name(node.target) in EQUAL_DTYPE_OPS:
+            promoted = _promoted(node)
+            inserter.cast_inputs(node, lambda d: promoted)
+        before = _dtypes(node.meta.get("val"))
+        node.meta["val"] = inserter.fake_value(node)
+        if _dtypes(node.meta["val"]) != before:
+            retyped.add(node)
+    restore = {n: d for n, d in captured.items() if d is not None and dtype_of(n) != d}
+    if restore:
+        output.args = pytree.tree_map_only(
+            fx.Node, lambda n: inserter.cast(n, restore[n], output, "output") if n in restore else n, output.args)
+    return inserter.counts
+
+
+def _promoted(node: fx.Node) -> torch.dtype:
+    dtypes = [dtype_of(n) for n in node.all_input_nodes if is_float_tensor(n.meta.get("val"))]
+    result = dtypes[0]
+    for d in dtypes[1:]:
+        result = torch.promote_types(result, d)
+    return result
+
+
+def _keep_loss_in_fp32(node: fx.Node) -> bool:
+    """The fused linear + cross-entropy computes its matmul in the compute dtype and its loss in
+    fp32 only with upcast=True; set it."""
+    if op_name(node.target) != "picofx.linear_cross_entropy":
+        return False
+    names = [a.name for a in node.target._schema.arguments]
+    index = names.index("upcast")
+    if len(node.args) > index:
+        if node.args[index] is True:
+            return False
+        node.args = (*node.args[:index], True, *node.args[index + 1:])
+        return True
+    if node.kwargs.get("upcast", True) is True:
+        return False
+    node.kwargs = {**node.kwargs, "upcast": True}
+    return True

@@ -31,10 +31,11 @@ from picofx.passes.precision_casts import insert_casts
 from picofx.passes.precision_rules import (LOW_PRECISION, Rule, is_float_tensor, op_name, parse_dtype,
                                           resolve_op_names, rule_table, weight_free_nodes)
 
-# (rtol, atol) against the fp32 graph on the example inputs: rounding the inputs of every matmul to
-# 8 (bf16) or 11 (fp16) significant bits changes the loss in the 3rd (4th) digit, and gradients,
-# which sum many such products, by a few percent of their largest entries.
-TOLERANCE = {torch.bfloat16: (5e-2, 5e-3), torch.float16: (1e-2, 1e-3), torch.float32: (1e-5, 1e-6)}
+# (rtol, atol), norm-wise per tensor, against the fp32 graph on the example inputs: rounding the
+# inputs of every matmul to 8 (bf16) or 11 (fp16) significant bits moves the loss in its 3rd (4th)
+# digit and each gradient by about 1% (0.2%) of its norm; element-wise bounds cannot serve
+# gradients whose entries span four orders of magnitude (Hugging Face Llama: 0.006 to 85).
+TOLERANCE = {torch.bfloat16: (2e-2, 1e-6), torch.float16: (5e-3, 1e-7), torch.float32: (1e-5, 1e-6)}
 
 
 @register_pass("precision")
@@ -92,7 +93,8 @@ class Precision:
             notes["sensitivity_errors"] = {n.name: e for n, e in errors.items()}
         if self.loss_scale is not None and _scaler_enabled(self.loss_scale):
             notes["loss_scale"] = type(self.loss_scale).__name__  # the loop scales, steps and updates with it
-        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=TOLERANCE[loosest])
+        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=TOLERANCE[loosest],
+                          normwise=loosest != torch.float32)
 
 
 def assign_dtypes(gm: fx.GraphModule, compute: torch.dtype, overrides: dict[str, torch.dtype],

@@ -31,6 +31,7 @@ class PassResult:
     changed: bool = False
     notes: dict[str, Any] = field(default_factory=dict)
     tolerance: tuple[float, float] | None = None  # (rtol, atol) when the pass changes rounding on purpose
+    normwise: bool = False                          # compare per tensor as ||a-b|| <= rtol*||b|| + atol
     graphs: list[fx.GraphModule] | None = None      # set when the pass splits the graph into several
 
 
@@ -172,7 +173,7 @@ class PassManager:
                 check_invariants(out, ctx)
             if self.verify == "numerics" and ctx.example_inputs is not None and result.graphs is None:
                 before = fx.GraphModule(gm, copy_graph(saved))
-                check_numerics(before, gm, ctx, result.tolerance)
+                check_numerics(before, gm, ctx, result.tolerance, normwise=result.normwise)
         except Exception as e:
             restore_graph(gm.graph, saved)
             gm.recompile()

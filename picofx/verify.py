@@ -42,37 +42,51 @@ def _leaf_copies(inputs):
             x.is_floating_point() else x for x in inputs]
 
 
-def _run(gm: fx.GraphModule, inputs, with_grad: bool):
+def _flat(value) -> list:
+    return pytree.tree_leaves(value, is_leaf=lambda x: x is None)  # keep None outputs in place
+
+
+def dropped_outputs(gm: fx.GraphModule) -> set[int]:
+    """Positions of outputs a pass replaced by None (e.g. logits a fused loss never materializes)."""
+    return {i for i, arg in enumerate(_flat(gm.graph.output_node().args[0])) if arg is None}
+
+
+def _run(gm: fx.GraphModule, inputs, with_grad: bool, dropped: set[int]):
     leaves = _leaf_copies(inputs) if with_grad else inputs
     with torch.set_grad_enabled(with_grad):
-        outputs = pytree.tree_leaves(fx.Interpreter(gm).run(*leaves))  # flat placeholders, whatever the codegen
+        outputs = _flat(fx.Interpreter(gm).run(*leaves))  # flat placeholders, whatever the codegen
     grads = []
     if with_grad:
-        generator = torch.Generator().manual_seed(0)
         total = 0
-        for out in outputs:
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                cotangent = torch.randn(out.shape, generator=generator).to(out.device)
-                total = total + (out.float() * cotangent).sum()
+        for i, out in enumerate(outputs):
+            if i in dropped or not (isinstance(out, torch.Tensor) and out.requires_grad):
+                continue
+            # one generator per output position: the same cotangent whatever the other outputs are
+            cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(i)).to(out.device)
+            total = total + (out.float() * cotangent).sum()
         wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
         if torch.is_tensor(total):
             grads = torch.autograd.grad(total, wrt, allow_unused=True)
     return outputs, grads
 
 
-def check_numerics(before: fx.GraphModule, after: fx.GraphModule, ctx, tolerance=None) -> None:
+def check_numerics(before: fx.GraphModule, after: fx.GraphModule, ctx, tolerance=None, *, normwise=False) -> None:
     """Run both graphs on the example inputs; outputs (and, for forward graphs, the gradients of
-    every input that requires grad) must agree within `tolerance` (default: fp32's)."""
+    every input that requires grad) must agree within `tolerance` (default: fp32's), element by
+    element, or with `normwise` tensor by tensor (for low precision, where values of very
+    different sizes share one tolerance)."""
+    close = _close_normwise if normwise else _close
     rtol, atol = tolerance or FP32_TOLERANCE
     with_grad = ctx.stage.value == "forward"
-    out_b, grads_b = _run(before, ctx.example_inputs, with_grad)
-    out_a, grads_a = _run(after, ctx.example_inputs, with_grad)
+    dropped = dropped_outputs(after)
+    out_b, grads_b = _run(before, ctx.example_inputs, with_grad, dropped)
+    out_a, grads_a = _run(after, ctx.example_inputs, with_grad, dropped)
     if len(out_b) != len(out_a):
         raise VerificationError(f"the graph returns {len(out_a)} values instead of {len(out_b)}.")
     for i, (b, a) in enumerate(zip(out_b, out_a)):
-        if a is None or not isinstance(b, torch.Tensor):
-            continue  # an output the pass dropped on purpose (e.g. logits never materialized)
-        _close(a, b, rtol, atol, f"output {i}")
+        if i in dropped or not isinstance(b, torch.Tensor):
+            continue
+        close(a, b, rtol, atol, f"output {i}")
     names = [_input_name(n) for n, x in zip(_placeholders(after), ctx.example_inputs)
              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
     for name, b, a in zip(names, grads_b, grads_a):
@@ -80,7 +94,7 @@ def check_numerics(before: fx.GraphModule, after: fx.GraphModule, ctx, tolerance
             continue
         if a is None or b is None:
             raise VerificationError(f"the gradient of {name} is {'missing' if a is None else 'new'} after the pass.")
-        _close(a, b, rtol, atol, f"the gradient of {name}")
+        close(a, b, rtol, atol, f"the gradient of {name}")
 
 
 def _placeholders(gm):
@@ -92,10 +106,23 @@ def _input_name(node: fx.Node) -> str:
     return slot.target if slot is not None and slot.kind != "user" else node.name
 
 
-def _close(actual, expected, rtol, atol, what: str) -> None:
+def _same_kind(actual, expected, what: str) -> None:
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise VerificationError(f"{what} changed from {tuple(expected.shape)} {expected.dtype} to "
                                 f"{tuple(actual.shape)} {actual.dtype}.")
+
+
+def _close_normwise(actual, expected, rtol, atol, what: str) -> None:
+    _same_kind(actual, expected, what)
+    error = (actual.double() - expected.double()).norm().item()
+    size = expected.double().norm().item()
+    if not error <= rtol * size + atol:  # also false for nan
+        raise VerificationError(f"{what} differs: ||error|| = {error:.3g} against ||expected|| = {size:.3g} "
+                                f"(relative {error / max(size, 1e-30):.3g}; rtol {rtol:g}, atol {atol:g}, norm-wise).")
+
+
+def _close(actual, expected, rtol, atol, what: str) -> None:
+    _same_kind(actual, expected, what)
     if not torch.allclose(actual.float(), expected.float(), rtol=rtol, atol=atol, equal_nan=True):
         diff = (actual.float() - expected.float()).abs()
         rel = (diff / expected.float().abs().clamp_min(atol)).max().item()

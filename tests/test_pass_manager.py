@@ -157,3 +157,36 @@ def test_getitem_and_multi_output_nodes_survive_annotation(llama):
     gm, ctx = captured(llama)
     getitems = [n for n in gm.graph.nodes if n.target is operator.getitem]
     assert getitems and all(isinstance(n.meta["val"], torch.Tensor) for n in getitems)
+
+
+def drop_logits(gm, ctx):
+    out = gm.graph.output_node()
+    loss, _ = out.args[0]
+    out.args = ((loss, None),)
+    return picofx.PassResult(changed=True)
+
+
+def test_an_output_dropped_to_none_is_skipped_by_numerics_and_returned_as_none():
+    z = zoo.build("hf-llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, [drop_logits], backend="eager", verify="numerics")
+    out = opt(**z.example_inputs)
+    assert out.logits is None and out.loss.shape == ()
+
+
+def scale_loss(factor):
+    def scale(gm, ctx):
+        out = gm.graph.output_node()
+        (loss,) = out.args[0]
+        with gm.graph.inserting_before(out):
+            scaled = gm.graph.call_function(aten.mul.Tensor, (loss, factor))
+        out.args = ((scaled,),)
+        return picofx.PassResult(changed=True, tolerance=(1e-2, 0.0), normwise=True)
+    return scale
+
+
+def test_normwise_tolerance_bounds_each_tensor_by_its_norm(llama):
+    gm, ctx = captured(llama)
+    run_pass(scale_loss(1.005), gm, ctx)  # 0.5% everywhere: within 1% of every norm
+    gm, ctx = captured(llama)
+    with pytest.raises(picofx.PassError, match="norm-wise"):
+        run_pass(scale_loss(1.05), gm, ctx)

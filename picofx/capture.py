@@ -8,6 +8,7 @@ their fully qualified names, so that the optimized model keeps using the model's
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -20,6 +21,16 @@ from torch.export.graph_signature import InputKind, OutputKind
 from picofx.annotate import annotate
 
 KEPT_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+@functools.cache
+def aten_decompositions() -> dict:
+    """The decompositions capture (and rule tracing) applies: torch.export's default table,
+    with KEPT_WHOLE left whole; materialized once, not on every export."""
+    table = torch.export.default_decompositions()
+    for op in KEPT_WHOLE:
+        del table[op]
+    return table.materialize()
 
 
 class CaptureError(RuntimeError):
@@ -97,10 +108,7 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
     with _module_path_tracker(model) as where:
         try:
             ep = torch.export.export(step, args, kwargs, strict=False)
-            table = torch.export.default_decompositions()
-            for op in KEPT_WHOLE:
-                del table[op]
-            ep = ep.run_decompositions(table)
+            ep = ep.run_decompositions(aten_decompositions())
         except Exception as e:  # every export failure is explained, then chained
             raise explain_capture_failure(e, where) from e
     gm = ep.graph_module

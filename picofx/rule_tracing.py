@@ -15,16 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from picofx.capture import KEPT_WHOLE
-
-
-@functools.cache
-def aten_decompositions() -> dict:
-    """The decompositions capture applies: torch.export's default table, linear and SDPA kept whole."""
-    table = torch.export.default_decompositions()
-    for op in KEPT_WHOLE:
-        del table[op]
-    return table.materialize()  # materialized once: export would materialize it on every trace
+from picofx.capture import aten_decompositions
 
 
 @dataclass

@@ -7,7 +7,6 @@ and cuts the graph into one graph per function.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 

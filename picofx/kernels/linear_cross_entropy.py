@@ -43,7 +43,8 @@ def cross_entropy_chunk(logits: Tensor, labels: Tensor, loss_out: Tensor, grad_s
                         ignore_index: int, compute_grad: bool) -> Optional[Tensor]:
     """One chunk's loss per token into loss_out (n,), and its d(loss)/d(logits) (n, V).
 
-    grad_scale is a 0-dim fp32 tensor: 1 / (number of non-ignored tokens) for mean, else 1.
+    grad_scale is a 0-dim fp32 tensor multiplied into the gradient, or None for the gradient of
+    the summed losses (the caller then scales the far smaller products with x and weight).
     Ignored tokens get loss 0 and gradient 0.
     """
     valid = labels != ignore_index
@@ -55,7 +56,10 @@ def cross_entropy_chunk(logits: Tensor, labels: Tensor, loss_out: Tensor, grad_s
         return None
     grad = log_probs.exp_()  # softmax, in the buffer log_softmax gave: no second (n, V) tensor
     grad.scatter_add_(1, safe_labels, torch.full_like(target, -1.0))
-    grad.mul_(torch.where(valid, grad_scale, 0.0)[:, None])
+    if grad_scale is None:
+        grad.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)  # touches the ignored rows only
+    else:
+        grad.mul_(torch.where(valid, grad_scale, 0.0)[:, None])
     return grad.to(logits.dtype)
 
 
@@ -81,7 +85,8 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
     labels = labels.reshape(-1)  # (N,)
     n_tokens = x2.shape[0]
     n_valid = (labels != ignore_index).sum()
-    grad_scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=x.device)  # fp32, 0-dim
+    # fp32, 0-dim; with every token ignored the gradients are zeros, and stay so (the loss is nan)
+    grad_scale = 1.0 / n_valid.clamp_min(1) if reduction == "mean" else torch.ones((), device=x.device)
     loss_per_token = torch.empty(n_tokens, dtype=torch.float32, device=x.device)
     grad_x, grad_weight, grad_bias = x.new_empty(0), x.new_empty(0), x.new_empty(0)
     if compute_grad:
@@ -95,8 +100,8 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
         end = min(start + chunk_size, n_tokens)
         x_chunk = x2[start:end]  # (n, C)
         logits = x_chunk @ weight.T if bias is None else torch.addmm(bias, x_chunk, weight.T)  # (n, V)
-        grad_logits = chunk_step(logits, labels[start:end], loss_per_token[start:end], grad_scale,
-                                 ignore_index, compute_grad)
+        grad_logits = chunk_step(logits, labels[start:end], loss_per_token[start:end], None,
+                                 ignore_index, compute_grad)  # (n, V), of the summed losses
         if not compute_grad:
             continue
         torch.mm(grad_logits, weight, out=grad_x[start:end])
@@ -112,6 +117,8 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
         loss = loss / n_valid
     loss = loss.to(_loss_dtype(x, weight, upcast))
     if compute_grad:
+        for grad in (grad_x, grad_weight, grad_bias):  # the mean's 1/count, on the (n, C) and (V, C) products
+            grad.mul_(grad_scale)
         grad_x = grad_x.view(x.shape)
         grad_weight = grad_weight.to(weight.dtype)
         if bias is not None:

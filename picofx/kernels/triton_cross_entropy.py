@@ -48,7 +48,8 @@ def _cross_entropy_chunk_kernel(
 
 
 def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_out: torch.Tensor,
-                        grad_scale: torch.Tensor, ignore_index: int, compute_grad: bool) -> Optional[torch.Tensor]:
+                        grad_scale: Optional[torch.Tensor], ignore_index: int,
+                        compute_grad: bool) -> Optional[torch.Tensor]:
     """Same contract as the generic `cross_entropy_chunk`; the gradient overwrites `logits`."""
     n_rows, n_cols = logits.shape  # (n, V)
     if logits.stride(1) != 1:
@@ -56,7 +57,8 @@ def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_out: to
     loss_rows = loss_out if loss_out.is_contiguous() else torch.empty_like(loss_out)
     block = min(MAX_BLOCK, triton.next_power_of_2(n_cols))
     _cross_entropy_chunk_kernel[(n_rows,)](
-        logits, labels.contiguous(), loss_rows, grad_scale.to(torch.float32),
+        logits, labels.contiguous(), loss_rows,
+        torch.ones((), device=logits.device) if grad_scale is None else grad_scale.to(torch.float32),
         n_cols, logits.stride(0), ignore_index,
         COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )

@@ -1,0 +1,236 @@
+"""The cost model every pass reads: time per node and the memory of a training step.
+
+Time: a node takes max(FLOPs / peak FLOP/s for its dtype, bytes it reads and writes / memory
+bandwidth) + the device's per-op overhead (`picofx.device`); views and other aliases take no time.
+
+Memory: a step holds its parameters, buffers and inputs (resident), plus optimizer state when
+one is named. On top of that the forward graph's live storages grow and shrink until it returns
+the loss and the saved activations (its outputs beyond the user outputs); the backward graph
+starts from those, frees each after its last use and produces the gradients, which stay.
+The step's peak is resident + optimizer state + the larger of the two graphs' peaks, each
+from `picofx.liveness` (exact storage liveness over the execution order, views resolved; fused
+custom ops' scratch memory from `picofx.workspace`).
+`picofx.memory.measure_peak` measures the same quantity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from picofx.device import Device, GiB, device_for
+from picofx.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
+from picofx.workspace import workspace_bytes
+
+MiB = 2**20
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def is_alias(node: fx.Node) -> bool:
+    """True when every tensor the node returns shares its storage with one of its inputs (a view,
+    a detach, an in-place op, a getitem of a multi-output op)."""
+    outs = tensor_values(node.meta.get("val"))
+    if not outs:
+        return True
+    inputs = {storage_key(t) for arg in node.all_input_nodes for t in tensor_values(arg.meta.get("val"))}
+    return all(storage_key(t) in inputs for t in outs)
+
+
+def node_flops(node: fx.Node) -> int:
+    return node.meta.get("flops", 0) or 0
+
+
+def bytes_moved(node: fx.Node) -> int:
+    """Bytes a node reads (its tensor inputs) and writes (its outputs); 0 for aliases."""
+    if node.op != "call_function" or is_alias(node):
+        return 0
+    read = sum(t.numel() * t.element_size() for arg in dict.fromkeys(node.all_input_nodes)
+               for t in tensor_values(arg.meta.get("val")))
+    written = sum(t.numel() * t.element_size() for t in tensor_values(node.meta.get("val")))
+    return read + written
+
+
+def compute_dtype(node: fx.Node) -> torch.dtype:
+    for arg in node.all_input_nodes:
+        for t in tensor_values(arg.meta.get("val")):
+            if t.is_floating_point():
+                return t.dtype
+    return torch.float32
+
+
+@dataclass
+class StepMemory:
+    """Predicted memory of one training step, in bytes. `forward_peak` and `backward_peak` are
+    above the resident bytes; the backward's includes the saved activations and the gradients."""
+
+    parameters: int
+    other_resident: int  # buffers, the step's inputs
+    optimizer_state: int
+    saved_activations: int
+    gradients: int
+    forward_peak: int
+    backward_peak: int
+    forward_peak_at: str = ""
+    backward_peak_at: str = ""
+
+    @property
+    def resident(self) -> int:
+        return self.parameters + self.other_resident + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        return self.resident + max(self.forward_peak, self.backward_peak)
+
+    @property
+    def peak_phase(self) -> str:
+        return "forward" if self.forward_peak >= self.backward_peak else "backward"
+
+    def table(self) -> str:
+        rows = [("parameters", self.parameters), ("buffers and inputs", self.other_resident),
+                ("optimizer state", self.optimizer_state), ("saved activations", self.saved_activations),
+                ("gradients", self.gradients),
+                (f"forward peak (at {self.forward_peak_at})", self.forward_peak),
+                (f"backward peak (at {self.backward_peak_at})", self.backward_peak),
+                (f"step peak ({self.peak_phase})", self.peak)]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name.ljust(width)}  {format_bytes(value):>11}" for name, value in rows)
+
+
+class CostModel:
+    """Predictions for one device. `backward_frees_inputs`: the backward graph drops each saved
+    activation after its last use (boxed calling convention, as Inductor and picofx's eager
+    runtime do); False keeps them all until the backward returns. `holds_outputs`: the caller
+    keeps the step's outputs (logits beside the loss) alive through the backward, as
+    `out = model(...); out.loss.backward()` does; by default only what the backward takes lives
+    on, as with `model(...).loss.backward()` or a loss_fn that returns the loss alone."""
+
+    def __init__(self, device: Device | torch.device | str | None = None, *, backward_frees_inputs: bool = True,
+                 holds_outputs: bool = False):
+        if device is None or isinstance(device, (torch.device, str)):
+            device = device_for(device or "cpu")
+        self.device = device
+        self.backward_frees_inputs = backward_frees_inputs
+        self.holds_outputs = holds_outputs
+
+    def node_time(self, node: fx.Node) -> float:
+        """Seconds: the node is bound by compute or by memory traffic, whichever is slower."""
+        if node.op != "call_function" or is_alias(node):
+            return 0.0
+        compute = node_flops(node) / self.device.flops_per_second(compute_dtype(node))
+        return max(compute, bytes_moved(node) / self.device.memory_bandwidth) + self.device.op_overhead
+
+    def graph_time(self, gm: fx.GraphModule) -> float:
+        return sum(self.node_time(n) for n in gm.graph.nodes)
+
+    def graph_flops(self, gm: fx.GraphModule) -> int:
+        return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
+
+    def step_memory(self, forward: fx.GraphModule | Schedule, backward: fx.GraphModule | Schedule,
+                    optimizer_state: int = 0) -> StepMemory:
+        """The step's memory from its partitioned graphs, or from their predicted schedules."""
+        fw_s, bw_s = _schedule(forward), _schedule(backward)
+        fw, bw = self.timelines(fw_s, bw_s)
+        params, others = parameter_bytes(fw_s, bw_s)
+        return StepMemory(parameters=params, other_resident=others, optimizer_state=optimizer_state,
+                          saved_activations=saved_bytes(fw_s, bw_s), gradients=bw.output_bytes,
+                          forward_peak=fw.peak, backward_peak=bw.peak,
+                          forward_peak_at=_where(fw), backward_peak_at=_where(bw))
+
+    def timelines(self, forward, backward) -> tuple[Timeline, Timeline]:
+        """The forward's and the backward's; with `holds_outputs`, the forward's user outputs
+        (returned values the backward does not take) stay live through the backward."""
+        fw_s, bw_s = _schedule(forward), _schedule(backward)
+        resident = resident_keys(fw_s)
+        taken = {n.name for n in bw_s.inputs}
+        held = [n for n in fw_s.outputs if n is not None and n.name not in taken] if self.holds_outputs else []
+        return (timeline(fw_s, resident, workspace=workspace_bytes),
+                timeline(bw_s, resident, frees_inputs=self.backward_frees_inputs, held=held,
+                         workspace=workspace_bytes))
+
+
+def _schedule(graph) -> Schedule:
+    return graph if isinstance(graph, Schedule) else schedule_of(graph)
+
+
+def resident_keys(forward: Schedule) -> set:
+    """Storage keys of the forward's inputs (parameters, buffers, the step's inputs)."""
+    return {storage_key(t) for n in forward.inputs for t in tensor_values(n.meta.get("val"))}
+
+
+def _where(t: Timeline) -> str:
+    node = t.peak_node
+    if node is None:
+        return "start"
+    path = node.meta.get("module_path") or _stack_path(node)
+    return f"{node.name}" + (f" in {path}" if path else "")
+
+
+def _stack_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def parameter_bytes(forward: Schedule, backward: Schedule) -> tuple[int, int]:
+    """(bytes of the inputs that get a gradient, bytes of the other inputs), distinct storages.
+    The backward returns one gradient (or None) per forward input, in order."""
+    inputs = forward.inputs
+    grads = list(backward.outputs)
+    grads += [None] * (len(inputs) - len(grads))
+    sizes: dict = {}
+    with_grad = set()
+    for node, grad in zip(inputs, grads):
+        for t in tensor_values(node.meta.get("val")):
+            key = storage_key(t)
+            sizes[key] = t.untyped_storage().nbytes()
+            if grad is not None:
+                with_grad.add(key)
+    params = sum(sizes[k] for k in with_grad)
+    return params, sum(sizes.values()) - params
+
+
+def saved_bytes(forward: Schedule, backward: Schedule) -> int:
+    """Distinct storages the forward returns for the backward (the saved activations), not
+    counting resident ones (parameters, inputs)."""
+    resident = resident_keys(forward)
+    taken = {n.name for n in backward.inputs}
+    sizes = {}
+    for arg in forward.outputs:
+        if arg is not None and arg.name in taken:
+            for t in tensor_values(arg.meta.get("val")):
+                key = storage_key(t)
+                if key not in resident:
+                    sizes[key] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def optimizer_state_bytes(optimizer, parameters) -> int:
+    """Bytes of optimizer state: "adamw"/"adam" = two fp32 values per parameter, "sgd" = none
+    (momentum: one per parameter with "sgd-momentum"); an optimizer instance counts its state if
+    it has any, else what its type allocates on the first step."""
+    params = list(parameters)
+    numel = sum(p.numel() for p in params)
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, str):
+        per_param = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4}
+        if optimizer.lower() not in per_param:
+            raise ValueError(f"unknown optimizer {optimizer!r}; name one of {sorted(per_param)} or pass an instance")
+        return per_param[optimizer.lower()] * numel
+    if optimizer.state:
+        from picofx.memory import resident_bytes
+
+        return resident_bytes(optimizer)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 2 * param_bytes + 4 * len(params)  # exp_avg, exp_avg_sq, and a float32 step count each
+    if isinstance(optimizer, torch.optim.SGD):
+        return param_bytes if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    raise ValueError(f"cannot predict the state of {type(optimizer).__name__} before its first step; "
+                     "run one step first or pass its state size")

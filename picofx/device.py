@@ -1,0 +1,131 @@
+"""What a device can do, for the cost model: peak FLOP/s per dtype, memory, links.
+
+The GPU entries are datasheet figures (dense, no structured sparsity), cited beside each
+value. Datasheet peaks are upper bounds that real kernels reach only in part; `calibrate`
+replaces the compute and bandwidth figures with what a short matmul and copy benchmark
+measures on the machine at hand, which is what the CPU entry needs before it is trusted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: dict  # torch.dtype -> dense FLOP/s
+    memory_bandwidth: float  # bytes/s, device memory
+    memory_capacity: int  # bytes
+    link_bandwidth: float  # bytes/s one way to a peer in the same node (NVLink)
+    link_latency: float  # s, one small message to a peer in the same node
+    network_bandwidth: float  # bytes/s one way to another node
+    network_latency: float  # s
+    op_overhead: float = 5e-6  # s per op: kernel launch or eager dispatch (typical, not datasheet)
+    source: str = "datasheet"
+
+    def flops_per_second(self, dtype: torch.dtype) -> float:
+        """Peak for `dtype`; a dtype the entry does not list runs at the fp32 rate."""
+        return self.peak_flops.get(dtype, self.peak_flops[torch.float32])
+
+
+# NVLink 4 (H100/H200): 900 GB/s bidirectional per GPU -> 450e9 one way; NVLink 3 (A100): 600 GB/s -> 300e9.
+# Across nodes: one 400 Gb/s NDR InfiniBand port per GPU -> 50e9 bytes/s one way.
+# Latencies are typical small-message NCCL figures (a few microseconds in a node, ~10 us across
+# nodes), not datasheet values: calibrate with a collective benchmark when a pass depends on them.
+H100 = Device(
+    name="NVIDIA H100 SXM",
+    peak_flops={torch.float64: 67e12,  # H100 SXM FP64 Tensor Core, datasheet
+                torch.float32: 494.5e12,  # H100 SXM TF32 Tensor Core dense (989 sparse), datasheet
+                torch.bfloat16: 989e12,  # H100 SXM dense bf16, datasheet
+                torch.float16: 989e12,  # H100 SXM dense fp16, datasheet
+                torch.float8_e4m3fn: 1979e12},  # H100 SXM dense fp8, datasheet
+    memory_bandwidth=3.35e12,  # HBM3, H100 SXM datasheet
+    memory_capacity=80 * GB,  # H100 SXM datasheet
+    link_bandwidth=450e9, link_latency=3e-6, network_bandwidth=50e9, network_latency=10e-6)
+
+H200 = dataclasses.replace(
+    H100, name="NVIDIA H200 SXM",  # same compute as H100 SXM, H200 datasheet
+    memory_bandwidth=4.8e12,  # HBM3e, H200 datasheet
+    memory_capacity=141 * GB)  # H200 datasheet
+
+A100 = Device(
+    name="NVIDIA A100 SXM 80GB",
+    peak_flops={torch.float64: 19.5e12,  # A100 FP64 Tensor Core, datasheet
+                torch.float32: 156e12,  # A100 TF32 Tensor Core dense (312 sparse), datasheet
+                torch.bfloat16: 312e12,  # A100 dense bf16, datasheet
+                torch.float16: 312e12},  # A100 dense fp16, datasheet
+    memory_bandwidth=2.039e12,  # HBM2e, A100 80GB SXM datasheet
+    memory_capacity=80 * GB,
+    link_bandwidth=300e9, link_latency=3e-6, network_bandwidth=25e9, network_latency=10e-6)
+
+
+def cpu(cores: int | None = None) -> Device:
+    """A nominal x86-64 CPU: per core 2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x 2.5 GHz = 80 GFLOP/s,
+    bf16 at the fp32 rate (no AMX assumed), one DDR4-3200 channel (25.6 GB/s) shared by the cores.
+    Order-of-magnitude only: use `calibrate(cpu())` for decisions that depend on the balance."""
+    cores = cores or torch.get_num_threads()
+    per_core = 2 * 8 * 2 * 2.5e9
+    return Device(name=f"CPU ({cores} cores, nominal)", peak_flops={torch.float32: cores * per_core},
+                  memory_bandwidth=25.6e9, memory_capacity=16 * GiB,
+                  link_bandwidth=10e9, link_latency=20e-6, network_bandwidth=10e9, network_latency=20e-6,
+                  source="nominal")
+
+
+DEVICES = {"h100": H100, "h200": H200, "a100": A100, "cpu": cpu()}
+
+
+def device_for(device: torch.device | str) -> Device:
+    """The entry for a torch device: a CUDA device by its name, anything else as the nominal CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key in ("h200", "h100", "a100"):
+            if key in name:
+                entry = DEVICES[key]
+                capacity = torch.cuda.get_device_properties(device).total_memory
+                return dataclasses.replace(entry, memory_capacity=capacity)
+        raise KeyError(f"no description for {name!r}; add one to picofx.device.DEVICES or use calibrate()")
+    return cpu()
+
+
+def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.float32,),
+              matmul_size: int = 1024, copy_bytes: int = 64 * 2**20, repeats: int = 5) -> Device:
+    """`base` with peak FLOP/s (per dtype in `dtypes`), memory bandwidth and per-op overhead
+    measured on `device`: the best of `repeats` runs of an n x n matmul (2 n^3 FLOPs), of a copy
+    (reads and writes `copy_bytes` each) and of an add of two one-element tensors."""
+    device = torch.device(device)
+    flops = dict(base.peak_flops)
+    for dtype in dtypes:
+        a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+        b = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+        seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), device, repeats)
+        flops[dtype] = 2 * matmul_size**3 / seconds
+    src = torch.empty(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_time(lambda: dst.copy_(src), device, repeats)
+    bandwidth = 2 * copy_bytes / seconds
+    one = torch.ones(1, device=device)
+    overhead = _best_time(lambda: [torch.add(one, one) for _ in range(100)], device, repeats) / 100
+    return dataclasses.replace(base, name=f"{base.name}, calibrated", peak_flops=flops,
+                               memory_bandwidth=bandwidth, op_overhead=overhead, source="measured")
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,133 @@
+"""The partition picofx runs: torch's `default_partition`, which honours `recompute` tags exactly.
+
+It saves the untagged forward values the backward reads and recomputes the tagged ones in
+backward, just before their first use. One difference: torch treats every op tagged
+`nondeterministic_seeded` as random and, when such an op is recomputed, threads RNG state
+between the graphs (which fails outside a fake mode and costs a state save per op). The
+attention ops carry that tag for their dropout; with `dropout_p == 0` they are deterministic,
+so here they are recomputed like any other op.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._functorch.partitioners import default_partition, must_recompute
+
+from picofx.liveness import Schedule
+
+
+def is_dropout_free(node: fx.Node) -> bool:
+    """An op tagged random only for its dropout, called with dropout_p == 0."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    return node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else 0.0) == 0.0
+
+
+class _Deterministic:
+    """Stands in for a dropout-free attention op while torch partitions (it has no `tags`)."""
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = f"deterministic_{op.__name__.replace('.', '_')}"
+
+    def __call__(self, *args, **kwargs):
+        return self.op(*args, **kwargs)
+
+
+def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+    """`default_partition(joint, joint_inputs, num_fwd_outputs=..., **kwargs)` (see module doc)."""
+    swapped = [n for n in joint.graph.nodes if must_recompute(n) and is_dropout_free(n)]
+    for node in swapped:
+        node.target = _Deterministic(node.target)
+    try:
+        forward, backward = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    finally:
+        for node in swapped:
+            node.target = node.target.op
+    for gm in (forward, backward):
+        for node in gm.graph.nodes:
+            if isinstance(node.target, _Deterministic):
+                node.target = node.target.op
+        gm.recompile()
+    return forward, backward
+
+
+def forward_region(joint: fx.GraphModule) -> set:
+    """Nodes the partitioner puts in the forward: all but tangents up to the last node AOT
+    tagged forward (or, in a graph without tags, all that do not depend on a tangent)."""
+    nodes = list(joint.graph.nodes)
+    if any("partitioner_tag" in n.meta for n in nodes):
+        last = max(i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"
+                   or (n.op == "placeholder" and n.name.startswith("primals")))
+        return {n for n in nodes[:last + 1] if not _is_tangent(n)}
+    backward: set = set()
+    for n in nodes:
+        if _is_tangent(n) or n.op == "output" or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    return set(nodes) - backward
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+def predict_partition(joint: fx.GraphModule, recompute: set, num_fwd_outputs: int,
+                      forward: set | None = None) -> tuple[Schedule, Schedule]:
+    """What `partition` makes of `joint` with the nodes in `recompute` tagged (and any tags
+    already there), as schedules, without building graphs: the forward runs what its outputs
+    and the saved values need; the backward starts from the saved values and tangents,
+    recomputes tagged values (and multi-output ops, which are never saved) and runs each node
+    after the ancestors it still lacks, as torch's reordering to mimic autograd does."""
+    forward = forward_region(joint) if forward is None else forward
+    nodes = list(joint.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    outputs = list(joint.graph.output_node().args[0])
+    fw_outputs = [n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    bw_outputs = [n if isinstance(n, fx.Node) else None for n in outputs[num_fwd_outputs:]]
+
+    saved, tangents, in_backward = {}, {}, set()
+    stack = [n for n in bw_outputs if n is not None]
+    while stack:
+        n = stack.pop()
+        if n in in_backward or n in saved or n in tangents:
+            continue
+        if n.op == "placeholder":
+            (saved if n in forward else tangents)[n] = None
+        elif n in forward and not (n in recompute or must_recompute(n) or isinstance(n.meta.get("val"), (tuple, list))):
+            saved[n] = None
+        else:
+            in_backward.add(n)
+            stack.extend(n.all_input_nodes)
+
+    needed_fw, stack = set(), [*fw_outputs, *saved]
+    while stack:
+        n = stack.pop()
+        if n not in needed_fw and n.op != "placeholder":
+            needed_fw.add(n)
+            stack.extend(n.all_input_nodes)
+    fw_schedule = Schedule([n for n in nodes if n.op == "placeholder" and n in forward],
+                           sorted(needed_fw, key=order.get), [*fw_outputs, *saved])
+
+    backward_order = sorted(in_backward, key=order.get)
+    first = min((order[u] for t in tangents for u in t.users if u in in_backward), default=None)
+    steps, done = [], set()
+    for n in backward_order if first is None else [n for n in backward_order if order[n] >= first]:
+        if n in done:
+            continue
+        missing, stack = set(), [n]
+        while stack:
+            m = stack.pop()
+            if m in done or m in missing or m not in in_backward:
+                continue
+            missing.add(m)
+            stack.extend(m.all_input_nodes)
+        for m in sorted(missing, key=order.get):
+            steps.append(m)
+            done.add(m)
+    bw_inputs = sorted(saved, key=order.get) + sorted(tangents, key=order.get)
+    return fw_schedule, Schedule(bw_inputs, steps, bw_outputs)

@@ -1,0 +1,58 @@
+"""Scratch memory that an op's kernel allocates beyond its outputs, measured once per shape.
+
+ATen ops in picofx's graphs are decomposed far enough that their temporaries are graph values
+the liveness simulation already counts. Custom ops (the fused kernels in picofx.kernels) are
+single nodes whose kernels may allocate internally (fp32 copies, chunk buffers). For those the
+cost model runs the op once on random inputs of the node's shapes, on the CPU, and takes the
+peak it allocates minus the bytes of its outputs. Inputs larger than `limit` bytes are not
+materialised; such nodes count as having no scratch memory.
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from picofx.liveness import tensor_values
+from picofx.memory import peak_allocated_during
+
+_cache: dict[tuple, int] = {}
+
+
+def _is_custom(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
+
+
+def _real(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dtype.is_floating_point:
+        return torch.randn(tuple(value.shape), dtype=value.dtype)
+    return torch.zeros(tuple(value.shape), dtype=value.dtype)  # indices and labels: 0 is always valid
+
+
+def _arg(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20) -> int:
+    """Bytes the node's kernel holds at its peak beyond its outputs (0 for ATen ops)."""
+    if node.op != "call_function" or not _is_custom(node):
+        return 0
+    args = fx.node.map_aggregate(node.args, _arg)
+    kwargs = fx.node.map_aggregate(node.kwargs, _arg)
+    inputs = tensor_values((args, kwargs))
+    key = (node.target, tuple((tuple(t.shape), t.dtype) for t in inputs),
+           repr([a for a in pytree.tree_leaves((args, kwargs)) if not isinstance(a, torch.Tensor)]))
+    if key not in _cache:
+        if sum(t.numel() * t.element_size() for t in inputs) > limit:
+            _cache[key] = 0
+        else:
+            outputs = sum(t.numel() * t.element_size() for t in tensor_values(node.meta.get("val")))
+            with torch.no_grad(), unset_fake_temporarily():
+                real_args = pytree.tree_map(_real, args)
+                real_kwargs = pytree.tree_map(_real, kwargs)
+                peak = peak_allocated_during(lambda: node.target(*real_args, **real_kwargs))
+            _cache[key] = max(peak - outputs, 0)
+    return _cache[key]

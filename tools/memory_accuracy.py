@@ -1,0 +1,96 @@
+"""How close the cost model's peak-memory prediction is to the measured peak, with `checkpoint`.
+
+    python tools/memory_accuracy.py [--sizes tiny,small,smollm-135m] [--json memory_accuracy.json]
+
+For the reference LLaMA and Hugging Face Llama at each size, three budgets across what
+`checkpoint` can reach: its smallest peak, and 50% and 90% of the way from there to the peak
+without checkpointing.
+Each runs `picofx.optimize(..., backend="eager")`; the predicted peak is the pass's, the
+measured one `picofx.memory.measure_peak` of a training step (live tensor bytes, CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+import torch
+
+import picofx
+from picofx.cost_model import format_bytes
+from picofx.examples import zoo
+from picofx.memory import measure_peak
+from picofx.pass_manager import PassError
+from picofx.passes import Checkpoint
+from picofx.plan import BudgetError, predict
+
+SHAPES = {"tiny": (4, 64), "small": (4, 256), "smollm-135m": (2, 256)}  # (batch, seq) per size
+FAMILIES = {"llama": zoo.reference_llama, "hf-llama": zoo.hf_llama}
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def measured_peak(z, passes) -> tuple[int, dict]:
+    opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn)
+
+    def step():
+        z.model.zero_grad(set_to_none=True)
+        _loss(opt(**z.example_inputs)).backward()
+
+    step()
+    z.model.zero_grad(set_to_none=True)
+    record = opt.report.records[-1]
+    return measure_peak(step, resident=(z.model, z.example_inputs)), {**record.notes, "pass_seconds": record.seconds}
+
+
+def smallest_peak(z) -> int:
+    try:
+        picofx.optimize(z.model, z.example_inputs, [Checkpoint(budget=1e-3)], backend="eager",
+                        loss_fn=z.loss_fn, verify=None)
+    except PassError as e:
+        if isinstance(e.__cause__, BudgetError):
+            return e.__cause__.smallest_peak
+        raise
+    raise RuntimeError("a budget of 0.1% was met")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,small,smollm-135m")
+    parser.add_argument("--families", default="llama,hf-llama")
+    parser.add_argument("--json", default="bench_out/memory_accuracy.json")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    rows = []
+    print(f"{'model':<10} {'size':<12} {'B':>2} {'T':>4} {'budget':>11} {'predicted':>11} {'measured':>11} "
+          f"{'error':>7} {'pass s':>7}")
+    for family in args.families.split(","):
+        for size in args.sizes.split(","):
+            batch, seq = SHAPES[size]
+            z = FAMILIES[family](size, batch, seq)
+            none = predict(z.model, z.example_inputs, loss_fn=z.loss_fn).memory.peak
+            low = smallest_peak(z)
+            for budget in (low + int(f * (none - low)) for f in (0.0, 0.5, 0.9)):
+                measured, notes = measured_peak(z, [Checkpoint(budget=budget)])
+                predicted = notes["peak_after"]
+                row = {"model": family, "size": size, "batch": batch, "seq": seq, "budget": budget,
+                       "predicted": predicted, "measured": measured, "error": predicted / measured - 1,
+                       "pass_seconds": notes["pass_seconds"]}
+                rows.append(row)
+                print(f"{family:<10} {size:<12} {batch:>2} {seq:>4} {format_bytes(budget):>11} "
+                      f"{format_bytes(predicted):>11} {format_bytes(measured):>11} {100 * row['error']:+6.2f}% "
+                      f"{notes['pass_seconds']:7.1f}",
+                      flush=True)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst error {100 * worst:.2f}% over {len(rows)} runs")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from picofx.capture import Signature, capture_call, input_key, split_inputs
+from picofx.cost_model import CostModel
 from picofx.dump import DumpGraphs
 from picofx.pass_manager import Context, PassManager, Stage
 from picofx.report import Report
@@ -56,7 +57,8 @@ class CompiledStep:
         return pytree.tree_unflatten(user_outputs, self.signature.out_spec)
 
 
-def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options) -> CompiledStep:
+def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options,
+               cost_model) -> CompiledStep:
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
     forward passes see the captured graph; joint and partitioned passes run inside compilation."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
@@ -67,7 +69,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     signature = gm.meta["picofx_signature"]
     inputs = graph_inputs(signature, model, args, kwargs)
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend, options=dict(options))
+    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend, options=dict(options),
+                  cost_model=cost_model or CostModel(device))
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:
@@ -162,7 +165,7 @@ def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict
 
 def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "inductor", loss_fn=None,
              verify: str | None = "invariants", dump_dir: str | None = None, instruments=(),
-             recapture: bool = True, options: dict | None = None) -> OptimizedModule:
+             recapture: bool = True, options: dict | None = None, cost_model=None) -> OptimizedModule:
     """Capture `model`'s training step on `example_inputs`, run `passes`, compile with `backend`.
 
     passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order;
@@ -173,7 +176,10 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
                with the graph before the pass) or None.
     dump_dir:  write every graph (`NN_<pass>.txt` and `.dot`) there.
     recapture: a call with other input shapes captures and compiles again; False raises instead.
+    cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
+               the inputs' device; pass one built on a calibrated picofx.device description).
     """
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
     return OptimizedModule(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,
-                           backend=backend, verify=verify, instruments=instruments, options=options or {})
+                           backend=backend, verify=verify, instruments=instruments, options=options or {},
+                           cost_model=cost_model)

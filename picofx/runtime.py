@@ -4,8 +4,9 @@ backend="eager":    aot_autograd(fw_compiler, bw_compiler, partition_fn) runs ev
                     executes the resulting GraphModules as they are (no code generation).
 backend="inductor": Inductor's own hooks run the same stages (joint_custom_post_pass,
                     custom_partitioner_fn, post_grad_custom_post_pass), then Inductor generates code.
-Both partition with `default_partition` when a joint pass tagged nodes for recomputation
-(it honours torch's `recompute` tags exactly); otherwise each backend keeps its usual partitioner.
+Both partition with picofx.partition (torch's `default_partition`, which honours `recompute`
+tags exactly) when a joint pass tagged nodes for recomputation; otherwise Inductor keeps its
+min-cut partitioner and eager saves what the forward computed.
 """
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.graph import _BoxedCodeGen
 
 from picofx.annotate import annotate
+from picofx.partition import partition
 from picofx.pass_manager import Context, PassManager, Stage
 
 
@@ -78,13 +81,23 @@ class StageRunner:
     # backend="eager": aot_autograd callbacks
     def eager_partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         self.run(Stage.JOINT, "joint", joint)
-        return default_partition(joint, joint_inputs, **kwargs)
+        return partition(joint, joint_inputs, **kwargs)
 
     def eager_forward(self, gm: fx.GraphModule, example_inputs):
         return make_boxed_func(self.run(Stage.PARTITIONED, "forward", gm).forward)
 
     def eager_backward(self, gm: fx.GraphModule, example_inputs):
-        return make_boxed_func(self.run(Stage.PARTITIONED, "backward", gm).forward)
+        gm = self.run(Stage.PARTITIONED, "backward", gm)
+        # Boxed: the graph takes its inputs as a list and clears it, so each saved activation is
+        # freed after its last use in backward instead of when the whole backward returns.
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+
+        def run(args):
+            return gm(args)
+
+        run._boxed_call = True
+        return run
 
 
 class _JointHook(CustomGraphPass):
@@ -109,7 +122,7 @@ class _Partitioner(CustomPartitionerFn):
     def __call__(self, gm, joint_inputs, **kwargs):
         if has_recompute_tags(gm):
             kwargs.pop("compiler", None)
-            return default_partition(gm, joint_inputs, **kwargs)
+            return partition(gm, joint_inputs, **kwargs)
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def uuid(self):

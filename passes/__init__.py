@@ -1,3 +1,4 @@
 """picofx's passes, one module each; importing this package registers them by name."""
 from picofx.passes.precision import Precision  # noqa: F401  (registers "precision")
 from picofx.passes.fuse import Fuse  # noqa: F401  (registers "fuse")
+from picofx.passes.checkpoint import Checkpoint  # noqa: F401  (registers "checkpoint")

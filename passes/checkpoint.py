@@ -1,0 +1,281 @@
+"""Pass `checkpoint`: recompute forward values in backward so the step's peak fits a budget.
+
+Joint stage. It tags forward nodes with torch's `recompute` policy (MUST_RECOMPUTE);
+`picofx.partition.partition` then saves exactly the untagged forward values the backward reads
+and recomputes the tagged ones in backward, just before their first use.
+
+Algorithm:
+1. Segments and options (`picofx.recompute`): per decoder layer (and the code before/after the
+   layers), the vertices of the lower convex hull of (saved bytes, recompute seconds), by
+   parametric min-cut; each is a recompute set of least time for its saved bytes.
+2. A peak model separable over the chain: while segment i runs (its forward, or its backward
+   with its recomputation), live memory = (bytes saved by segments before it) + L_i, where L_i
+   depends on segment i's own option. S_i(k) and L_i(k) are read off K exact simulations that
+   put every segment on option k (K = options per layer, about 10).
+3. Dynamic programming over the chain: state = bytes saved so far (in 2048 bins, rounded up),
+   cost = recompute seconds; it finds the cheapest option per segment with
+   saved-before-i + L_i <= budget for every i. Exact for the separable model, in
+   O(segments x options x bins).
+4. Exact check: the chosen tags are simulated (`predict_partition` mirrors the partition; liveness
+   over both graphs). If the peak overshoots (the model ignores interactions between neighbours),
+   the DP's budget is lowered by the overshoot and it runs again.
+An infeasible budget raises BudgetError with the smallest peak found (DP at the least feasible
+budget, and every option tried) and the batch that would fit it.
+"""
+from __future__ import annotations
+
+import math
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from picofx.cost_model import CostModel, StepMemory, format_bytes, is_alias, optimizer_state_bytes, resident_keys
+from picofx.liveness import storage_key, tensor_values
+from picofx.partition import forward_region, predict_partition
+from picofx.pass_manager import Context, PassResult, Stage, register_pass
+from picofx.plan import BudgetError, parse_budget
+from picofx.recompute import Segment, analyze, module_path
+
+MARK = "picofx_checkpoint"
+BINS = 2048
+
+
+@dataclass
+class Prediction:
+    levels: tuple
+    recompute: frozenset  # nodes
+    memory: StepMemory
+    saved: list  # bytes saved per segment
+    local: list  # L_i per segment
+    forward_outputs: list  # the loss and the saved values
+    backward_steps: list
+
+
+class Planner:
+    def __init__(self, joint: fx.GraphModule, cost_model: CostModel, optimizer_state: int):
+        self.joint, self.cost_model, self.optimizer_state = joint, cost_model, optimizer_state
+        primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+        self.num_fwd_outputs = len(joint.graph.output_node().args[0]) - len(primals)
+        self.forward = forward_region(joint)
+        self.segments: list[Segment] = analyze(joint, cost_model.node_time)
+        self.segment_of = {n: i for i, seg in enumerate(self.segments) for n in seg.nodes}
+        self.by_name = {n.name: n for n in joint.graph.nodes}
+        self.cache: dict[tuple, Prediction] = {}
+
+    def recompute_set(self, levels: tuple) -> frozenset:
+        names = frozenset().union(*(seg.options[k].recompute for seg, k in zip(self.segments, levels)))
+        return frozenset(self.by_name[n] for n in names)
+
+    def predict(self, levels: tuple) -> Prediction:
+        """The step's memory with each segment on its option `levels[i]` (() = nothing tagged),
+        and the separable model's terms read off it."""
+        if levels in self.cache:
+            return self.cache[levels]
+        recompute = self.recompute_set(levels) if levels else frozenset()
+        fw, bw = predict_partition(self.joint, recompute, self.num_fwd_outputs, self.forward)
+        saved = self._saved_per_segment(fw)
+        prediction = Prediction(levels, recompute, self.cost_model.step_memory(fw, bw, self.optimizer_state),
+                                saved, self._local_terms(fw, bw, saved), fw.outputs, bw.steps)
+        self.cache[levels] = prediction
+        return prediction
+
+    def _saved_per_segment(self, fw) -> list[int]:
+        """Bytes of the storages the forward returns, by the segment of the node that allocated them."""
+        allocator, resident = {}, resident_keys(fw)
+        for node in fw.steps:
+            for t in tensor_values(node.meta.get("val")):
+                if storage_key(t) not in resident:
+                    allocator.setdefault(storage_key(t), (node, t.untyped_storage().nbytes()))
+        returned = {storage_key(t) for out in fw.outputs if out is not None for t in tensor_values(out.meta.get("val"))}
+        saved = [0] * len(self.segments)
+        for key, (node, nbytes) in allocator.items():
+            if key in returned and node in self.segment_of:
+                saved[self.segment_of[node]] += nbytes
+        return saved
+
+    def _local_terms(self, fw, bw, saved: list[int]) -> list[float]:
+        """L_i: the most live at a moment of segment i (its forward nodes; backward nodes reading
+        its values, or following such), less what the segments before it saved."""
+        before = np.concatenate([[0], np.cumsum(saved)[:-1]])
+        local = [-math.inf] * len(self.segments)
+        region = len(self.segments) - 1  # the backward starts with the last segment's gradients
+        fw_t, bw_t = self.cost_model.timelines(fw, bw)
+        for line, is_forward in ((fw_t, True), (bw_t, False)):
+            for node, live in zip(line.nodes, line.live):
+                if node in self.segment_of:
+                    region = self.segment_of[node]
+                elif is_forward:
+                    continue
+                else:
+                    region = max((self.segment_of[a] for a in node.all_input_nodes if a in self.segment_of),
+                                 default=region)
+                local[region] = max(local[region], live - int(before[region]))
+        return local
+
+    def seconds(self, levels: tuple) -> float:
+        return sum(seg.options[k].seconds for seg, k in zip(self.segments, levels))
+
+    def cheapest_within(self, budget: int) -> Prediction | None:
+        """Of the option sets simulated so far, the one of least recompute time that fits."""
+        fitting = [p for p in self.cache.values() if p.levels and p.memory.peak <= budget]
+        return min(fitting, key=lambda p: self.seconds(p.levels), default=None)
+
+    def uniform(self, k: int) -> tuple:
+        return tuple(min(k, len(seg.options) - 1) for seg in self.segments)
+
+    def solve(self, cap: int, models: list[Prediction]) -> tuple | None:
+        """Cheapest levels with saved-before-i + L_i(level_i) <= cap for every segment i, or None."""
+        unit = max(cap, 1) / BINS
+        cost = np.full(BINS + 1, np.inf)
+        cost[0] = 0.0
+        back = []
+        for i, seg in enumerate(self.segments):
+            new, choice, parent = np.full(BINS + 1, np.inf), np.full(BINS + 1, -1), np.full(BINS + 1, -1)
+            for k in range(len(seg.options)):
+                model = models[min(k, len(models) - 1)]
+                room = cap - model.local[i]
+                if room < 0:
+                    continue
+                size = math.ceil(model.saved[i] / unit)
+                top = min(int(room // unit), BINS - size)
+                if top < 0:
+                    continue
+                states = np.arange(top + 1)
+                value = cost[states] + seg.options[k].seconds
+                better = value < new[states + size]
+                new[states[better] + size] = value[better]
+                choice[states[better] + size], parent[states[better] + size] = k, states[better]
+            cost = new
+            back.append((choice, parent))
+        if not np.isfinite(cost).any():
+            return None
+        state, levels = int(np.argmin(cost)), []
+        for choice, parent in reversed(back):
+            levels.append(int(choice[state]))
+            state = int(parent[state])
+        return tuple(reversed(levels))
+
+
+def _clear_own_tags(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.meta.pop(MARK, False):
+            node.meta.pop("recompute", None)
+
+
+def _batch_size(joint: fx.GraphModule) -> int | None:
+    """The leading dimension of the step's first integer input (token ids), if any."""
+    for node in joint.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and not val.is_floating_point() and val.dim():
+            return int(val.shape[0])
+    return None
+
+
+@register_pass("checkpoint", Stage.JOINT)
+@dataclass(frozen=True)
+class Checkpoint:
+    """budget: bytes (int), "8GiB"/"512MiB"/"1.5GB", or a fraction (float) of the predicted peak
+    without checkpointing; None: the device's memory capacity. It covers the whole step:
+    parameters, buffers, inputs, gradients, optimizer state (when `optimizer` names one:
+    "adamw", or an optimizer instance), saved activations and transients."""
+
+    budget: int | str | float | None = None
+    optimizer: object = None
+    stage = Stage.JOINT
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        _clear_own_tags(gm)
+        cost_model = ctx.cost_model or CostModel(ctx.device)
+        params = list(ctx.model.parameters()) if ctx.model is not None else []
+        planner = Planner(gm, cost_model, optimizer_state_bytes(self.optimizer, params))
+        before = planner.predict(())
+        budget = (cost_model.device.memory_capacity if self.budget is None
+                  else parse_budget(self.budget, reference=before.memory.peak))
+        notes = {"budget": budget, "peak_before": before.memory.peak}
+        if before.memory.peak <= budget:
+            return PassResult(False, {**notes, "peak_after": before.memory.peak, "recomputed": 0})
+
+        models = [planner.predict(planner.uniform(k)) for k in range(max(len(s.options) for s in planner.segments))]
+        chosen = self._search(planner, models, budget - before.memory.resident, budget)
+        if chosen is None:  # the DP's model missed; look at the least peaks it can reach, then give up
+            smallest = self._smallest(planner, models, before.memory.peak - before.memory.resident)
+            chosen = planner.cheapest_within(budget)
+            if chosen is None:
+                raise self._infeasible(smallest, before.memory, budget, _batch_size(gm))
+        for node in chosen.recompute:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta[MARK] = True
+        recomputed = [n for n in chosen.backward_steps if n in chosen.recompute]
+        return PassResult(True, {
+            **notes, "peak_after": chosen.memory.peak,
+            "bytes_saved": before.memory.saved_activations - chosen.memory.saved_activations,
+            "added_flops": sum(n.meta.get("flops", 0) or 0 for n in recomputed),
+            "added_seconds": sum(cost_model.node_time(n) for n in recomputed),
+            "recomputed": len(recomputed), "simulations": len(planner.cache),
+            "memory": dataclasses.asdict(chosen.memory), "per_layer": per_layer(chosen, planner)})
+
+    @staticmethod
+    def _search(planner: Planner, models: list, cap: int, budget: int) -> Prediction | None:
+        """DP at `cap`, checked exactly; lower the DP's cap by each overshoot (at most 8 tries).
+        Falls back to the cheapest option set simulated so far that fits."""
+        for _ in range(8):
+            levels = planner.solve(cap, models)
+            if levels is None:
+                break
+            prediction = planner.predict(levels)
+            if prediction.memory.peak <= budget:
+                return prediction
+            cap -= prediction.memory.peak - budget + 1
+        return planner.cheapest_within(budget)
+
+    @staticmethod
+    def _smallest(planner: Planner, models: list, cap: int) -> StepMemory:
+        low, high = 0, cap  # smallest cap the DP can meet, by bisection, then what it really gives
+        while high - low > max(cap // BINS, 1):
+            mid = (low + high) // 2
+            low, high = (low, mid) if planner.solve(mid, models) is not None else (mid, high)
+        levels = planner.solve(high, models)
+        if levels is not None:
+            planner.predict(levels)
+        return min((p.memory for p in planner.cache.values()), key=lambda m: m.peak)
+
+    @staticmethod
+    def _infeasible(smallest: StepMemory, before: StepMemory, budget: int, batch: int | None) -> BudgetError:
+        text = (f"checkpoint: the budget {format_bytes(budget)} is below the smallest peak this step "
+                f"reaches with recomputation, {format_bytes(smallest.peak)} ({format_bytes(before.peak)} "
+                f"without checkpointing)")
+        fits = None
+        if batch:
+            fixed = smallest.resident + (smallest.gradients if smallest.peak_phase == "backward" else 0)
+            per_sample = (smallest.peak - fixed) / batch
+            fits = max(int((budget - fixed) // per_sample), 0) if per_sample > 0 else 0
+            text += f" at batch {batch}; "
+            if fits >= 1:
+                text += (f"about batch {fits} fits in {format_bytes(budget)} (assuming activations scale "
+                         "linearly with the batch; picofx.plan.max_batch computes it exactly)")
+            elif fixed >= budget:
+                text += (f"no batch fits: parameters, buffers, inputs, gradients and optimizer state alone "
+                         f"take {format_bytes(fixed)}")
+            else:
+                text += f"not even batch 1 fits: it needs about {format_bytes(fixed + per_sample)}"
+        return BudgetError(text + ".", smallest.peak, fits)
+
+
+def per_layer(chosen: Prediction, planner: Planner) -> dict[str, dict[str, list[str]]]:
+    """Per segment, the values the backward reads that are saved, and those it recomputes
+    (views, which cost nothing, left out); each as `node (module path inside the segment)`."""
+    recomputed = {n for n in chosen.backward_steps if n in chosen.recompute and not is_alias(n)}
+    saved = set(chosen.forward_outputs)
+    out: dict[str, dict[str, list[str]]] = {}
+    for seg in planner.segments:
+        entry = out.setdefault(seg.name, {"saved": [], "recomputed": []})
+        for node in seg.nodes:
+            kind = "saved" if node in saved else "recomputed" if node in recomputed else None
+            if kind:
+                where = module_path(node)[len(seg.name) + 1:] if module_path(node).startswith(seg.name) else module_path(node)
+                entry[kind].append(f"{node.name} ({where})" if where else node.name)
+    return out

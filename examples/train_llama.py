@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 import picofx
+from picofx.cost_model import CostModel
+from picofx.device import device_for
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 
 
@@ -48,6 +50,22 @@ class Batches:
         starts = torch.randint(0, len(data) - self.seq - 1, (self.batch,), generator=self.generator)
         windows = torch.stack([data[s:s + self.seq + 1] for s in starts.tolist()])  # (B, T+1)
         return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
+
+
+def throughput_line(model: Llama, opt_model, tokens_per_s: float, batch: int, seq: int, device: str) -> str:
+    """tokens/s, MFU in the PaLM convention (6 x matmul parameters + 12 x layers x hidden x seq FLOPs
+    per token, embedding excluded), and the FLOPs the captured graphs really hold, beside it."""
+    config = model.config
+    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embedding" not in name)
+    palm_per_token = 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq
+    spec = device_for(device)
+    peak = spec.flops_per_second(torch.float32)
+    cost = CostModel(spec)
+    graph_per_token = (cost.graph_flops(opt_model.graphs["forward"]) +
+                       cost.graph_flops(opt_model.graphs["backward"])) / (batch * seq)
+    return (f"{tokens_per_s:,.0f} tokens/s; MFU {palm_per_token * tokens_per_s / peak:.1%} of {spec.name} "
+            f"({peak / 1e9:,.0f} GFLOP/s fp32, {spec.source}); {palm_per_token / 1e6:.2f} MFLOP/token by "
+            f"6N+12LHT, {graph_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
 
 
 def parse_args(argv=None):
@@ -108,6 +126,7 @@ def main(argv=None) -> dict:
         val = batches.sample("val")
         val_loss = causal_lm_loss(model(val["input_ids"]), val["labels"]).item()
     print(f"\nloss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
+    print(throughput_line(model, opt_model, history[-1]["tokens_per_s"], args.batch, args.seq, args.device))
     print("\n" + opt_model.report.table())
     return {"history": history, "val_loss": val_loss}
 

@@ -54,7 +54,7 @@ def annotate(gm: fx.GraphModule) -> None:
         node.meta["flops"], node.meta["bytes"] = 0, tensor_bytes(node.meta["val"])
     for node in gm.graph.nodes:
         if "module_path" not in node.meta:
-            node.meta["module_path"] = _shared_path(node)
+            node.meta["module_path"] = common_module_path(node.all_input_nodes)
 
 
 def _as_fake(mode: FakeTensorMode, value):
@@ -63,14 +63,12 @@ def _as_fake(mode: FakeTensorMode, value):
     return value
 
 
-def _shared_path(node: fx.Node) -> str:
-    paths = [n.meta["module_path"] for n in node.all_input_nodes if n.meta.get("module_path")]
-    if not paths:
-        return ""
-    parts = [p.split(".") for p in paths]
+def common_module_path(nodes) -> str:
+    """The module all the nodes come from (ignoring nodes that come from none)."""
+    paths = [n.meta["module_path"].split(".") for n in nodes if n.meta.get("module_path")]
     common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
             break
-        common.append(level[0])
+        common.append(parts[0])
     return ".".join(common)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from picofx.annotate import tensor_bytes
 from picofx.device import Device, GiB, device_for
 from picofx.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
 from picofx.workspace import workspace_bytes
@@ -51,10 +52,8 @@ def bytes_moved(node: fx.Node) -> int:
     """Bytes a node reads (its tensor inputs) and writes (its outputs); 0 for aliases."""
     if node.op != "call_function" or is_alias(node):
         return 0
-    read = sum(t.numel() * t.element_size() for arg in dict.fromkeys(node.all_input_nodes)
-               for t in tensor_values(arg.meta.get("val")))
-    written = sum(t.numel() * t.element_size() for t in tensor_values(node.meta.get("val")))
-    return read + written
+    read = sum(tensor_bytes(arg.meta.get("val")) for arg in dict.fromkeys(node.all_input_nodes))
+    return read + tensor_bytes(node.meta.get("val"))
 
 
 def compute_dtype(node: fx.Node) -> torch.dtype:

@@ -23,6 +23,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
+from picofx.annotate import common_module_path
 from picofx.rule_tracing import Traced, argument_names, call_nodes, normalized_args, trace_all
 from picofx.rules import Pattern, Rule, ScalarSpec, TensorSpec, pattern_graphs, trace_patterns
 
@@ -58,17 +59,6 @@ class NearMiss:
     candidate: str
     check: str
     reason: str
-
-
-def common_module_path(nodes) -> str:
-    """The module all the nodes come from (ignoring nodes that come from none)."""
-    paths = [n.meta["module_path"].split(".") for n in nodes if n.meta.get("module_path")]
-    common = []
-    for parts in zip(*paths):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
 
 
 class _StructureMatcher(SubgraphMatcher):

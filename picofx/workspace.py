@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from picofx.annotate import tensor_bytes
 from picofx.liveness import tensor_values
 from picofx.memory import peak_allocated_during
 
@@ -46,10 +47,10 @@ def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20) -> int:
     key = (node.target, tuple((tuple(t.shape), t.dtype) for t in inputs),
            repr([a for a in pytree.tree_leaves((args, kwargs)) if not isinstance(a, torch.Tensor)]))
     if key not in _cache:
-        if sum(t.numel() * t.element_size() for t in inputs) > limit:
+        if tensor_bytes(inputs) > limit:
             _cache[key] = 0
         else:
-            outputs = sum(t.numel() * t.element_size() for t in tensor_values(node.meta.get("val")))
+            outputs = tensor_bytes(node.meta.get("val"))
             with torch.no_grad(), unset_fake_temporarily():
                 real_args = pytree.tree_map(_real, args)
                 real_kwargs = pytree.tree_map(_real, kwargs)

@@ -42,7 +42,7 @@ def parse_args(argv=None):
     # 8 x 512 tokens: enough that the logits, not the parameters and optimizer state, set the peak
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--steps", type=int, default=5, help="timed rounds after the warm-up")
+    p.add_argument("--steps", type=int, default=9, help="timed rounds after the warm-up")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds; the first compiles")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

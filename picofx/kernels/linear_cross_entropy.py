@@ -45,11 +45,13 @@ def cross_entropy_chunk(logits: Tensor, labels: Tensor, loss_out: Tensor, grad_s
 
     grad_scale is a 0-dim fp32 tensor multiplied into the gradient, or None for the gradient of
     the summed losses (the caller then scales the far smaller products with x and weight).
-    Ignored tokens get loss 0 and gradient 0.
+    Ignored tokens get loss 0 and gradient 0. fp32 logits are overwritten (the gradient takes
+    their buffer), so a chunk holds one (n, V) buffer, not two.
     """
     valid = labels != ignore_index
     safe_labels = torch.where(valid, labels, 0)[:, None]  # (n, 1)
-    log_probs = torch.log_softmax(logits.float(), dim=-1)  # (n, V): the op F.cross_entropy uses
+    log_probs = logits.float()  # (n, V); the same buffer when logits are fp32
+    torch.log_softmax(log_probs, dim=-1, out=log_probs)  # in place: the op F.cross_entropy uses
     target = log_probs.gather(1, safe_labels)
     loss_out.copy_(torch.where(valid, -target.squeeze(1), 0.0))
     if not compute_grad:

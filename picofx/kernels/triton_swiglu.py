@@ -17,15 +17,23 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _silu_mul_forward_kernel(
-    a_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_a, stride_b,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-):
+def _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b,
+               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's (rows, cols) tile: its indices, mask, a (own dtype) and b (fp32)."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
     a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0)
     b = tl.load(b_ptr + rows * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, a, b
+
+
+@triton.jit
+def _silu_mul_forward_kernel(
+    a_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_a, stride_b,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    rows, cols, mask, a, b = _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b, BLOCK_ROWS, BLOCK_COLS)
     af = a.to(tl.float32)
     silu = (af * tl.sigmoid(af)).to(a.dtype).to(tl.float32)
     tl.store(out_ptr + rows * n_cols + cols, (silu * b).to(out_ptr.dtype.element_ty), mask=mask)
@@ -36,11 +44,7 @@ def _silu_mul_backward_kernel(
     grad_ptr, a_ptr, b_ptr, grad_a_ptr, grad_b_ptr, n_rows, n_cols, stride_a, stride_b,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
-    cols = (tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS))[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
-    a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0)
-    b = tl.load(b_ptr + rows * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, a, b = _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b, BLOCK_ROWS, BLOCK_COLS)
     grad = tl.load(grad_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     af = a.to(tl.float32)
     sigmoid = tl.sigmoid(af)

@@ -18,8 +18,8 @@ from picofx.rules import Rule, register_rule, scalar, tensor
 # one such buffer at a time), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the whole
 # (vocab x hidden) weight-gradient accumulator, and the logits matmul runs slower on few rows.
 # Measured on CPU at vocab 32000, hidden 256, 4096 tokens: 128-token chunks made the fused loss
-# 15% slower than torch.compile's unfused one, 512-token chunks 2% faster (the step's peak was
-# set elsewhere either way).
+# 15% slower than torch.compile's unfused one, 512-token chunks 2% faster; there the 64 MiB chunk
+# buffer sets the step's peak (tools/bench_fuse.py: 601 MiB, 569 with 128-token chunks).
 LOGITS_CHUNK_BYTES = 64 * 2**20
 MIN_CHUNK_TOKENS = 512
 

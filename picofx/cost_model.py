@@ -14,6 +14,7 @@ custom ops' scratch memory from `picofx.workspace`).
 """
 from __future__ import annotations
 
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch import fx
 
 from picofx.annotate import tensor_bytes
 from picofx.device import Device, GiB, device_for
+from picofx.kernel_order import inductor_fusion
 from picofx.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
 from picofx.workspace import workspace_bytes
 
@@ -108,15 +110,22 @@ class CostModel:
     runtime do); False keeps them all until the backward returns. `holds_outputs`: the caller
     keeps the step's outputs (logits beside the loss) alive through the backward, as
     `out = model(...); out.loss.backward()` does; by default only what the backward takes lives
-    on, as with `model(...).loss.backward()` or a loss_fn that returns the loss alone."""
+    on, as with `model(...).loss.backward()` or a loss_fn that returns the loss alone.
+    `fuses_pointwise`: the graphs run compiled by Inductor, with its fused kernels, kernel order
+    and buffer reuse (`picofx.kernel_order`); False counts every value in graph order (eager).
+    `attention_scratch`: count the scratch memory of attention kernels, which on the CPU depends
+    on the thread count and is not a polynomial in batch and sequence (`picofx.symbolic` turns
+    it off)."""
 
     def __init__(self, device: Device | torch.device | str | None = None, *, backward_frees_inputs: bool = True,
-                 holds_outputs: bool = False):
+                 holds_outputs: bool = False, fuses_pointwise: bool = False, attention_scratch: bool = True):
         if device is None or isinstance(device, (torch.device, str)):
             device = device_for(device or "cpu")
         self.device = device
         self.backward_frees_inputs = backward_frees_inputs
         self.holds_outputs = holds_outputs
+        self.fuses_pointwise = fuses_pointwise
+        self.scratch = partial(workspace_bytes, attention=attention_scratch)
 
     def node_time(self, node: fx.Node) -> float:
         """Seconds: the node is bound by compute or by memory traffic, whichever is slower."""
@@ -149,9 +158,13 @@ class CostModel:
         resident = resident_keys(fw_s)
         taken = {n.name for n in bw_s.inputs}
         held = [n for n in fw_s.outputs if n is not None and n.name not in taken] if self.holds_outputs else []
-        return (timeline(fw_s, resident, workspace=workspace_bytes),
+        if self.fuses_pointwise:
+            (fw_s, fw_fusion), (bw_s, bw_fusion) = inductor_fusion(fw_s), inductor_fusion(bw_s)
+        else:
+            fw_fusion = bw_fusion = None
+        return (timeline(fw_s, resident, workspace=self.scratch, fusion=fw_fusion),
                 timeline(bw_s, resident, frees_inputs=self.backward_frees_inputs, held=held,
-                         workspace=workspace_bytes))
+                         workspace=self.scratch, fusion=bw_fusion))
 
 
 def _schedule(graph) -> Schedule:

@@ -66,23 +66,72 @@ class Timeline:
         return self.nodes[self.live.index(self.peak)] if self.live else None
 
 
+@dataclass
+class Storages:
+    """The storages one graph touches, indexed by id, and what the simulation knows of each."""
+
+    size: list[int] = field(default_factory=list)
+    dtype: list = field(default_factory=list)
+    counted: list[bool] = field(default_factory=list)
+    last_use: list[int] = field(default_factory=list)  # step after which it is freed (-1: at once)
+    kept: set[int] = field(default_factory=set)  # never freed during the graph
+    inputs: set[int] = field(default_factory=set)
+    allocates: list[list[int]] = field(default_factory=list)  # per step, the storages it creates
+    reads: list[set[int]] = field(default_factory=list)  # per step, the storages its kernel reads
+    runs_at: list[int] = field(default_factory=list)  # per step, the step at which its kernel ends
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How a fusing compiler (Inductor) runs a schedule; see `picofx.fused_buffers`."""
+
+    in_registers: frozenset = frozenset()  # values never written to memory
+    in_place: frozenset = frozenset()  # nodes whose kernel may write into a dying input
+    kernel_end: dict = field(default_factory=dict)  # member of a fused kernel -> its last member
+    reuse: object = None  # reuse(storages, steps, fusion): lets outputs take over buffers that died
+
+
 def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool = True, held=(),
-             workspace=None) -> Timeline:
+             workspace=None, fusion: Fusion | None = None) -> Timeline:
     """Simulate a graph's execution. `resident`: storage keys that are never counted (parameters,
     buffers, the step's inputs). `frees_inputs`: the graph drops its inputs after their last
     use (boxed calling convention); otherwise they stay live until the graph returns. `held`:
     values the caller keeps alive throughout (the forward's outputs during the backward).
-    `workspace(node)`: scratch bytes the node's kernel holds while it runs, beyond its outputs."""
+    `workspace(node)`: scratch bytes the node's kernel holds while it runs, beyond its outputs.
+    `fusion`: the graph runs as a fusing compiler's kernels (values in registers, fused kernels
+    whose inputs live until they end, buffers reused)."""
     s = graph if isinstance(graph, Schedule) else schedule_of(graph)
     s = Schedule([*s.inputs, *held], s.steps, s.outputs)
-    owner: dict[fx.Node, list[int]] = {}  # node -> ids of the storages its tensors live in
-    size, counted, keys = [], [], []
+    fusion = fusion or Fusion()
+    st, owner = _storages(s, resident, fusion.in_registers)
+    st.reads, st.runs_at = _kernel_reads(s.steps, fusion.in_registers, owner, st.allocates, fusion.kernel_end)
+    st.last_use = [-1] * len(st.size)
+    for k, node in enumerate(s.steps):
+        for i in owner[node]:
+            st.last_use[i] = max(st.last_use[i], k)
+        for i in st.reads[k]:
+            st.last_use[i] = max(st.last_use[i], st.runs_at[k])
+    returned = {i for n in s.outputs if n is not None for i in owner.get(n, ())}
+    st.kept = returned | {i for n in held for i in owner[n]} | (st.inputs if not frees_inputs else set())
+    input_bytes = sum(st.size[i] for i in st.inputs if st.counted[i])
+    output_bytes = sum(st.size[i] for i in returned if st.counted[i])
+    if fusion.reuse is not None:
+        fusion.reuse(st, s.steps, fusion)
+    live, allocated_by = _live(st, s.steps, workspace)
+    return Timeline(s.steps, live, input_bytes, output_bytes, allocated_by)
 
-    def new_storage(key, nbytes: int, is_counted: bool) -> int:
+
+def _storages(s: Schedule, resident: set, in_registers) -> tuple[Storages, dict[fx.Node, list[int]]]:
+    st = Storages()
+    owner: dict[fx.Node, list[int]] = {}  # node -> ids of the storages its tensors live in
+    keys = []
+
+    def new_storage(key, t: torch.Tensor, is_counted: bool) -> int:
         keys.append(key)
-        size.append(nbytes)
-        counted.append(is_counted)
-        return len(size) - 1
+        st.size.append(t.untyped_storage().nbytes())
+        st.dtype.append(t.dtype)
+        st.counted.append(is_counted)
+        return len(st.size) - 1
 
     by_key: dict = {}
     for node in s.inputs:
@@ -90,48 +139,59 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
         for t in tensor_values(node.meta.get("val")):
             key = storage_key(t)
             if key not in by_key:
-                by_key[key] = new_storage(key, t.untyped_storage().nbytes(), key not in resident)
+                by_key[key] = new_storage(key, t, key not in resident)
             ids.append(by_key[key])
         owner[node] = ids
-    input_ids = set(range(len(size)))
-    allocates: list[list[int]] = []
+    st.inputs = set(range(len(st.size)))
     for node in s.steps:
         inputs = {keys[i]: i for arg in node.all_input_nodes for i in owner.get(arg, ())}
         ids, new = [], []
         for t in tensor_values(node.meta.get("val")):
             key = storage_key(t)
-            if key in inputs:
-                ids.append(inputs[key])
-            else:
-                inputs[key] = new_storage(key, t.untyped_storage().nbytes(), node.op != "get_attr")
-                ids.append(inputs[key])
+            if key not in inputs:
+                inputs[key] = new_storage(key, t, node.op != "get_attr" and node not in in_registers)
                 new.append(inputs[key])
+            ids.append(inputs[key])
         owner[node] = ids
-        allocates.append(new)
+        st.allocates.append(new)
+    return st, owner
 
-    last_use = [-1] * len(size)
-    for k, node in enumerate(s.steps):
-        for i in owner[node]:
-            last_use[i] = k
-        for arg in node.all_input_nodes:
-            for i in owner.get(arg, ()):
-                last_use[i] = k
-    returned = {i for n in s.outputs if n is not None for i in owner.get(n, ())}
-    kept = returned | {i for n in held for i in owner[n]} | (input_ids if not frees_inputs else set())
+
+def _live(st: Storages, steps, workspace) -> tuple[list[int], dict[str, int]]:
+    """Bytes live while each step runs, and the bytes each step allocates."""
     frees_at: dict[int, list[int]] = {}
-    for i, k in enumerate(last_use):
-        if i not in kept:
+    for i, k in enumerate(st.last_use):
+        if i not in st.kept and st.counted[i]:
             frees_at.setdefault(k, []).append(i)  # k == -1: an input nothing reads, freed at once
-
-    live_now = sum(size[i] for i in input_ids if counted[i])
-    input_bytes = live_now
-    live_now -= sum(size[i] for i in frees_at.get(-1, ()) if counted[i])
+    live_now = sum(st.size[i] for i in st.inputs if st.counted[i])
+    live_now -= sum(st.size[i] for i in frees_at.get(-1, ()))
     live, allocated_by = [], {}
-    for k, node in enumerate(s.steps):
-        allocated = sum(size[i] for i in allocates[k] if counted[i])
+    for k, node in enumerate(steps):
+        allocated = sum(st.size[i] for i in st.allocates[k] if st.counted[i])
         allocated_by[node.name] = allocated
         live_now += allocated
         live.append(live_now + (workspace(node) if workspace else 0))
-        live_now -= sum(size[i] for i in frees_at.get(k, ()) if counted[i])
-    output_bytes = sum(size[i] for i in returned if counted[i])
-    return Timeline(s.steps, live, input_bytes, output_bytes, allocated_by)
+        live_now -= sum(st.size[i] for i in frees_at.get(k, ()))
+    return live, allocated_by
+
+
+def _kernel_reads(steps, in_registers, owner, allocates, kernel_end) -> tuple[list[set[int]], list[int]]:
+    """Per step, the storages its kernel reads and the step at which that kernel ends. A value
+    kept in registers (or a view of one) is computed inside the kernels of its readers, so its
+    own inputs are read there, when the last of those runs."""
+    index = {node: k for k, node in enumerate(steps)}
+    deferred = set()
+    for k, node in enumerate(steps):
+        if node in in_registers or (not allocates[k] and any(a in deferred for a in node.all_input_nodes)):
+            deferred.add(node)
+    runs_at = [index[kernel_end[node]] if node in kernel_end else k for k, node in enumerate(steps)]
+    for k in reversed(range(len(steps))):
+        if steps[k] in deferred:
+            runs_at[k] = max((runs_at[index[u]] for u in steps[k].users if u in index), default=k)
+    reads: list[set[int]] = []
+    for node in steps:
+        ids = set()
+        for arg in node.all_input_nodes:
+            ids.update(reads[index[arg]] if arg in deferred else owner.get(arg, ()))
+        reads.append(ids)
+    return reads, runs_at

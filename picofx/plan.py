@@ -71,11 +71,14 @@ class StepPrediction:
 
 
 def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimizer=None,
-            cost_model=None) -> StepPrediction:
-    """Memory and time of one training step of `model` on `example_inputs`, after `passes`."""
+            cost_model=None, backend: str = "eager") -> StepPrediction:
+    """Memory and time of one training step of `model` on `example_inputs`, after `passes`.
+    backend="inductor" counts only the buffers Inductor's fused kernels write; the partition is
+    picofx's (everything saved unless `checkpoint` chose otherwise), so without `checkpoint` it
+    is an upper bound on Inductor's own partition, which recomputes some cheap ops."""
     from picofx.optimize import optimize
 
-    cost_model = cost_model or CostModel(_device_of(model))
+    cost_model = cost_model or CostModel(_device_of(model), fuses_pointwise=backend == "inductor")
     opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None)
     fw, bw = opt.graphs["forward"], opt.graphs["backward"]
     memory = cost_model.step_memory(fw, bw, optimizer_state_bytes(optimizer, model.parameters()))
@@ -105,17 +108,18 @@ def resize_inputs(example_inputs, batch: int, seq: int | None = None):
 
 
 def max_batch(model: nn.Module, budget, seq: int | None = None, *, example_inputs, loss_fn=None,
-              passes=(), optimizer=None, cost_model=None, limit: int = 1 << 16) -> int:
+              passes=(), optimizer=None, cost_model=None, backend: str = "eager", limit: int = 1 << 16) -> int:
     """The largest micro-batch whose predicted step peak fits `budget` ("24GiB", bytes), at
     sequence length `seq` (default: that of `example_inputs`); 0 if not even batch 1 fits.
 
-    Without passes (which may decide by size), each moment's live bytes are linear in the batch,
-    so predictions at batch 2 and 3 give the peak at every batch exactly; the answer is checked
-    by a third prediction. Otherwise, or if the check fails, it doubles and bisects on full
-    predictions."""
+    Without passes (which may decide by size), each moment's live bytes are usually linear in the
+    batch, so predictions at batch 2 and 3 give the peak at every batch; the answer is checked
+    by a third prediction. Otherwise, or if the fit or the check fails, it doubles and bisects
+    on full predictions."""
     from picofx.symbolic import fit_step
 
     budget = parse_budget(budget)
+    cost_model = cost_model or CostModel(_device_of(model), fuses_pointwise=backend == "inductor")
 
     def fits(b: int) -> bool:
         inputs = resize_inputs(example_inputs, b, seq)
@@ -123,10 +127,13 @@ def max_batch(model: nn.Module, budget, seq: int | None = None, *, example_input
                        cost_model=cost_model).memory.peak <= budget
 
     if not passes:
-        step = fit_step(model, lambda b, t: resize_inputs(example_inputs, b, seq), loss_fn=loss_fn,
-                        optimizer=optimizer, cost_model=cost_model, vary_seq=False)
-        guess = step.largest_batch(budget, limit)
-        if guess == 0 or fits(guess):
+        try:
+            step = fit_step(model, lambda b, t: resize_inputs(example_inputs, b, seq), loss_fn=loss_fn,
+                            optimizer=optimizer, cost_model=cost_model, vary_seq=False)
+        except ValueError:  # not linear in the batch (attention scratch, Inductor's buffer reuse)
+            step = None
+        guess = step.largest_batch(budget, limit) if step else None
+        if guess == 0 or (guess and fits(guess)):
             return guess
     low, high = 0, 1  # fits(low) (0 by convention); grow high until it does not fit
     while high <= limit and fits(high):

@@ -83,7 +83,7 @@ def fit_step(model, make_inputs: Callable[[int, int], object], *, sizes=None, ch
     sizes = sizes or (SIZES_BT if vary_seq else ((2, 0), (3, 0)))
     check = check if check is not None else (CHECK_BT if vary_seq else None)
     monomials = _monomials(vary_seq)
-    cost_model = cost_model or CostModel("cpu")
+    cost_model = cost_model or CostModel("cpu", attention_scratch=False)
     samples = []
     for b, t in [*sizes, *([check] if check else [])]:
         p = predict(model, make_inputs(b, t), loss_fn=loss_fn, passes=passes, optimizer=optimizer,

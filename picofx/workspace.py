@@ -1,8 +1,9 @@
 """Scratch memory that an op's kernel allocates beyond its outputs, measured once per shape.
 
 ATen ops in picofx's graphs are decomposed far enough that their temporaries are graph values
-the liveness simulation already counts. Custom ops (the fused kernels in picofx.kernels) are
-single nodes whose kernels may allocate internally (fp32 copies, chunk buffers). For those the
+the liveness simulation already counts, except attention. Attention kernels and custom ops
+(the fused kernels in picofx.kernels) are single nodes whose kernels may allocate internally
+(fp32 accumulators, chunk buffers). For those the
 cost model runs the op once on random inputs of the node's shapes, on the CPU, and takes the
 peak it allocates minus the bytes of its outputs. Inputs larger than `limit` bytes are not
 materialised; such nodes count as having no scratch memory.
@@ -21,8 +22,11 @@ from picofx.memory import peak_allocated_during
 _cache: dict[tuple, int] = {}
 
 
-def _is_custom(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in ("aten", "prims")
+def _allocates_scratch(node: fx.Node, attention: bool) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.namespace not in ("aten", "prims") or (attention and target.name().startswith("aten::_scaled_dot_product"))
 
 
 def _real(value):
@@ -37,9 +41,10 @@ def _arg(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
-def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20) -> int:
-    """Bytes the node's kernel holds at its peak beyond its outputs (0 for ATen ops)."""
-    if node.op != "call_function" or not _is_custom(node):
+def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20, attention: bool = True) -> int:
+    """Bytes the node's kernel holds at its peak beyond its outputs (0 for decomposed ATen ops,
+    and for kernels that cannot run on the CPU)."""
+    if node.op != "call_function" or not _allocates_scratch(node, attention):
         return 0
     args = fx.node.map_aggregate(node.args, _arg)
     kwargs = fx.node.map_aggregate(node.kwargs, _arg)
@@ -54,6 +59,9 @@ def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20) -> int:
             with torch.no_grad(), unset_fake_temporarily():
                 real_args = pytree.tree_map(_real, args)
                 real_kwargs = pytree.tree_map(_real, kwargs)
-                peak = peak_allocated_during(lambda: node.target(*real_args, **real_kwargs))
+                try:
+                    peak = peak_allocated_during(lambda: node.target(*real_args, **real_kwargs))
+                except (RuntimeError, NotImplementedError):  # a GPU-only kernel
+                    peak = outputs
             _cache[key] = max(peak - outputs, 0)
     return _cache[key]

@@ -1,0 +1,104 @@
+"""How Inductor's generated code reuses buffers, for the cost model's liveness.
+
+Two rules, both from Inductor's code generation, change what a graph holds at a time:
+- In place: a loop kernel writes an output into an input buffer of the same size whose last
+  reader it is, when no other part of its fused kernel still reads that input
+  (`torch._inductor.scheduler.BaseSchedulerNode.decide_inplace_update`).
+- Free list: a buffer Inductor allocated is not freed after its last use but kept for the next
+  allocation of the same size and dtype (`torch._inductor.codegen.wrapper.AllocateLine.plan`),
+  so it stays live until then. Graph inputs and the outputs of fallback kernels (ops Inductor
+  calls as they are, like attention) never join the free list, and fallback kernels allocate
+  their own outputs. Inductor keeps a buffer only while its own peak estimate (every buffer
+  from its kernel to its last reader, no reuse) stays at or below that estimate's maximum; that
+  estimate lies above the real peak, and the model here keeps every such buffer, which can
+  only count more bytes than Inductor holds.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from picofx.liveness import Fusion, Storages
+
+
+def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset()) -> None:
+    """Apply both rules to `st`: reused outputs stop being counted and the buffer they take over
+    lives on in their place. `allocates_itself`: the steps that are fallback kernels."""
+    rewritten = _reuse_dying_inputs(st, steps, fusion)
+    _reuse_freed(st, steps, allocates_itself, rewritten)
+
+
+def _read_by_kernel_mates(st: Storages, steps, kernel_end: dict) -> dict[int, set[int]]:
+    """Per step in a fused kernel, the storages read by the kernel's other members, except by
+    those that feed this step."""
+    index = {node: k for k, node in enumerate(steps)}
+    kernels: dict = defaultdict(list)
+    for node, end in kernel_end.items():
+        kernels[end].append(index[node])
+    shared = {}
+    for members in kernels.values():
+        first = min(members)
+        for k in members:
+            feeding, stack = set(), [steps[k]]
+            while stack:
+                for arg in stack.pop().all_input_nodes:
+                    if index.get(arg, -1) >= first and arg not in feeding:
+                        feeding.add(arg)
+                        stack.append(arg)
+            shared[k] = set().union(*(st.reads[m] for m in members if m != k and steps[m] not in feeding))
+    return shared
+
+
+def _take_over(st: Storages, new: int, old: int) -> None:
+    """Storage `new` is written into `old`: `old` lives as long as `new` would have."""
+    st.counted[new] = False
+    st.last_use[old] = st.last_use[new]
+    if new in st.kept:
+        st.kept.add(old)
+
+
+def _reuse_dying_inputs(st: Storages, steps, fusion: Fusion) -> set[int]:
+    """Returns the storages that took an output in place."""
+    shared = _read_by_kernel_mates(st, steps, fusion.kernel_end)
+    taken_by: dict[int, int] = {}
+
+    def buffer(i: int) -> int:
+        while i in taken_by:
+            i = taken_by[i]
+        return i
+
+    for k, node in enumerate(steps):
+        if node not in fusion.in_place:
+            continue
+        dying = [j for j in sorted({buffer(j) for j in st.reads[k]})
+                 if st.last_use[j] == st.runs_at[k] and j not in st.kept and st.counted[j]
+                 and j not in shared.get(k, ())]
+        for i in st.allocates[k]:
+            j = next((j for j in dying if st.size[j] == st.size[i]), None) if st.counted[i] else None
+            if j is not None:
+                dying.remove(j)
+                taken_by[i] = j
+                _take_over(st, i, j)
+    return set(taken_by.values())
+
+
+def _reuse_freed(st: Storages, steps, allocates_itself, rewritten: set[int]) -> None:
+    """`rewritten`: storages an output took over in place; an input among them is then freed
+    as that output, onto the free list."""
+    own = {i for k, node in enumerate(steps) if node in allocates_itself for i in st.allocates[k]}
+    frees_at: dict[int, list[int]] = defaultdict(list)
+    for i, k in enumerate(st.last_use):
+        if st.counted[i] and i not in st.kept and i not in own and (i not in st.inputs or i in rewritten):
+            frees_at[k].append(i)
+    free_list: dict[tuple, list[int]] = defaultdict(list)  # (size, dtype) -> storages, last freed last
+    for k, node in enumerate(steps):
+        for i in st.allocates[k] if node not in allocates_itself else ():
+            key = (st.size[i], st.dtype[i])
+            if not st.counted[i] or not free_list[key]:
+                continue
+            j = free_list[key].pop()
+            _take_over(st, i, j)
+            if j not in st.kept:
+                frees_at[st.last_use[j]].append(j)
+        for j in frees_at.pop(k, ()):
+            if st.counted[j] and st.last_use[j] == k:
+                free_list[(st.size[j], st.dtype[j])].append(j)

@@ -1,0 +1,176 @@
+"""The order in which Inductor runs a graph's kernels, for the cost model's liveness.
+
+Inductor's scheduler fuses two loop kernels (pointwise or reduction nodes that write a buffer)
+when they have the same iteration size and touch a common buffer (both read it, or one writes
+what the other reads), unless a node outside the pair depends on one and feeds the other (the
+fusion would make a cycle). It then sorts the fused kernels by their first member's place and
+moves what each depends on before it. So a fused kernel runs where its first member stood, all
+its outputs are live at once and its inputs until it ends: fusing two kernels that read the
+same buffer far apart (a recomputed activation and a gradient, say) can raise the peak above the
+graph order's. The rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
+`will_fusion_create_cycle`, `topological_sort_schedule`), with its limits on how far apart two
+readers of a buffer may be and on how many nodes one kernel may hold.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import partial
+
+import torch
+from networkx.utils import UnionFind
+from torch import fx
+
+from picofx.buffer_reuse import reuse_buffers
+from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_fallback, is_pointwise,
+                                  unmaterialized)
+from picofx.liveness import Fusion, Schedule, tensor_values
+
+aten = torch.ops.aten
+LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
+PAIR_WINDOW = 64  # torch._inductor.config.max_fusion_buffer_group_pairwise_attempts
+MAX_MEMBERS = 64  # torch._inductor.config.max_fusion_size
+
+
+def _is_loop(node: fx.Node, in_registers) -> bool:
+    if node.op != "call_function" or node in in_registers:
+        return False
+    return (is_pointwise(node) or node.target in REDUCTIONS or node.target in FACTORIES
+            or node.target in LOOP_READERS)
+
+
+def _iteration_size(node: fx.Node) -> int:
+    """Elements a kernel loops over: a reduction loops over its input, anything else its output."""
+    source = node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node
+    values = tensor_values(source.meta.get("val"))
+    return math.prod(values[0].shape) if values else 0
+
+
+def _buffers_read(node: fx.Node, transparent, memo: dict) -> set[fx.Node]:
+    """The nodes whose buffers `node`'s kernel loads, seen through views and inlined values."""
+    if node not in memo:
+        found = set()
+        for arg in node.all_input_nodes:
+            found |= _buffers_read(arg, transparent, memo) if arg in transparent else {arg}
+        memo[node] = found
+    return memo[node]
+
+
+def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
+    """Groups of steps Inductor runs as one kernel (only groups of two or more), each in step order."""
+    steps = schedule.steps
+    index = {node: k for k, node in enumerate(steps)}
+    transparent = set(in_registers) | {n for n in steps if n.target in VIEWS}
+    loops = [n for n in steps if _is_loop(n, in_registers)]
+    memo: dict = {}
+    accessors: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in loops:
+        accessors[node].append(node)
+        for buffer in _buffers_read(node, transparent, memo):
+            accessors[buffer].append(node)
+    size = {node: _iteration_size(node) for node in loops}
+    pairs = set()
+    for buffer, nodes in accessors.items():
+        for i, a in enumerate(nodes):
+            pairs.update((a, b) for b in nodes[i + 1:i + 1 + PAIR_WINDOW] if a is not b and size[a] == size[b])
+    groups = UnionFind()
+    members = {node: [node] for node in loops}
+    between = _kernels_between(steps, transparent)
+    for a, b in sorted(pairs, key=lambda p: (index[p[0]], index[p[1]])):
+        ra, rb = groups[a], groups[b]
+        if ra is rb or len(members[ra]) + len(members[rb]) > MAX_MEMBERS:
+            continue
+        union = members[ra] + members[rb]
+        if between(union):
+            continue
+        groups.union(ra, rb)
+        members[groups[a]] = union
+    return [sorted(m, key=index.__getitem__) for root, m in members.items()
+            if groups[root] is root and len(m) > 1]
+
+
+def _kernels_between(steps, transparent):
+    """`between(nodes)`: whether a node that is not inlined (an extern kernel, or a loop kernel
+    of its own) depends on one of `nodes` and feeds another, so fusing them would make a cycle.
+    Ancestors and descendants are bitsets over the steps, computed once per graph. (Inductor
+    also counts paths through kernels fused earlier; those are rare and not modelled.)"""
+    index = {node: k for k, node in enumerate(steps)}
+    above, below = [0] * len(steps), [0] * len(steps)
+    for k, node in enumerate(steps):
+        for arg in node.all_input_nodes:
+            if arg in index:
+                above[k] |= above[index[arg]] | 1 << index[arg]
+    for k in reversed(range(len(steps))):
+        for user in steps[k].users:
+            if user in index:
+                below[k] |= below[index[user]] | 1 << index[user]
+    kernels = sum(1 << k for k, node in enumerate(steps) if node not in transparent)
+
+    def between(nodes) -> bool:
+        own = sum(1 << index[n] for n in nodes)
+        after = before = 0
+        for n in nodes:
+            after |= below[index[n]]
+            before |= above[index[n]]
+        return bool(after & before & kernels & ~own)
+
+    return between
+
+
+def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, fx.Node]]:
+    """The schedule reordered as Inductor runs it, and for each member of a fused kernel the
+    kernel's last member (the step where the kernel ends: its inputs live until there).
+    Views and inlined values are no kernels of their own: each goes just before its first reader."""
+    steps = schedule.steps
+    index = {node: k for k, node in enumerate(steps)}
+    transparent = set(in_registers) | {n for n in steps if n.target in VIEWS}
+    unit_of = {node: (node,) for node in steps if node not in transparent}
+    for group in fused_kernels(schedule, in_registers):
+        for node in group:
+            unit_of[node] = tuple(group)
+    order, emitted, opened, done = [], set(), set(), set()
+
+    def kernel_inputs(node: fx.Node, seen: set) -> set[fx.Node]:
+        found = set()
+        for arg in node.all_input_nodes:
+            if arg in index and arg not in emitted and arg not in seen:
+                seen.add(arg)
+                found |= kernel_inputs(arg, seen) if arg in transparent else {arg}
+        return found
+
+    def emit(node: fx.Node) -> None:  # a node after its views and inlined inputs
+        for arg in node.all_input_nodes:
+            if arg in transparent and arg in index and arg not in emitted:
+                emit(arg)
+        emitted.add(node)
+        order.append(node)
+
+    for node in steps:  # units by their first member; a unit's dependencies go first
+        stack = [(unit_of.get(node), False)] if node not in transparent else []
+        while stack:
+            unit, expanded = stack.pop()
+            if unit in done or (unit in opened and not expanded):  # opened twice: only a cycle does that
+                continue
+            if expanded:
+                done.add(unit)
+                for member in unit:
+                    emit(member)
+                continue
+            opened.add(unit)
+            stack.append((unit, True))
+            deps = {unit_of[a] for n in unit for a in kernel_inputs(n, set())} - done - {unit}
+            stack.extend((d, False) for d in sorted(deps, key=lambda u: index[u[0]], reverse=True))
+    for node in steps:
+        if node not in emitted:
+            emit(node)
+    last_of = {n: unit[-1] for n, unit in unit_of.items() if len(unit) > 1}
+    return Schedule(schedule.inputs, order, schedule.outputs), last_of
+
+
+def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
+    """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
+    in_registers = unmaterialized(schedule)
+    ordered, kernel_end = kernel_order(schedule, in_registers)
+    fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
+    return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
+                           partial(reuse_buffers, allocates_itself=fallbacks))

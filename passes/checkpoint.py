@@ -186,6 +186,7 @@ class Checkpoint:
     budget: int | str | float | None = None
     optimizer: object = None
     stage = Stage.JOINT
+    plans_partition = True  # its peak is predicted for picofx's partition, used even when it tags nothing
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         _clear_own_tags(gm)

@@ -119,8 +119,14 @@ class _PostGradHook(_JointHook):
 
 
 class _Partitioner(CustomPartitionerFn):
+    """picofx's partition where a pass planned memory for it (it saves what the backward reads,
+    recomputes what is tagged); Inductor's min-cut partition otherwise."""
+
+    def __init__(self, manager: PassManager):
+        self.planned = any(getattr(p, "plans_partition", False) for p in manager.passes)
+
     def __call__(self, gm, joint_inputs, **kwargs):
-        if has_recompute_tags(gm):
+        if self.planned or has_recompute_tags(gm):
             kwargs.pop("compiler", None)
             return partition(gm, joint_inputs, **kwargs)
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
@@ -151,7 +157,7 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
-            hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(),
+            hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
             with inductor_config.patch(hooks):
                 fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))

@@ -126,10 +126,10 @@ def time_steps(contenders: list[Contender], steps: int) -> None:
               flush=True)
 
 
-def smallest_feasible(model, inputs) -> int:
+def smallest_feasible(model, inputs, backend: str) -> int:
     """The smallest peak picofx's checkpoint reaches, as its error for an impossible budget says."""
     try:
-        picofx.optimize(copy.deepcopy(model), inputs, [Checkpoint(budget=1e-3)], backend="eager",
+        picofx.optimize(copy.deepcopy(model), inputs, [Checkpoint(budget=1e-3)], backend=backend,
                         loss_fn=causal_lm_loss, verify=None)
     except PassError as e:
         if isinstance(e.__cause__, BudgetError):
@@ -186,8 +186,8 @@ def main(argv=None) -> dict:
     others = [eager(model, inputs, per_layer=False), eager(model, inputs, per_layer=True)]
     others += [torch_budget(model, inputs, float(f), args.backend) for f in args.torch_budgets.split(",")]
     measure_peaks(others, inputs)
-    smallest = smallest_feasible(model, inputs)
-    base = predict(model, inputs, loss_fn=causal_lm_loss).memory.peak
+    smallest = smallest_feasible(model, inputs, args.backend)
+    base = predict(model, inputs, loss_fn=causal_lm_loss, backend=args.backend).memory.peak
     budgets = sorted({smallest, *(int(f * base) for f in (0.6, 0.7, 0.8, 0.9)),
                       *(c.row["peak"] for c in others if c.name != "eager")})
     mine, rows = [], []

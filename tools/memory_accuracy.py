@@ -1,12 +1,13 @@
 """How close the cost model's peak-memory prediction is to the measured peak, with `checkpoint`.
 
-    python tools/memory_accuracy.py [--sizes tiny,small,smollm-135m] [--json memory_accuracy.json]
+    python tools/memory_accuracy.py [--sizes tiny,small,smollm-135m] [--backend eager|inductor]
 
 For the reference LLaMA and Hugging Face Llama at each size, three budgets across what
 `checkpoint` can reach: its smallest peak, and 50% and 90% of the way from there to the peak
 without checkpointing.
-Each runs `picofx.optimize(..., backend="eager")`; the predicted peak is the pass's, the
-measured one `picofx.memory.measure_peak` of a training step (live tensor bytes, CPU).
+Each runs `picofx.optimize(..., backend=...)`; the predicted peak is the pass's, the
+measured one `picofx.memory.measure_peak` of a training step (live tensor bytes, CPU). With
+inductor, the cost model counts only the buffers Inductor's fused kernels write.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def _loss(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def measured_peak(z, passes) -> tuple[int, dict]:
-    opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn)
+def measured_peak(z, passes, backend="eager") -> tuple[int, dict]:
+    opt = picofx.optimize(z.model, z.example_inputs, passes, backend=backend, loss_fn=z.loss_fn)
 
     def step():
         z.model.zero_grad(set_to_none=True)
@@ -46,9 +47,9 @@ def measured_peak(z, passes) -> tuple[int, dict]:
     return measure_peak(step, resident=(z.model, z.example_inputs)), {**record.notes, "pass_seconds": record.seconds}
 
 
-def smallest_peak(z) -> int:
+def smallest_peak(z, backend="eager") -> int:
     try:
-        picofx.optimize(z.model, z.example_inputs, [Checkpoint(budget=1e-3)], backend="eager",
+        picofx.optimize(z.model, z.example_inputs, [Checkpoint(budget=1e-3)], backend=backend,
                         loss_fn=z.loss_fn, verify=None)
     except PassError as e:
         if isinstance(e.__cause__, BudgetError):
@@ -61,6 +62,7 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,small,smollm-135m")
     parser.add_argument("--families", default="llama,hf-llama")
+    parser.add_argument("--backend", choices=["eager", "inductor"], default="eager")
     parser.add_argument("--json", default="bench_out/memory_accuracy.json")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -71,10 +73,10 @@ def main(argv=None) -> list[dict]:
         for size in args.sizes.split(","):
             batch, seq = SHAPES[size]
             z = FAMILIES[family](size, batch, seq)
-            none = predict(z.model, z.example_inputs, loss_fn=z.loss_fn).memory.peak
-            low = smallest_peak(z)
+            none = predict(z.model, z.example_inputs, loss_fn=z.loss_fn, backend=args.backend).memory.peak
+            low = smallest_peak(z, args.backend)
             for budget in (low + int(f * (none - low)) for f in (0.0, 0.5, 0.9)):
-                measured, notes = measured_peak(z, [Checkpoint(budget=budget)])
+                measured, notes = measured_peak(z, [Checkpoint(budget=budget)], args.backend)
                 predicted = notes["peak_after"]
                 row = {"model": family, "size": size, "batch": batch, "seq": seq, "budget": budget,
                        "predicted": predicted, "measured": measured, "error": predicted / measured - 1,

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from picofx.cost_model import CostModel, StepMemory, format_bytes, is_alias, optimizer_state_bytes, resident_keys
 from picofx.liveness import storage_key, tensor_values
 from picofx.partition import forward_region, predict_partition
-from picofx.pass_manager import Context, PassResult, Stage, register_pass
+from picofx.pass_manager import Context, PassError, PassResult, Stage, register_pass
 from picofx.plan import BudgetError, parse_budget
 from picofx.recompute import Segment, analyze, module_path
 
@@ -264,6 +264,20 @@ class Checkpoint:
             else:
                 text += f"not even batch 1 fits: it needs about {format_bytes(fixed + per_sample)}"
         return BudgetError(text + ".", smallest.peak, fits)
+
+
+def smallest_peak(model, example_inputs, *, loss_fn=None, backend: str = "eager") -> int:
+    """The smallest step peak (bytes) `checkpoint` reaches on `model`, as its error for an
+    impossible budget reports it."""
+    from picofx.optimize import optimize
+
+    try:
+        optimize(model, example_inputs, [Checkpoint(budget=1e-3)], backend=backend, loss_fn=loss_fn, verify=None)
+    except PassError as e:
+        if isinstance(e.__cause__, BudgetError):
+            return e.__cause__.smallest_peak
+        raise
+    raise RuntimeError("a budget of 0.1% of the peak was met: the step has no activations to speak of")
 
 
 def per_layer(chosen: Prediction, planner: Planner) -> dict[str, dict[str, list[str]]]:

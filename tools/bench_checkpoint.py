@@ -38,7 +38,8 @@ from picofx.examples.zoo import token_batch
 from picofx.memory import measure_peak
 from picofx.pass_manager import PassError
 from picofx.passes import Checkpoint
-from picofx.plan import BudgetError, predict
+from picofx.passes.checkpoint import smallest_peak
+from picofx.plan import predict
 
 BENCH = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
@@ -126,18 +127,6 @@ def time_steps(contenders: list[Contender], steps: int) -> None:
               flush=True)
 
 
-def smallest_feasible(model, inputs, backend: str) -> int:
-    """The smallest peak picofx's checkpoint reaches, as its error for an impossible budget says."""
-    try:
-        picofx.optimize(copy.deepcopy(model), inputs, [Checkpoint(budget=1e-3)], backend=backend,
-                        loss_fn=causal_lm_loss, verify=None)
-    except PassError as e:
-        if isinstance(e.__cause__, BudgetError):
-            return e.__cause__.smallest_peak
-        raise
-    raise RuntimeError("a budget of 0.1% of the peak was met: the step has no activations to speak of")
-
-
 def compare(rows: list[dict]) -> list[dict]:
     """Each torch/per-layer contender against the fastest picofx run whose measured peak is no
     higher (picofx ran at a budget equal to each contender's peak, so there is one)."""
@@ -186,7 +175,7 @@ def main(argv=None) -> dict:
     others = [eager(model, inputs, per_layer=False), eager(model, inputs, per_layer=True)]
     others += [torch_budget(model, inputs, float(f), args.backend) for f in args.torch_budgets.split(",")]
     measure_peaks(others, inputs)
-    smallest = smallest_feasible(model, inputs, args.backend)
+    smallest = smallest_peak(copy.deepcopy(model), inputs, loss_fn=causal_lm_loss, backend=args.backend)
     base = predict(model, inputs, loss_fn=causal_lm_loss, backend=args.backend).memory.peak
     budgets = sorted({smallest, *(int(f * base) for f in (0.6, 0.7, 0.8, 0.9)),
                       *(c.row["peak"] for c in others if c.name != "eager")})

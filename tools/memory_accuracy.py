@@ -22,9 +22,9 @@ import picofx
 from picofx.cost_model import format_bytes
 from picofx.examples import zoo
 from picofx.memory import measure_peak
-from picofx.pass_manager import PassError
 from picofx.passes import Checkpoint
-from picofx.plan import BudgetError, predict
+from picofx.passes.checkpoint import smallest_peak
+from picofx.plan import predict
 
 SHAPES = {"tiny": (4, 64), "small": (4, 256), "smollm-135m": (2, 256)}  # (batch, seq) per size
 FAMILIES = {"llama": zoo.reference_llama, "hf-llama": zoo.hf_llama}
@@ -47,17 +47,6 @@ def measured_peak(z, passes, backend="eager") -> tuple[int, dict]:
     return measure_peak(step, resident=(z.model, z.example_inputs)), {**record.notes, "pass_seconds": record.seconds}
 
 
-def smallest_peak(z, backend="eager") -> int:
-    try:
-        picofx.optimize(z.model, z.example_inputs, [Checkpoint(budget=1e-3)], backend=backend,
-                        loss_fn=z.loss_fn, verify=None)
-    except PassError as e:
-        if isinstance(e.__cause__, BudgetError):
-            return e.__cause__.smallest_peak
-        raise
-    raise RuntimeError("a budget of 0.1% was met")
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,small,smollm-135m")
@@ -74,7 +63,7 @@ def main(argv=None) -> list[dict]:
             batch, seq = SHAPES[size]
             z = FAMILIES[family](size, batch, seq)
             none = predict(z.model, z.example_inputs, loss_fn=z.loss_fn, backend=args.backend).memory.peak
-            low = smallest_peak(z, args.backend)
+            low = smallest_peak(z.model, z.example_inputs, loss_fn=z.loss_fn, backend=args.backend)
             for budget in (low + int(f * (none - low)) for f in (0.0, 0.5, 0.9)):
                 measured, notes = measured_peak(z, [Checkpoint(budget=budget)], args.backend)
                 predicted = notes["peak_after"]

@@ -8,14 +8,15 @@ one is named. On top of that the forward graph's live storages grow and shrink u
 the loss and the saved activations (its outputs beyond the user outputs); the backward graph
 starts from those, frees each after its last use and produces the gradients, which stay.
 The step's peak is resident + optimizer state + the larger of the two graphs' peaks, each
-from `picofx.liveness` (exact storage liveness over the execution order, views resolved; fused
-custom ops' scratch memory from `picofx.workspace`).
+from `picofx.liveness` (exact storage liveness over the execution order, views resolved; the
+scratch memory of custom ops and attention kernels from `picofx.workspace`). Under Inductor the
+order, the buffers and their reuse are those of its generated code (`picofx.kernel_order`).
 `picofx.memory.measure_peak` measures the same quantity.
 """
 from __future__ import annotations
 
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import fx
@@ -126,6 +127,11 @@ class CostModel:
         self.holds_outputs = holds_outputs
         self.fuses_pointwise = fuses_pointwise
         self.scratch = partial(workspace_bytes, attention=attention_scratch)
+
+    @classmethod
+    def for_backend(cls, device, backend: str) -> CostModel:
+        """The default model for graphs that `backend` ("eager" or "inductor") runs on `device`."""
+        return cls(device, fuses_pointwise=backend == "inductor")
 
     def node_time(self, node: fx.Node) -> float:
         """Seconds: the node is bound by compute or by memory traffic, whichever is slower."""

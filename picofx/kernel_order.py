@@ -56,11 +56,16 @@ def _buffers_read(node: fx.Node, transparent, memo: dict) -> set[fx.Node]:
     return memo[node]
 
 
+def _inlined(steps, in_registers) -> set[fx.Node]:
+    """Steps that are no kernel of their own: values in registers and views."""
+    return set(in_registers) | {n for n in steps if n.target in VIEWS}
+
+
 def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
     """Groups of steps Inductor runs as one kernel (only groups of two or more), each in step order."""
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
-    transparent = set(in_registers) | {n for n in steps if n.target in VIEWS}
+    transparent = _inlined(steps, in_registers)
     loops = [n for n in steps if _is_loop(n, in_registers)]
     memo: dict = {}
     accessors: dict[fx.Node, list[fx.Node]] = defaultdict(list)
@@ -123,7 +128,7 @@ def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.No
     Views and inlined values are no kernels of their own: each goes just before its first reader."""
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
-    transparent = set(in_registers) | {n for n in steps if n.target in VIEWS}
+    transparent = _inlined(steps, in_registers)
     unit_of = {node: (node,) for node in steps if node not in transparent}
     for group in fused_kernels(schedule, in_registers):
         for node in group:

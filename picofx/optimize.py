@@ -70,7 +70,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     inputs = graph_inputs(signature, model, args, kwargs)
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend, options=dict(options),
-                  cost_model=cost_model or CostModel(device, fuses_pointwise=backend == "inductor"))
+                  cost_model=cost_model or CostModel.for_backend(device, backend))
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:

@@ -73,12 +73,13 @@ class StepPrediction:
 def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimizer=None,
             cost_model=None, backend: str = "eager") -> StepPrediction:
     """Memory and time of one training step of `model` on `example_inputs`, after `passes`.
-    backend="inductor" counts only the buffers Inductor's fused kernels write; the partition is
-    picofx's (everything saved unless `checkpoint` chose otherwise), so without `checkpoint` it
-    is an upper bound on Inductor's own partition, which recomputes some cheap ops."""
+    backend="inductor" follows Inductor's generated code (fused kernels, their order, buffer
+    reuse: `picofx.kernel_order`); the partition is picofx's (everything saved unless
+    `checkpoint` chose otherwise), so without `checkpoint` it is an upper bound on Inductor's own
+    partition, which recomputes some cheap ops."""
     from picofx.optimize import optimize
 
-    cost_model = cost_model or CostModel(_device_of(model), fuses_pointwise=backend == "inductor")
+    cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
     opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None)
     fw, bw = opt.graphs["forward"], opt.graphs["backward"]
     memory = cost_model.step_memory(fw, bw, optimizer_state_bytes(optimizer, model.parameters()))
@@ -119,7 +120,7 @@ def max_batch(model: nn.Module, budget, seq: int | None = None, *, example_input
     from picofx.symbolic import fit_step
 
     budget = parse_budget(budget)
-    cost_model = cost_model or CostModel(_device_of(model), fuses_pointwise=backend == "inductor")
+    cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
 
     def fits(b: int) -> bool:
         inputs = resize_inputs(example_inputs, b, seq)

@@ -11,8 +11,7 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from picofx.annotate import fake_mode_of
-from picofx.annotate import common_module_path
+from picofx.annotate import common_module_path, fake_mode_of
 from picofx.rule_matcher import Match, NearMiss, find_matches
 from picofx.rules import Rule
 

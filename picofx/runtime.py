@@ -5,8 +5,9 @@ backend="eager":    aot_autograd(fw_compiler, bw_compiler, partition_fn) runs ev
 backend="inductor": Inductor's own hooks run the same stages (joint_custom_post_pass,
                     custom_partitioner_fn, post_grad_custom_post_pass), then Inductor generates code.
 Both partition with picofx.partition (torch's `default_partition`, which honours `recompute`
-tags exactly) when a joint pass tagged nodes for recomputation; otherwise Inductor keeps its
-min-cut partitioner and eager saves what the forward computed.
+tags exactly) when a joint pass tagged nodes for recomputation or planned memory for that
+partition (`plans_partition`, as `checkpoint` does); otherwise Inductor keeps its min-cut
+partitioner and eager saves what the forward computed.
 """
 from __future__ import annotations
 

@@ -6,25 +6,66 @@ Two rules, both from Inductor's code generation, change what a graph holds at a 
   (`torch._inductor.scheduler.BaseSchedulerNode.decide_inplace_update`).
 - Free list: a buffer Inductor allocated is not freed after its last use but kept for the next
   allocation of the same size and dtype (`torch._inductor.codegen.wrapper.AllocateLine.plan`),
-  so it stays live until then. Graph inputs and the outputs of fallback kernels (ops Inductor
-  calls as they are, like attention) never join the free list, and fallback kernels allocate
-  their own outputs. Inductor keeps a buffer only while its own peak estimate (every buffer
-  from its kernel to its last reader, no reuse) stays at or below that estimate's maximum; that
-  estimate lies above the real peak, and the model here keeps every such buffer, which can
-  only count more bytes than Inductor holds.
+  so it stays live until then. Graph inputs never join the free list; fallback kernels (ops
+  Inductor calls as they are, like attention) allocate their own outputs, which join the free
+  list once they die. Inductor keeps a buffer for a later kernel only when that keeps its own
+  peak estimate at or below the estimate's maximum (`AllocateLine.should_reuse_buffer`); the
+  estimate counts, per kernel, every buffer from the kernel that writes it to its last reader,
+  with no reuse (`torch._inductor.memory.estimate_peak_memory`), and each buffer kept adds its
+  size to the kernels it is kept across.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from picofx.liveness import Fusion, Storages
+import torch
+
+from picofx.liveness import Fusion, Storages, _live
 
 
 def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset()) -> None:
     """Apply both rules to `st`: reused outputs stop being counted and the buffer they take over
     lives on in their place. `allocates_itself`: the steps that are fallback kernels."""
+    estimate = _PeakEstimate(st, steps, fusion.kernel_index)
     rewritten = _reuse_dying_inputs(st, steps, fusion)
-    _reuse_freed(st, steps, allocates_itself, rewritten)
+    _reuse_freed(st, steps, allocates_itself, rewritten, estimate)
+
+
+def _input_reads(st: Storages, steps) -> list[int]:
+    """Storage sizes as Inductor's estimate counts them: a graph input read through a broadcast
+    counts as many bytes as the broadcast reads (`torch._inductor.graph.get_dep_size_hint`)."""
+    size = list(st.size)
+    for k, node in enumerate(steps):
+        if node.target is torch.ops.aten.expand.default:
+            val = node.meta["val"]
+            for i in st.reads[k] & st.inputs:
+                size[i] = max(size[i], val.numel() * val.element_size())
+    return size
+
+
+class _PeakEstimate:
+    """Inductor's estimate of the bytes live at each kernel, before any reuse, and its rule for
+    keeping a freed buffer until a later kernel allocates one of the same size."""
+
+    def __init__(self, st: Storages, steps, kernel_index: dict):
+        counted = [c or i in st.kernel_local for i, c in enumerate(st.counted)]
+        live, _ = _live(st, steps, None, counted, _input_reads(st, steps))
+        self.kernel = [kernel_index.get(node, k) for k, node in enumerate(steps)]
+        self.per_kernel = [0] * (max(self.kernel, default=0) + 1)
+        for k, bytes_live in zip(self.kernel, live):
+            self.per_kernel[k] = max(self.per_kernel[k], bytes_live)
+        self.peak = max(self.per_kernel)
+
+    def keep(self, size: int, freed_at: int, wanted_at: int) -> bool:
+        """Whether a buffer freed after step `freed_at` is kept for an allocation at `wanted_at`."""
+        first, stop = self.kernel[freed_at] + 1, self.kernel[wanted_at]
+        if first >= stop:
+            return True
+        if size + max(self.per_kernel[first:stop]) > self.peak:
+            return False
+        for k in range(first, stop):
+            self.per_kernel[k] += size
+        return True
 
 
 def _read_by_kernel_mates(st: Storages, steps, kernel_end: dict) -> dict[int, set[int]]:
@@ -81,13 +122,12 @@ def _reuse_dying_inputs(st: Storages, steps, fusion: Fusion) -> set[int]:
     return set(taken_by.values())
 
 
-def _reuse_freed(st: Storages, steps, allocates_itself, rewritten: set[int]) -> None:
+def _reuse_freed(st: Storages, steps, allocates_itself, rewritten: set[int], estimate: _PeakEstimate) -> None:
     """`rewritten`: storages an output took over in place; an input among them is then freed
     as that output, onto the free list."""
-    own = {i for k, node in enumerate(steps) if node in allocates_itself for i in st.allocates[k]}
     frees_at: dict[int, list[int]] = defaultdict(list)
     for i, k in enumerate(st.last_use):
-        if st.counted[i] and i not in st.kept and i not in own and (i not in st.inputs or i in rewritten):
+        if st.counted[i] and i not in st.kept and (i not in st.inputs or i in rewritten):
             frees_at[k].append(i)
     free_list: dict[tuple, list[int]] = defaultdict(list)  # (size, dtype) -> storages, last freed last
     for k, node in enumerate(steps):
@@ -95,7 +135,10 @@ def _reuse_freed(st: Storages, steps, allocates_itself, rewritten: set[int]) -> 
             key = (st.size[i], st.dtype[i])
             if not st.counted[i] or not free_list[key]:
                 continue
-            j = free_list[key].pop()
+            j = free_list[key][-1]
+            if not estimate.keep(st.size[i], st.last_use[j], k):
+                continue
+            free_list[key].pop()
             _take_over(st, i, j)
             if j not in st.kept:
                 frees_at[st.last_use[j]].append(j)

@@ -5,11 +5,13 @@ kernel: an intermediate that only such kernels read lives in registers. The rule
 Inductor's lowering: a pointwise node's value is not materialized when every reader is a
 pointwise op, a reduction, or a view read only by those, and the graph does not return it.
 Everything else (matmuls, attention, custom ops, values saved for the backward or returned)
-gets a buffer. Inductor may still realize a value read by many kernels when recomputing it
-would be costly; those cases make the prediction low by that buffer, which the accuracy tool
-(`tools/memory_accuracy.py --backend inductor`) measures. How the kernels that do write
-buffers are fused and ordered, and how their buffers are reused: `picofx.kernel_order`,
-`picofx.buffer_reuse`.
+gets a buffer. Inductor also writes a pointwise value to a buffer when recomputing it in every
+reader would cost too much (`torch._inductor.ir.StorageBox.should_realize_on_reuse`,
+`has_exceeded_max_reads`): it has several readers and loads more than 4 buffers or, on CPU,
+calls exp, log, sigmoid or tanh; or it loads more than 8 buffers (12 on CPU). Such a buffer still
+disappears when every reader ends up in its fused kernel (`picofx.kernel_order`). How the
+kernels that write buffers are fused and ordered, and how their buffers are reused:
+`picofx.kernel_order`, `picofx.buffer_reuse`.
 """
 from __future__ import annotations
 
@@ -57,6 +59,38 @@ def _computed_where_read(node: fx.Node) -> bool:
     return is_pointwise(node) or (node.op == "call_function" and node.target in FACTORIES)
 
 
+HEAVY_ON_CPU = {aten.exp, aten.log, aten.log10, aten.log1p, aten.log2, aten.sigmoid, aten.tanh}
+REUSED_READS, MAX_READS, MAX_READS_CPU = 4, 8, 12  # torch._inductor.config realize_*_threshold
+
+
+class _Inlined:
+    """What the code Inductor inlines for a value loads and calls, through the values it inlines."""
+
+    def __init__(self):
+        self.loads: dict[fx.Node, frozenset] = {}
+        self.calls: dict[fx.Node, frozenset] = {}
+
+    def add(self, node: fx.Node, inlined: set) -> None:
+        loads, calls = set(), {getattr(node.target, "overloadpacket", node.target)}
+        for arg in node.all_input_nodes:
+            while arg.target in VIEWS and arg.args and isinstance(arg.args[0], fx.Node):
+                arg = arg.args[0]
+            if arg in inlined:
+                loads |= self.loads[arg]
+                calls |= self.calls[arg]
+            elif arg.op != "get_attr":
+                loads.add(arg)
+        self.loads[node], self.calls[node] = frozenset(loads), frozenset(calls)
+
+    def realized(self, node: fx.Node, readers: int) -> bool:
+        val = node.meta["val"] if isinstance(node.meta.get("val"), torch.Tensor) else None
+        cpu = val is not None and val.device.type == "cpu"
+        loads = len(self.loads[node])
+        if loads > (MAX_READS_CPU if cpu else MAX_READS):
+            return True
+        return readers > 1 and (loads > REUSED_READS or (cpu and bool(self.calls[node] & HEAVY_ON_CPU)))
+
+
 def unmaterialized(schedule: Schedule) -> set[fx.Node]:
     """The pointwise steps whose values stay inside fused kernels. Readers are the users among
     the schedule's own steps (a schedule may run nodes of a larger joint graph)."""
@@ -70,9 +104,14 @@ def unmaterialized(schedule: Schedule) -> set[fx.Node]:
             return True
         return node.target in VIEWS and all(fusable_reader(u) for u in node.users if u in steps)
 
-    return {node for node in schedule.steps
-            if _computed_where_read(node) and node not in returned and any(u in steps for u in node.users)
-            and all(fusable_reader(u) for u in node.users if u in steps)}
+    inlined, code = set(), _Inlined()
+    for node in schedule.steps:
+        readers = [u for u in node.users if u in steps]
+        if _computed_where_read(node) and node not in returned and readers and all(map(fusable_reader, readers)):
+            code.add(node, inlined)
+            if not code.realized(node, len(node.users)):
+                inlined.add(node)
+    return inlined
 
 
 def in_place_candidates(schedule: Schedule) -> set[fx.Node]:

@@ -122,10 +122,11 @@ def _kernels_between(steps, transparent):
     return between
 
 
-def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, fx.Node]]:
-    """The schedule reordered as Inductor runs it, and for each member of a fused kernel the
-    kernel's last member (the step where the kernel ends: its inputs live until there).
-    Views and inlined values are no kernels of their own: each goes just before its first reader."""
+def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """The schedule reordered as Inductor runs it; for each member of a fused kernel the
+    kernel's last member (the step where the kernel ends: its inputs live until there); and for
+    each step the number of the kernel it runs in, counting kernels in order. Views and inlined
+    values are no kernels of their own: each goes just before its first reader, in its kernel."""
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
@@ -169,13 +170,47 @@ def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.No
         if node not in emitted:
             emit(node)
     last_of = {n: unit[-1] for n, unit in unit_of.items() if len(unit) > 1}
-    return Schedule(schedule.inputs, order, schedule.outputs), last_of
+    return Schedule(schedule.inputs, order, schedule.outputs), last_of, _kernel_numbers(order, transparent, unit_of)
+
+
+def _kernel_numbers(order, transparent, unit_of) -> dict[fx.Node, int]:
+    numbers, waiting, unit, number = {}, [], None, -1
+    for node in order:
+        if node in transparent:
+            waiting.append(node)
+            continue
+        if unit_of[node] != unit:
+            unit, number = unit_of[node], number + 1
+        for n in (*waiting, node):
+            numbers[n] = number
+        waiting = []
+    numbers.update((n, max(number, 0)) for n in waiting)
+    return numbers
 
 
 def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
     """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
     in_registers = unmaterialized(schedule)
-    ordered, kernel_end = kernel_order(schedule, in_registers)
+    ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers)
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
     return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
-                           partial(reuse_buffers, allocates_itself=fallbacks))
+                           partial(reuse_buffers, allocates_itself=fallbacks), kernel_index,
+                           _kernel_local(ordered, in_registers, kernel_end))
+
+
+def _kernel_local(schedule: Schedule, in_registers, kernel_end: dict) -> frozenset:
+    """Members of fused kernels whose every reader is in the same kernel: Inductor drops their
+    buffers when it writes the kernel (`Scheduler.remove_kernel_local_buffers`)."""
+    steps = set(schedule.steps)
+    transparent = _inlined(schedule.steps, in_registers)
+    returned = {n for n in schedule.outputs if n is not None}
+
+    def readers(node: fx.Node):
+        for user in node.users:
+            if user in transparent and user not in returned:
+                yield from readers(user)
+            else:
+                yield user
+
+    return frozenset(n for n, end in kernel_end.items() if n not in returned
+                     and all(r in steps and kernel_end.get(r) is end for r in readers(n)))

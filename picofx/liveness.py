@@ -75,6 +75,7 @@ class Storages:
     counted: list[bool] = field(default_factory=list)
     last_use: list[int] = field(default_factory=list)  # step after which it is freed (-1: at once)
     kept: set[int] = field(default_factory=set)  # never freed during the graph
+    kernel_local: set[int] = field(default_factory=set)  # not counted: buffers a fused kernel drops
     inputs: set[int] = field(default_factory=set)
     allocates: list[list[int]] = field(default_factory=list)  # per step, the storages it creates
     reads: list[set[int]] = field(default_factory=list)  # per step, the storages its kernel reads
@@ -89,6 +90,8 @@ class Fusion:
     in_place: frozenset = frozenset()  # nodes whose kernel may write into a dying input
     kernel_end: dict = field(default_factory=dict)  # member of a fused kernel -> its last member
     reuse: object = None  # reuse(storages, steps, fusion): lets outputs take over buffers that died
+    kernel_index: dict = field(default_factory=dict)  # step -> number of the kernel it runs in
+    kernel_local: frozenset = frozenset()  # values a fused kernel writes and reads itself: no buffer
 
 
 def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool = True, held=(),
@@ -103,7 +106,7 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
     s = graph if isinstance(graph, Schedule) else schedule_of(graph)
     s = Schedule([*s.inputs, *held], s.steps, s.outputs)
     fusion = fusion or Fusion()
-    st, owner = _storages(s, resident, fusion.in_registers)
+    st, owner = _storages(s, resident, fusion.in_registers, fusion.kernel_local)
     st.reads, st.runs_at = _kernel_reads(s.steps, fusion.in_registers, owner, st.allocates, fusion.kernel_end)
     st.last_use = [-1] * len(st.size)
     for k, node in enumerate(s.steps):
@@ -121,7 +124,7 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
     return Timeline(s.steps, live, input_bytes, output_bytes, allocated_by)
 
 
-def _storages(s: Schedule, resident: set, in_registers) -> tuple[Storages, dict[fx.Node, list[int]]]:
+def _storages(s: Schedule, resident: set, in_registers, kernel_local) -> tuple[Storages, dict[fx.Node, list[int]]]:
     st = Storages()
     owner: dict[fx.Node, list[int]] = {}  # node -> ids of the storages its tensors live in
     keys = []
@@ -149,29 +152,34 @@ def _storages(s: Schedule, resident: set, in_registers) -> tuple[Storages, dict[
         for t in tensor_values(node.meta.get("val")):
             key = storage_key(t)
             if key not in inputs:
-                inputs[key] = new_storage(key, t, node.op != "get_attr" and node not in in_registers)
+                inputs[key] = new_storage(key, t, node.op != "get_attr" and node not in in_registers
+                                          and node not in kernel_local)
                 new.append(inputs[key])
+                if node in kernel_local:
+                    st.kernel_local.add(inputs[key])
             ids.append(inputs[key])
         owner[node] = ids
         st.allocates.append(new)
     return st, owner
 
 
-def _live(st: Storages, steps, workspace) -> tuple[list[int], dict[str, int]]:
-    """Bytes live while each step runs, and the bytes each step allocates."""
+def _live(st: Storages, steps, workspace, counted=None, size=None) -> tuple[list[int], dict[str, int]]:
+    """Bytes live while each step runs, and the bytes each step allocates. `counted`, `size`:
+    which storages to count and their bytes, if not `st.counted` and `st.size`."""
+    counted, size = counted or st.counted, size or st.size
     frees_at: dict[int, list[int]] = {}
     for i, k in enumerate(st.last_use):
-        if i not in st.kept and st.counted[i]:
+        if i not in st.kept and counted[i]:
             frees_at.setdefault(k, []).append(i)  # k == -1: an input nothing reads, freed at once
-    live_now = sum(st.size[i] for i in st.inputs if st.counted[i])
-    live_now -= sum(st.size[i] for i in frees_at.get(-1, ()))
+    live_now = sum(size[i] for i in st.inputs if counted[i])
+    live_now -= sum(size[i] for i in frees_at.get(-1, ()))
     live, allocated_by = [], {}
     for k, node in enumerate(steps):
-        allocated = sum(st.size[i] for i in st.allocates[k] if st.counted[i])
+        allocated = sum(size[i] for i in st.allocates[k] if counted[i])
         allocated_by[node.name] = allocated
         live_now += allocated
         live.append(live_now + (workspace(node) if workspace else 0))
-        live_now -= sum(st.size[i] for i in frees_at.get(k, ()))
+        live_now -= sum(size[i] for i in frees_at.get(k, ()))
     return live, allocated_by
 
 

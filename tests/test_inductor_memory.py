@@ -47,7 +47,7 @@ def test_a_fused_kernel_runs_where_its_first_member_stood_after_what_it_needs():
         return (g @ w + b @ v,)
 
     gm, s, nodes = _graph(f, 3)
-    ordered, kernel_end = kernel_order(s, unmaterialized(s))
+    ordered, kernel_end, _ = kernel_order(s, unmaterialized(s))
     position = {n.name: i for i, n in enumerate(ordered.steps)}
     assert position["mm_2"] < position["mul"] < position["mul_1"] < position["mm_1"]
     assert kernel_end[nodes["mul"]] is kernel_end[nodes["mul_1"]] is nodes["mul_1"]
@@ -68,19 +68,57 @@ def test_a_fused_kernel_holds_all_its_outputs_and_inputs_at_once():
     assert timeline(s, _resident(s)).peak < 3 * KiB16
 
 
+def _with_and_without_reuse(f):
+    gm, s, nodes = _graph(f, 2)
+    ordered, fusion = inductor_fusion(s)
+    no_reuse = Fusion(fusion.in_registers, fusion.in_place, fusion.kernel_end, kernel_index=fusion.kernel_index)
+    freed = timeline(ordered, _resident(s), fusion=no_reuse)
+    held = timeline(ordered, _resident(s), fusion=fusion)
+    return dict(zip((n.name for n in freed.nodes), freed.live)), dict(zip((n.name for n in held.nodes), held.live))
+
+
 def test_a_freed_buffer_is_held_until_an_allocation_of_its_size_takes_it():
+    def f(x, w):
+        big = torch.cat([x, x, x]) @ w  # 48 KiB: the peak, before h exists
+        s = big.sum()
+        h = x @ w  # 16 KiB, last read by the sum
+        c = h.sum()
+        small = x[:1] @ w  # another size: h waits on the free list, below the peak
+        z = x @ w  # takes h's buffer
+        return (s + c + small.sum() + z.sum(),)
+
+    freed_at, held_at = _with_and_without_reuse(f)
+    assert held_at["mm_2"] == freed_at["mm_2"] + KiB16
+    assert held_at["mm_3"] == freed_at["mm_3"]  # z lives in h's buffer: nothing new
+
+
+def test_a_freed_buffer_is_not_held_where_holding_it_would_raise_inductors_peak_estimate():
     def f(x, w):
         h = x @ w  # 16 KiB, last read by the sum
         c = h.sum()
-        big = torch.cat([x, x]) @ w  # 32 KiB: another size, so h waits on the free list
-        z = x @ w  # 16 KiB: takes h's buffer
-        return (big.sum() + c + z.sum(),)
+        big = (torch.cat([x, x]) * c) @ w  # 32 KiB twice, after h died: the peak
+        z = x @ w  # Inductor's code allocates a fresh buffer here
+        return (big.sum() + z.sum(),)
+
+    freed_at, held_at = _with_and_without_reuse(f)
+    assert max(held_at.values()) == max(freed_at.values()) < 5 * KiB16
+
+
+def test_a_costly_value_with_several_readers_gets_a_buffer_that_its_kernel_may_drop():
+    def f(x, w):
+        h = x @ w
+        s = torch.sigmoid(h)  # sigmoid, two readers: Inductor writes s rather than recompute it twice
+        t = h * 2  # cheap, two readers: computed inside each
+        a = s * t  # a and b fuse with s: s's buffer is dropped
+        b = s + t
+        g = torch.sigmoid(h + 1)  # g is also read after a matmul that needs its first reader
+        m = (g * 3) @ w
+        return (a @ w + b @ w + m * g,)
 
     gm, s, nodes = _graph(f, 2)
     ordered, fusion = inductor_fusion(s)
-    freed = timeline(ordered, _resident(s), fusion=Fusion(fusion.in_registers, fusion.in_place, fusion.kernel_end))
-    held = timeline(ordered, _resident(s), fusion=fusion)
-    freed_at = dict(zip((n.name for n in freed.nodes), freed.live))
-    held_at = dict(zip((n.name for n in held.nodes), held.live))
-    assert held_at["mm_1"] == freed_at["mm_1"] + KiB16
-    assert held_at["mm_2"] == freed_at["mm_2"]  # z lives in h's buffer: nothing new
+    assert nodes["mul"] in fusion.in_registers
+    assert nodes["sigmoid"] not in fusion.in_registers and nodes["sigmoid"] in fusion.kernel_local
+    assert nodes["sigmoid_1"] not in fusion.in_registers and nodes["sigmoid_1"] not in fusion.kernel_local
+    line = timeline(ordered, _resident(s), fusion=fusion)
+    assert line.allocated_by["sigmoid"] == 0 and line.allocated_by["sigmoid_1"] == KiB16

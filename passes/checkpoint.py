@@ -19,8 +19,11 @@ Algorithm:
 4. Exact check: the chosen tags are simulated (`predict_partition` mirrors the partition; liveness
    over both graphs). If the peak overshoots (the model ignores interactions between neighbours),
    the DP's budget is lowered by the overshoot and it runs again.
-An infeasible budget raises BudgetError with the smallest peak found (DP at the least feasible
-budget, and every option tried) and the batch that would fit it.
+When the DP finds nothing that fits, it looks for the smallest peak: the DP at the least cap it
+can meet, then steepest descent on the exact peak from the best plans seen and from the most
+recompute everywhere, moving one group of identical layers at a time (`Planner.descend`,
+at most 100 simulations from each start); the cheapest plan simulated that fits is taken.
+If none fits, BudgetError states that smallest peak and the batch that would fit it.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from picofx.liveness import storage_key, tensor_values
 from picofx.partition import forward_region, predict_partition
 from picofx.pass_manager import Context, PassError, PassResult, Stage, register_pass
 from picofx.plan import BudgetError, parse_budget
-from picofx.recompute import Segment, analyze, module_path
+from picofx.recompute import Segment, analyze, module_path, signature
 
 MARK = "picofx_checkpoint"
 BINS = 2048
@@ -63,6 +66,10 @@ class Planner:
         self.forward = forward_region(joint)
         self.segments: list[Segment] = analyze(joint, cost_model.node_time)
         self.segment_of = {n: i for i, seg in enumerate(self.segments) for n in seg.nodes}
+        groups: dict[tuple, list[int]] = {}
+        for i, seg in enumerate(self.segments):
+            groups.setdefault(signature(seg), []).append(i)
+        self.groups = list(groups.values())
         self.by_name = {n.name: n for n in joint.graph.nodes}
         self.cache: dict[tuple, Prediction] = {}
 
@@ -115,6 +122,21 @@ class Planner:
                                  default=region)
                 local[region] = max(local[region], live - int(before[region]))
         return local
+
+    def descend(self, start: Prediction, limit: int = 100) -> Prediction:
+        """Lower the exact peak from `start` by steepest descent: each round moves the one group
+        of identical segments (or a segment of its own) to the option that lowers the peak most;
+        at most `limit` simulations. The DP's separable model misses plans whose peak depends on
+        how neighbouring segments interact (fused kernels under Inductor), which this finds."""
+        best, stop = start, len(self.cache) + limit
+        while best.levels and len(self.cache) < stop:
+            moves = [tuple(k if i in group else level for i, level in enumerate(best.levels))
+                     for group in self.groups for k in range(len(self.segments[group[0]].options))]
+            trial = min((self.predict(levels) for levels in moves), key=lambda p: p.memory.peak)
+            if trial.memory.peak >= best.memory.peak:
+                break
+            best = trial
+        return best
 
     def seconds(self, levels: tuple) -> float:
         return sum(seg.options[k].seconds for seg, k in zip(self.segments, levels))
@@ -242,7 +264,9 @@ class Checkpoint:
         levels = planner.solve(high, models)
         if levels is not None:
             planner.predict(levels)
-        return min((p.memory for p in planner.cache.values()), key=lambda m: m.peak)
+        starts = sorted((p for p in planner.cache.values() if p.levels), key=lambda p: p.memory.peak)[:2]
+        starts.append(models[-1])  # the most recompute everywhere
+        return min([planner.predict(()).memory, *(planner.descend(p).memory for p in starts)], key=lambda m: m.peak)
 
     @staticmethod
     def _infeasible(smallest: StepMemory, before: StepMemory, budget: int, batch: int | None) -> BudgetError:

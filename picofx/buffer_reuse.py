@@ -50,7 +50,7 @@ class _PeakEstimate:
     def __init__(self, st: Storages, steps, kernel_index: dict):
         counted = [c or i in st.kernel_local for i, c in enumerate(st.counted)]
         live, _ = _live(st, steps, None, counted, _input_reads(st, steps))
-        self.kernel = [kernel_index.get(node, k) for k, node in enumerate(steps)]
+        self.kernel = [kernel_index[node] for node in steps]
         self.per_kernel = [0] * (max(self.kernel, default=0) + 1)
         for k, bytes_live in zip(self.kernel, live):
             self.per_kernel[k] = max(self.per_kernel[k], bytes_live)

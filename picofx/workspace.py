@@ -30,11 +30,14 @@ def _allocates_scratch(node: fx.Node, attention: bool) -> bool:
 
 
 def _real(value):
+    """A CPU tensor of `value`'s shape, strides and dtype: kernels copy inputs whose layout they
+    do not take, so the layout changes the scratch they allocate."""
     if not isinstance(value, torch.Tensor):
         return value
+    real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
     if value.dtype.is_floating_point:
-        return torch.randn(tuple(value.shape), dtype=value.dtype)
-    return torch.zeros(tuple(value.shape), dtype=value.dtype)  # indices and labels: 0 is always valid
+        return real.normal_()
+    return real.zero_()  # indices and labels: 0 is always valid
 
 
 def _arg(a):
@@ -49,7 +52,7 @@ def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20, attention: bool = T
     args = fx.node.map_aggregate(node.args, _arg)
     kwargs = fx.node.map_aggregate(node.kwargs, _arg)
     inputs = tensor_values((args, kwargs))
-    key = (node.target, tuple((tuple(t.shape), t.dtype) for t in inputs),
+    key = (node.target, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs),
            repr([a for a in pytree.tree_leaves((args, kwargs)) if not isinstance(a, torch.Tensor)]))
     if key not in _cache:
         if tensor_bytes(inputs) > limit:

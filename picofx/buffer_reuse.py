@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 
 from picofx.liveness import Fusion, Storages, _live
 
@@ -31,25 +30,13 @@ def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozense
     _reuse_freed(st, steps, allocates_itself, rewritten, estimate)
 
 
-def _input_reads(st: Storages, steps) -> list[int]:
-    """Storage sizes as Inductor's estimate counts them: a graph input read through a broadcast
-    counts as many bytes as the broadcast reads (`torch._inductor.graph.get_dep_size_hint`)."""
-    size = list(st.size)
-    for k, node in enumerate(steps):
-        if node.target is torch.ops.aten.expand.default:
-            val = node.meta["val"]
-            for i in st.reads[k] & st.inputs:
-                size[i] = max(size[i], val.numel() * val.element_size())
-    return size
-
-
 class _PeakEstimate:
     """Inductor's estimate of the bytes live at each kernel, before any reuse, and its rule for
     keeping a freed buffer until a later kernel allocates one of the same size."""
 
     def __init__(self, st: Storages, steps, kernel_index: dict):
         counted = [c or i in st.kernel_local for i, c in enumerate(st.counted)]
-        live, _ = _live(st, steps, None, counted, _input_reads(st, steps))
+        live, _ = _live(st, steps, None, counted)
         self.kernel = [kernel_index[node] for node in steps]
         self.per_kernel = [0] * (max(self.kernel, default=0) + 1)
         for k, bytes_live in zip(self.kernel, live):

@@ -33,6 +33,7 @@ FACTORIES = {aten.full.default, aten.zeros.default, aten.ones.default, aten.full
              aten.arange.default, aten.arange.start_step, torch.ops.prims.iota.default}
 INDEXED_READERS = {aten.gather.default, aten.index.Tensor, aten.scatter_add.default, aten.scatter.src,
                    aten.scatter.value, aten.scatter_reduce.two, aten.index_put.default, aten.where.self}
+ELEMENTWISE = {aten.slice_scatter.default, aten.select_scatter.default, aten.constant_pad_nd.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
          aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
@@ -43,6 +44,13 @@ def is_pointwise(node: fx.Node) -> bool:
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
             and torch.Tag.pointwise in target.tags and isinstance(node.meta.get("val"), torch.Tensor))
+
+
+def is_elementwise(node: fx.Node) -> bool:
+    """A pointwise op, or one Inductor lowers to the same kind of loop (masked loads) though ATen
+    does not tag it pointwise: it inlines into its readers and its inputs inline into it."""
+    return is_pointwise(node) or (node.op == "call_function" and node.target in ELEMENTWISE
+                                  and isinstance(node.meta.get("val"), torch.Tensor))
 
 
 def is_fallback(node: fx.Node) -> bool:
@@ -56,7 +64,7 @@ def is_fallback(node: fx.Node) -> bool:
 
 
 def _computed_where_read(node: fx.Node) -> bool:
-    return is_pointwise(node) or (node.op == "call_function" and node.target in FACTORIES)
+    return is_elementwise(node) or (node.op == "call_function" and node.target in FACTORIES)
 
 
 HEAVY_ON_CPU = {aten.exp, aten.log, aten.log10, aten.log1p, aten.log2, aten.sigmoid, aten.tanh}
@@ -100,7 +108,7 @@ def unmaterialized(schedule: Schedule) -> set[fx.Node]:
     def fusable_reader(node: fx.Node) -> bool:
         if node in returned:
             return False
-        if is_pointwise(node) or node.target in REDUCTIONS or node.target in INDEXED_READERS:
+        if is_elementwise(node) or node.target in REDUCTIONS or node.target in INDEXED_READERS:
             return True
         return node.target in VIEWS and all(fusable_reader(u) for u in node.users if u in steps)
 

@@ -8,8 +8,13 @@ moves what each depends on before it. So a fused kernel runs where its first mem
 its outputs are live at once and its inputs until it ends: fusing two kernels that read the
 same buffer far apart (a recomputed activation and a gradient, say) can raise the peak above the
 graph order's. The rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
-`will_fusion_create_cycle`, `topological_sort_schedule`), with its limits on how far apart two
-readers of a buffer may be and on how many nodes one kernel may hold.
+`will_fusion_create_cycle`, `are_long_distant_nodes`, `topological_sort_schedule`), with its
+limits on how far apart two readers of a buffer may be, on how far apart (in kernels) two fused
+kernels may start and end, and on how many nodes one kernel may hold.
+
+Where a kernel stands: Inductor computes a pointwise value when a reader needs it in memory.
+A value with several readers gets its buffer where it is defined; a value whose one reader is
+an extern kernel gets it only when that reader is lowered, so its kernel runs just before it.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from networkx.utils import UnionFind
 from torch import fx
 
 from picofx.buffer_reuse import reuse_buffers
-from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_fallback, is_pointwise,
+from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_elementwise, is_fallback,
                                   unmaterialized)
 from picofx.liveness import Fusion, Schedule, tensor_values
 
@@ -30,19 +35,24 @@ aten = torch.ops.aten
 LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
 PAIR_WINDOW = 64  # torch._inductor.config.max_fusion_buffer_group_pairwise_attempts
 MAX_MEMBERS = 64  # torch._inductor.config.max_fusion_size
+MAX_SPAN = 64  # Scheduler.are_long_distant_nodes: kernels farther apart than this do not fuse
+MIN_SHARED_BYTES = 10  # torch._inductor.config.score_fusion_memory_threshold
 
 
 def _is_loop(node: fx.Node, in_registers) -> bool:
     if node.op != "call_function" or node in in_registers:
         return False
-    return (is_pointwise(node) or node.target in REDUCTIONS or node.target in FACTORIES
+    return (is_elementwise(node) or node.target in REDUCTIONS or node.target in FACTORIES
             or node.target in LOOP_READERS)
 
 
 def _iteration_size(node: fx.Node) -> int:
     """Elements a kernel loops over: a reduction loops over its input, anything else its output."""
-    source = node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node
-    values = tensor_values(source.meta.get("val"))
+    return _output_size(node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node)
+
+
+def _output_size(node: fx.Node) -> int:
+    values = tensor_values(node.meta.get("val"))
     return math.prod(values[0].shape) if values else 0
 
 
@@ -74,22 +84,36 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
         for buffer in _buffers_read(node, transparent, memo):
             accessors[buffer].append(node)
     size = {node: _iteration_size(node) for node in loops}
+
+    def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
+        """Enough shared data (Inductor does not fuse for a few bytes), and the same loop, or a
+        reduction and a reader of its result that loops over that result."""
+        if sum(t.untyped_storage().nbytes() for t in tensor_values(buffer.meta.get("val"))) < MIN_SHARED_BYTES:
+            return False
+        return size[a] == size[b] or (buffer is a and a.target in REDUCTIONS and size[b] == _output_size(a))
+
     pairs = set()
     for buffer, nodes in accessors.items():
         for i, a in enumerate(nodes):
-            pairs.update((a, b) for b in nodes[i + 1:i + 1 + PAIR_WINDOW] if a is not b and size[a] == size[b])
+            pairs.update((a, b) for b in nodes[i + 1:i + 1 + PAIR_WINDOW] if a is not b and compatible(a, b, buffer))
     groups = UnionFind()
     members = {node: [node] for node in loops}
     between = _kernels_between(steps, transparent)
+    kernel_rank = {node: k for k, node in enumerate(n for n in steps if n not in transparent)}
+    span = {node: (kernel_rank[node], kernel_rank[node]) for node in loops}
     for a, b in sorted(pairs, key=lambda p: (index[p[0]], index[p[1]])):
         ra, rb = groups[a], groups[b]
         if ra is rb or len(members[ra]) + len(members[rb]) > MAX_MEMBERS:
+            continue
+        (low_a, high_a), (low_b, high_b) = span[ra], span[rb]
+        if max(abs(low_a - high_b), abs(low_b - high_a)) > MAX_SPAN:
             continue
         union = members[ra] + members[rb]
         if between(union):
             continue
         groups.union(ra, rb)
         members[groups[a]] = union
+        span[groups[a]] = (min(low_a, low_b), max(high_a, high_b))
     return [sorted(m, key=index.__getitem__) for root, m in members.items()
             if groups[root] is root and len(m) > 1]
 
@@ -188,9 +212,39 @@ def _kernel_numbers(order, transparent, unit_of) -> dict[fx.Node, int]:
     return numbers
 
 
+def realized_by_reader(schedule: Schedule, in_registers) -> Schedule:
+    """The schedule with each pointwise value whose one reader is an extern kernel moved to just
+    before that reader, where Inductor computes it (module doc)."""
+    late: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in schedule.steps:
+        if _is_loop(node, in_registers) and node.target not in REDUCTIONS:
+            reader = _sole_reader(node)
+            if reader is not None and is_fallback(reader):
+                late[reader].append(node)
+    if not late:
+        return schedule
+    moved = {n for nodes in late.values() for n in nodes}
+    steps = []
+    for node in schedule.steps:
+        steps.extend(late.get(node, ()))
+        if node not in moved:
+            steps.append(node)
+    return Schedule(schedule.inputs, steps, schedule.outputs)
+
+
+def _sole_reader(node: fx.Node) -> fx.Node | None:
+    """The one node that reads `node`'s value, through views, if there is one."""
+    while len(node.users) == 1:
+        node = next(iter(node.users))
+        if node.target not in VIEWS:
+            return node
+    return None
+
+
 def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
     """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
     in_registers = unmaterialized(schedule)
+    schedule = realized_by_reader(schedule, in_registers)
     ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers)
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
     return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,

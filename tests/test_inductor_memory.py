@@ -2,7 +2,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from picofx.fused_buffers import unmaterialized
+from picofx.fused_buffers import VIEWS, is_fallback, unmaterialized
 from picofx.kernel_order import fused_kernels, inductor_fusion, kernel_order
 from picofx.liveness import Fusion, schedule_of, storage_key, timeline
 
@@ -122,3 +122,34 @@ def test_a_costly_value_with_several_readers_gets_a_buffer_that_its_kernel_may_d
     assert nodes["sigmoid_1"] not in fusion.in_registers and nodes["sigmoid_1"] not in fusion.kernel_local
     line = timeline(ordered, _resident(s), fusion=fusion)
     assert line.allocated_by["sigmoid"] == 0 and line.allocated_by["sigmoid_1"] == KiB16
+
+
+def test_a_value_only_an_extern_kernel_reads_is_computed_just_before_it():
+    def f(x, w):
+        mask = torch.where(x > 0, 0.0, float("-inf"))  # read by attention alone: Inductor computes it there
+        q = (x @ w).view(1, 1, N, N)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.view(1, 1, N, N))
+        return (out.sum(),)
+
+    gm, s, nodes = _graph(f, 2)
+    ordered, fusion = inductor_fusion(s)
+    steps = [n for n in ordered.steps if n not in fusion.in_registers and n.target not in VIEWS]
+    attention = next(i for i, n in enumerate(steps) if is_fallback(n))
+    assert steps[attention - 1] is nodes["where"]
+    assert [n.name for n in s.steps].index("where") < [n.name for n in s.steps].index("mm")
+
+
+def test_a_reduction_fuses_with_a_loop_over_its_result_unless_they_share_a_few_bytes():
+    def f(x, w):
+        h = x @ w
+        rows = h.sum(1)  # N floats, read by a loop over N: one kernel, and `rows` never leaves it
+        scaled = rows * 2
+        total = h.sum()  # one float: Inductor does not fuse for 4 bytes
+        return ((scaled @ w) * total,)
+
+    gm, s, nodes = _graph(f, 2)
+    ordered, fusion = inductor_fusion(s)
+    assert fusion.kernel_index[nodes["sum_1"]] == fusion.kernel_index[nodes["mul"]]
+    assert nodes["sum_1"] in fusion.kernel_local
+    groups = [{n.name for n in g} for g in fused_kernels(s, unmaterialized(s))]
+    assert not any({"sum_2", "mul_1"} <= g for g in groups)

@@ -3,6 +3,7 @@
 Each entry is what `picofx.optimize` and `picofx dump` take: the model, the example inputs (a
 dict of keyword arguments), and the loss function (None when the model computes its own loss).
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,9 +25,9 @@ def token_batch(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.T
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def reference_llama(size: str = "tiny", batch: int = 2, seq: int = 32, seed: int = 0) -> ZooModel:
+def reference_llama(size: str = "tiny", batch: int = 2, seq: int = 32, seed: int = 0, **overrides) -> ZooModel:
     torch.manual_seed(seed)
-    config = CONFIGS[size]
+    config = dataclasses.replace(CONFIGS[size], **overrides)
     ids = token_batch(config.vocab_size, batch, seq + 1, seed)
     return ZooModel(Llama(config), {"input_ids": ids[:, :-1], "labels": ids[:, 1:].contiguous()}, causal_lm_loss)
 

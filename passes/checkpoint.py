@@ -4,6 +4,10 @@ Joint stage. It tags forward nodes with torch's `recompute` policy (MUST_RECOMPU
 `picofx.partition.partition` then saves exactly the untagged forward values the backward reads
 and recomputes the tagged ones in backward, just before their first use.
 
+Under Inductor, every plan starts from what Inductor's own min-cut partition recomputes (the
+base: cheap ops it fuses into backward kernels, priced as free); without a budget to meet, the
+pass tags that base alone, so the step runs as Inductor would partition it.
+
 Algorithm:
 1. Segments and options (`picofx.recompute`): per decoder layer (and the code before/after the
    layers), the vertices of the lower convex hull of (saved bytes, recompute seconds), by
@@ -38,7 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.cost_model import CostModel, StepMemory, format_bytes, is_alias, optimizer_state_bytes, resident_keys
 from picofx.liveness import storage_key, tensor_values
-from picofx.partition import forward_region, predict_partition
+from picofx.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
 from picofx.pass_manager import Context, PassError, PassResult, Stage, register_pass
 from picofx.plan import BudgetError, parse_budget
 from picofx.recompute import Segment, analyze, module_path, signature
@@ -61,10 +65,12 @@ class Prediction:
 class Planner:
     def __init__(self, joint: fx.GraphModule, cost_model: CostModel, optimizer_state: int):
         self.joint, self.cost_model, self.optimizer_state = joint, cost_model, optimizer_state
-        primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
-        self.num_fwd_outputs = len(joint.graph.output_node().args[0]) - len(primals)
+        self.num_fwd_outputs = num_forward_outputs(joint)
         self.forward = forward_region(joint)
-        self.segments: list[Segment] = analyze(joint, cost_model.node_time)
+        # Under Inductor every plan starts from what its own partition recomputes: those ops run
+        # fused into backward kernels, so they count as free.
+        self.base = inductor_recomputes(joint, self.num_fwd_outputs) if cost_model.fuses_pointwise else frozenset()
+        self.segments: list[Segment] = analyze(joint, lambda n: 0.0 if n in self.base else cost_model.node_time(n))
         self.segment_of = {n: i for i, seg in enumerate(self.segments) for n in seg.nodes}
         groups: dict[tuple, list[int]] = {}
         for i, seg in enumerate(self.segments):
@@ -75,14 +81,14 @@ class Planner:
 
     def recompute_set(self, levels: tuple) -> frozenset:
         names = frozenset().union(*(seg.options[k].recompute for seg, k in zip(self.segments, levels)))
-        return frozenset(self.by_name[n] for n in names)
+        return self.base | frozenset(self.by_name[n] for n in names)
 
     def predict(self, levels: tuple) -> Prediction:
-        """The step's memory with each segment on its option `levels[i]` (() = nothing tagged),
+        """The step's memory with each segment on its option `levels[i]` (() = the base alone),
         and the separable model's terms read off it."""
         if levels in self.cache:
             return self.cache[levels]
-        recompute = self.recompute_set(levels) if levels else frozenset()
+        recompute = self.recompute_set(levels)
         fw, bw = predict_partition(self.joint, recompute, self.num_fwd_outputs, self.forward)
         saved = self._saved_per_segment(fw)
         prediction = Prediction(levels, recompute, self.cost_model.step_memory(fw, bw, self.optimizer_state),
@@ -220,10 +226,10 @@ class Checkpoint:
                   else parse_budget(self.budget, reference=before.memory.peak))
         notes = {"budget": budget, "peak_before": before.memory.peak}
         if before.memory.peak <= budget:
-            return PassResult(False, {**notes, "peak_after": before.memory.peak, "recomputed": 0})
-
-        models = [planner.predict(planner.uniform(k)) for k in range(max(len(s.options) for s in planner.segments))]
-        chosen = self._search(planner, models, budget - before.memory.resident, budget)
+            chosen = before
+        else:
+            models = [planner.predict(planner.uniform(k)) for k in range(max(len(s.options) for s in planner.segments))]
+            chosen = self._search(planner, models, budget - before.memory.resident, budget)
         if chosen is None:  # the DP's model missed; look at the least peaks it can reach, then give up
             smallest = self._smallest(planner, models, before.memory.peak - before.memory.resident)
             chosen = planner.cheapest_within(budget)
@@ -232,13 +238,14 @@ class Checkpoint:
         for node in chosen.recompute:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta[MARK] = True
-        recomputed = [n for n in chosen.backward_steps if n in chosen.recompute]
-        return PassResult(True, {
+        recomputed = [n for n in chosen.backward_steps if n in chosen.recompute and n not in planner.base]
+        return PassResult(bool(chosen.recompute), {
             **notes, "peak_after": chosen.memory.peak,
             "bytes_saved": before.memory.saved_activations - chosen.memory.saved_activations,
             "added_flops": sum(n.meta.get("flops", 0) or 0 for n in recomputed),
             "added_seconds": sum(cost_model.node_time(n) for n in recomputed),
-            "recomputed": len(recomputed), "simulations": len(planner.cache),
+            "recomputed": len(recomputed), "recomputed_as_inductor_does": len(planner.base),
+            "simulations": len(planner.cache),
             "memory": dataclasses.asdict(chosen.memory), "per_layer": per_layer(chosen, planner)})
 
     @staticmethod

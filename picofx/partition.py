@@ -9,9 +9,11 @@ so here they are recomputed like any other op.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import fx
-from torch._functorch.partitioners import default_partition, must_recompute
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition, must_recompute
 
 from picofx.liveness import Schedule
 
@@ -55,6 +57,25 @@ def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kw
                 node.target = node.target.op
         gm.recompile()
     return forward, backward
+
+
+def num_forward_outputs(joint: fx.GraphModule) -> int:
+    """How many of the joint graph's outputs the forward returns (the rest are gradients, one per primal)."""
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    return len(joint.graph.output_node().args[0]) - len(primals)
+
+
+def inductor_recomputes(joint: fx.GraphModule, num_fwd_outputs: int) -> frozenset:
+    """The forward nodes Inductor's own min-cut partition recomputes in backward (cheap ops it
+    fuses into the backward's kernels, so that their inputs are saved instead of them), found
+    by running that partitioner on a copy of `joint`."""
+    copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    inputs = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
+    _, backward = min_cut_rematerialization_partition(copied, inputs, num_fwd_outputs=num_fwd_outputs)
+    forward, by_name = forward_region(joint), {n.name: n for n in joint.graph.nodes}
+    return frozenset(by_name[n.name] for n in backward.graph.nodes
+                     if n.op == "call_function" and n.name in by_name and by_name[n.name] in forward
+                     and by_name[n.name].target == n.target)
 
 
 def forward_region(joint: fx.GraphModule) -> set:

@@ -14,7 +14,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 from picofx.cost_model import CostModel, StepMemory, optimizer_state_bytes
+from picofx.partition import inductor_recomputes, num_forward_outputs
+from picofx.pass_manager import PassResult, Stage
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -74,17 +78,33 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
             cost_model=None, backend: str = "eager") -> StepPrediction:
     """Memory and time of one training step of `model` on `example_inputs`, after `passes`.
     backend="inductor" follows Inductor's generated code (fused kernels, their order, buffer
-    reuse: `picofx.kernel_order`); the partition is picofx's (everything saved unless
-    `checkpoint` chose otherwise), so without `checkpoint` it is an upper bound on Inductor's own
-    partition, which recomputes some cheap ops."""
+    reuse: `picofx.kernel_order`) and, unless a pass plans the partition (`checkpoint`),
+    Inductor's own min-cut partition; "eager" saves everything the backward reads."""
     from picofx.optimize import optimize
 
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
-    opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None)
+    passes = list(passes)
+    if cost_model.fuses_pointwise and not any(getattr(p, "plans_partition", False) for p in passes):
+        passes.append(_InductorPartition())
+    opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None, cost_model=cost_model)
     fw, bw = opt.graphs["forward"], opt.graphs["backward"]
     memory = cost_model.step_memory(fw, bw, optimizer_state_bytes(optimizer, model.parameters()))
     return StepPrediction(memory, cost_model.graph_time(fw) + cost_model.graph_time(bw),
                           cost_model.graph_flops(fw) + cost_model.graph_flops(bw), fw, bw)
+
+
+class _InductorPartition:
+    """Tags what Inductor's min-cut partition recomputes, so that an eager compile partitions the
+    step as an Inductor compile without `checkpoint` does."""
+
+    stage = Stage.JOINT
+    plans_partition = True
+
+    def __call__(self, gm: fx.GraphModule, ctx) -> PassResult:
+        recomputed = inductor_recomputes(gm, num_forward_outputs(gm))
+        for node in recomputed:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        return PassResult(bool(recomputed), {"recomputed": len(recomputed)})
 
 
 def _device_of(model: nn.Module) -> torch.device:

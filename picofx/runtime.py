@@ -1,7 +1,9 @@
 """Compile the transformed forward graph for training, running the joint and partitioned stages.
 
 backend="eager":    aot_autograd(fw_compiler, bw_compiler, partition_fn) runs every stage and
-                    executes the resulting GraphModules as they are (no code generation).
+                    executes the resulting GraphModules as they are (no code generation); with a
+                    cost model of Inductor (`fuses_pointwise`) it decomposes as Inductor does, so
+                    that predictions see Inductor's graphs.
 backend="inductor": Inductor's own hooks run the same stages (joint_custom_post_pass,
                     custom_partitioner_fn, post_grad_custom_post_pass), then Inductor generates code.
 Both partition with picofx.partition (torch's `default_partition`, which honours `recompute`
@@ -152,8 +154,11 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
     runner = StageRunner(manager, ctx, inputs)
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
         if ctx.backend == "eager":
+            # Graphs whose memory a model of Inductor predicts are decomposed as Inductor's are.
+            inductor_graphs = ctx.cost_model is not None and ctx.cost_model.fuses_pointwise
             fn = aot_module_simplified(gm, inputs, fw_compiler=runner.eager_forward,
-                                       bw_compiler=runner.eager_backward, partition_fn=runner.eager_partition)
+                                       bw_compiler=runner.eager_backward, partition_fn=runner.eager_partition,
+                                       decompositions=inductor_decompositions(ctx.device) if inductor_graphs else None)
         elif ctx.backend == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx

@@ -73,9 +73,16 @@ def inductor_recomputes(joint: fx.GraphModule, num_fwd_outputs: int) -> frozense
     inputs = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
     _, backward = min_cut_rematerialization_partition(copied, inputs, num_fwd_outputs=num_fwd_outputs)
     forward, by_name = forward_region(joint), {n.name: n for n in joint.graph.nodes}
-    return frozenset(by_name[n.name] for n in backward.graph.nodes
-                     if n.op == "call_function" and n.name in by_name and by_name[n.name] in forward
-                     and by_name[n.name].target == n.target)
+    recomputed = {by_name[n.name] for n in backward.graph.nodes
+                  if n.op == "call_function" and n.name in by_name and by_name[n.name] in forward
+                  and by_name[n.name].target == n.target}
+    # Not what it recomputes from a value the caller receives (the logits): that would save the
+    # returned value for the backward, and a returned value the backward holds stays live longer.
+    returned = {n for n in joint.graph.output_node().args[0][:num_fwd_outputs] if isinstance(n, fx.Node)}
+    for node in joint.graph.nodes:
+        if node in recomputed and any(a in returned for a in node.all_input_nodes):
+            returned.add(node)
+    return frozenset(recomputed - returned)
 
 
 def forward_region(joint: fx.GraphModule) -> set:

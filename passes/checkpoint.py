@@ -297,13 +297,14 @@ class Checkpoint:
         return BudgetError(text + ".", smallest.peak, fits)
 
 
-def smallest_peak(model, example_inputs, *, loss_fn=None, backend: str = "eager") -> int:
-    """The smallest step peak (bytes) `checkpoint` reaches on `model`, as its error for an
-    impossible budget reports it."""
+def smallest_peak(model, example_inputs, *, loss_fn=None, backend: str = "eager", passes=()) -> int:
+    """The smallest step peak (bytes) `checkpoint` reaches on `model` after `passes`, as its error
+    for an impossible budget reports it."""
     from picofx.optimize import optimize
 
     try:
-        optimize(model, example_inputs, [Checkpoint(budget=1e-3)], backend=backend, loss_fn=loss_fn, verify=None)
+        optimize(model, example_inputs, [*passes, Checkpoint(budget=1e-3)], backend=backend, loss_fn=loss_fn,
+                 verify=None)
     except PassError as e:
         if isinstance(e.__cause__, BudgetError):
             return e.__cause__.smallest_peak

@@ -1,6 +1,6 @@
 """Benchmark: activation checkpointing, picofx `checkpoint` against torch's options, on CPU.
 
-    python tools/bench_checkpoint.py [--backend inductor|eager] [--batch 4 --seq 256] [--threads 1]
+    python tools/bench_checkpoint.py [--backend inductor|eager] [--batch 4 --seq 256] [--threads 1] [--fuse]
 
 Contenders, measured side by side in one run (peak = live tensor bytes, params and grads
 included, as picofx.memory.measure_peak defines it; time = median (and min) of --steps training
@@ -12,6 +12,8 @@ steps, taken round-robin across all contenders so that they share the machine's 
   picofx budget=B   picofx.optimize(..., [Checkpoint(budget=B)], backend=...): B runs from the
                     smallest feasible peak to no checkpointing, and includes each torch
                     contender's measured peak, so every contender has a picofx run at its peak.
+                    With --fuse, picofx runs ["fuse", Checkpoint(budget=B)]: the whole product
+                    rather than the checkpoint pass alone.
 The comparison lines put each torch contender next to the fastest picofx run whose measured
 peak is no higher.
 """
@@ -86,17 +88,17 @@ def torch_budget(model, inputs, fraction: float, backend: str) -> Contender:
     return Contender("torch", f"budget={fraction}", model, step)
 
 
-def picofx_budget(model, inputs, budget, backend: str) -> Contender:
+def picofx_budget(model, inputs, budget, backend: str, before: list) -> Contender:
     model = copy.deepcopy(model)
-    passes = [] if budget is None else [Checkpoint(budget=budget)]
+    passes = [*before] if budget is None else [*before, Checkpoint(budget=budget)]
     opt = picofx.optimize(model, inputs, passes, backend=backend, loss_fn=causal_lm_loss)
-    notes = opt.report.records[-1].notes if passes else {}
+    notes = opt.report.records[-1].notes if budget is not None else {}
 
     def step():
         model.zero_grad(set_to_none=True)
         opt(**inputs).backward()
 
-    setting = "none" if budget is None else f"budget={format_bytes(budget)}"
+    setting = "+".join([*before, "none" if budget is None else f"budget={format_bytes(budget)}"])
     return Contender("picofx", setting, model, step,
                      {"budget": budget, "predicted": notes.get("peak_after"), "recomputed": notes.get("recomputed", 0),
                       "added_flops": notes.get("added_flops", 0)})
@@ -160,6 +162,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=7, help="timed steps per contender (median)")
     parser.add_argument("--torch-budgets", default="0.0,0.1,0.3,0.5,0.7,1.0")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--fuse", action="store_true", help='picofx runs "fuse" before checkpoint')
     parser.add_argument("--json", default="bench_out/bench_checkpoint.json")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -175,14 +178,16 @@ def main(argv=None) -> dict:
     others = [eager(model, inputs, per_layer=False), eager(model, inputs, per_layer=True)]
     others += [torch_budget(model, inputs, float(f), args.backend) for f in args.torch_budgets.split(",")]
     measure_peaks(others, inputs)
-    smallest = smallest_peak(copy.deepcopy(model), inputs, loss_fn=causal_lm_loss, backend=args.backend)
-    base = predict(model, inputs, loss_fn=causal_lm_loss, backend=args.backend).memory.peak
+    before = ["fuse"] if args.fuse else []
+    smallest = smallest_peak(copy.deepcopy(model), inputs, loss_fn=causal_lm_loss, backend=args.backend,
+                             passes=before)
+    base = predict(model, inputs, loss_fn=causal_lm_loss, backend=args.backend, passes=before).memory.peak
     budgets = sorted({smallest, *(int(f * base) for f in (0.6, 0.7, 0.8, 0.9)),
                       *(c.row["peak"] for c in others if c.name != "eager")})
     mine, rows = [], []
     for budget in [*budgets, None]:
         try:
-            mine.append(picofx_budget(model, inputs, budget, args.backend))
+            mine.append(picofx_budget(model, inputs, budget, args.backend, before))
         except PassError as e:
             reason = str(e.__cause__ or e).split(";")[0]
             rows.append({"contender": "picofx", "setting": f"budget={format_bytes(budget)}", "budget": budget,
@@ -194,6 +199,7 @@ def main(argv=None) -> dict:
     comparisons = compare(rows)
     print_comparisons(comparisons)
     result = {"config": config.__dict__, "batch": args.batch, "seq": args.seq, "backend": args.backend,
+              "picofx_passes": [*before, "checkpoint"],
               "threads": torch.get_num_threads(), "rows": rows, "comparisons": comparisons}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:

@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 from torch import fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
 import picofx
@@ -11,7 +12,7 @@ from picofx.cost_model import CostModel
 from picofx.examples import zoo
 from picofx.memory import measure_peak
 from picofx.optimize import graph_inputs
-from picofx.partition import partition
+from picofx.partition import inductor_recomputes, num_forward_outputs, partition
 from picofx.pass_manager import Context, PassError, PassManager, Stage, copy_graph
 from picofx.passes import Checkpoint
 from picofx.plan import BudgetError
@@ -210,3 +211,19 @@ def test_inductor_backend_meets_the_budget(family):
     _reference_call(z, reference, z.example_inputs).backward()
     for p, q in zip(z.model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_inductor_base_is_what_min_cut_recomputes_except_from_returned_values():
+    z = zoo.hf_llama("tiny", 2, 32)  # returns its logits beside the loss
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", verify=None,
+                          cost_model=CostModel("cpu", fuses_pointwise=True))  # Inductor's decompositions
+    joint = opt.graphs["joint"]
+    num_fwd_outputs = num_forward_outputs(joint)
+    base = inductor_recomputes(joint, num_fwd_outputs)
+    returned = [n for n in joint.graph.output_node().args[0][:num_fwd_outputs] if isinstance(n, fx.Node)]
+    _, backward = min_cut_rematerialization_partition(fx.GraphModule(joint, copy_graph(joint.graph)), [],
+                                                      num_fwd_outputs=num_fwd_outputs)
+    min_cut = {n.name for n in backward.graph.nodes if n.op == "call_function"}
+    assert base and {n.name for n in base} < min_cut
+    left_out = min_cut & {u.name for r in returned for u in r.users}  # min-cut recomputes from the logits
+    assert left_out and not left_out & {n.name for n in base}

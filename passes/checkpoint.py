@@ -5,8 +5,9 @@ Joint stage. It tags forward nodes with torch's `recompute` policy (MUST_RECOMPU
 and recomputes the tagged ones in backward, just before their first use.
 
 Under Inductor, every plan starts from what Inductor's own min-cut partition recomputes (the
-base: cheap ops it fuses into backward kernels, priced as free); without a budget to meet, the
-pass tags that base alone, so the step runs as Inductor would partition it.
+base: cheap ops it fuses into backward kernels, priced as free; `picofx.partition.inductor_recomputes`
+leaves out what it would recompute from a value the caller receives); without a budget to meet,
+the pass tags that base alone, so the step runs as Inductor would partition it.
 
 Algorithm:
 1. Segments and options (`picofx.recompute`): per decoder layer (and the code before/after the

@@ -79,7 +79,8 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
     """Memory and time of one training step of `model` on `example_inputs`, after `passes`.
     backend="inductor" follows Inductor's generated code (fused kernels, their order, buffer
     reuse: `picofx.kernel_order`) and, unless a pass plans the partition (`checkpoint`),
-    Inductor's own min-cut partition; "eager" saves everything the backward reads."""
+    Inductor's own min-cut partition (as `checkpoint` starts from it:
+    `picofx.partition.inductor_recomputes`); "eager" saves everything the backward reads."""
     from picofx.optimize import optimize
 
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-
 from picofx.liveness import Fusion, Storages, _live
 
 

@@ -29,7 +29,7 @@ from torch import fx
 from picofx.buffer_reuse import reuse_buffers
 from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_elementwise, is_fallback,
                                   unmaterialized)
-from picofx.liveness import Fusion, Schedule, tensor_values
+from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
 
 aten = torch.ops.aten
 LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
@@ -86,14 +86,13 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
     size = {node: _iteration_size(node) for node in loops}
 
     def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
-        """Enough shared data (Inductor does not fuse for a few bytes), and the same loop, or a
-        reduction and a reader of its result that loops over that result."""
-        if sum(t.untyped_storage().nbytes() for t in tensor_values(buffer.meta.get("val"))) < MIN_SHARED_BYTES:
-            return False
+        """The same loop, or a reduction and a reader of its result that loops over that result."""
         return size[a] == size[b] or (buffer is a and a.target in REDUCTIONS and size[b] == _output_size(a))
 
     pairs = set()
     for buffer, nodes in accessors.items():
+        if storage_bytes(buffer) < MIN_SHARED_BYTES:  # Inductor does not fuse for a few shared bytes
+            continue
         for i, a in enumerate(nodes):
             pairs.update((a, b) for b in nodes[i + 1:i + 1 + PAIR_WINDOW] if a is not b and compatible(a, b, buffer))
     groups = UnionFind()

@@ -30,6 +30,11 @@ def tensor_values(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def storage_bytes(node: fx.Node) -> int:
+    """Bytes of the storages the node's value lives in (a view counts its whole base)."""
+    return sum(t.untyped_storage().nbytes() for t in tensor_values(node.meta.get("val")))
+
+
 @dataclass
 class Schedule:
     """What one graph runs: values present at its start, nodes run in order, values returned."""

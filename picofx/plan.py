@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
-
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.cost_model import CostModel, StepMemory, optimizer_state_bytes

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from picofx.cost_model import is_alias
-from picofx.liveness import tensor_values
+from picofx.liveness import storage_bytes, tensor_values
 from picofx.partition import forward_region, is_dropout_free
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -107,10 +107,6 @@ def _leaves(node: fx.Node) -> list:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
-def output_bytes(node: fx.Node) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensor_values(node.meta.get("val")))
-
-
 def tradeoff(segment: Segment, needed: set, forward: set, seconds: Callable[[fx.Node], float]) -> list[Option]:
     """The lower convex hull of (saved bytes, recompute seconds) for one segment (module doc).
     `needed`: forward nodes the backward reads; `forward`: all forward nodes."""
@@ -129,7 +125,7 @@ def tradeoff(segment: Segment, needed: set, forward: set, seconds: Callable[[fx.
         if is_multi_output(v) or (is_alias(v) and not getitem and recomputable):
             graph.add_edge((v, "in"), (v, "out"))  # saved through its base or its getitems
         else:
-            save_bytes[v] = output_bytes(v)
+            save_bytes[v] = storage_bytes(v)
             graph.add_edge((v, "in"), (v, "out"), capacity=save_bytes[v])
         for u in v.all_input_nodes:
             if u in members:

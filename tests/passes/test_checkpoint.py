@@ -35,8 +35,7 @@ class JointStep:
         opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn, verify=None)
         self.joint = opt.graphs["joint"]
         self.primals = graph_inputs(opt.graph_module.meta["picofx_signature"], z.model, (), dict(z.example_inputs))
-        primal_count = sum(1 for n in self.joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
-        self.num_fwd_outputs = len(self.joint.graph.output_node().args[0]) - primal_count
+        self.num_fwd_outputs = num_forward_outputs(self.joint)
 
     def checkpoint(self, budget, **options):
         """(joint copy after the pass, the pass's notes)."""

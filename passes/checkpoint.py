@@ -92,8 +92,9 @@ class Planner:
         recompute = self.recompute_set(levels)
         fw, bw = predict_partition(self.joint, recompute, self.num_fwd_outputs, self.forward)
         saved = self._saved_per_segment(fw)
-        prediction = Prediction(levels, recompute, self.cost_model.step_memory(fw, bw, self.optimizer_state),
-                                saved, self._local_terms(fw, bw, saved), fw.outputs, bw.steps)
+        timelines = self.cost_model.timelines(fw, bw)
+        prediction = Prediction(levels, recompute, self.cost_model.step_memory(fw, bw, self.optimizer_state, timelines),
+                                saved, self._local_terms(timelines, saved), fw.outputs, bw.steps)
         self.cache[levels] = prediction
         return prediction
 
@@ -111,13 +112,13 @@ class Planner:
                 saved[self.segment_of[node]] += nbytes
         return saved
 
-    def _local_terms(self, fw, bw, saved: list[int]) -> list[float]:
+    def _local_terms(self, timelines, saved: list[int]) -> list[float]:
         """L_i: the most live at a moment of segment i (its forward nodes; backward nodes reading
         its values, or following such), less what the segments before it saved."""
         before = np.concatenate([[0], np.cumsum(saved)[:-1]])
         local = [-math.inf] * len(self.segments)
         region = len(self.segments) - 1  # the backward starts with the last segment's gradients
-        fw_t, bw_t = self.cost_model.timelines(fw, bw)
+        fw_t, bw_t = timelines
         for line, is_forward in ((fw_t, True), (bw_t, False)):
             for node, live in zip(line.nodes, line.live):
                 if node in self.segment_of:

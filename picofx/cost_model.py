@@ -147,10 +147,11 @@ class CostModel:
         return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
 
     def step_memory(self, forward: fx.GraphModule | Schedule, backward: fx.GraphModule | Schedule,
-                    optimizer_state: int = 0) -> StepMemory:
-        """The step's memory from its partitioned graphs, or from their predicted schedules."""
+                    optimizer_state: int = 0, timelines: tuple[Timeline, Timeline] | None = None) -> StepMemory:
+        """The step's memory from its partitioned graphs, or from their predicted schedules
+        (and their `timelines`, where the caller has them already)."""
         fw_s, bw_s = _schedule(forward), _schedule(backward)
-        fw, bw = self.timelines(fw_s, bw_s)
+        fw, bw = timelines or self.timelines(fw_s, bw_s)
         params, others = parameter_bytes(fw_s, bw_s)
         return StepMemory(parameters=params, other_resident=others, optimizer_state=optimizer_state,
                           saved_activations=saved_bytes(fw_s, bw_s), gradients=bw.output_bytes,

@@ -279,9 +279,11 @@ class Checkpoint:
 
     @staticmethod
     def _infeasible(smallest: StepMemory, before: StepMemory, budget: int, batch: int | None) -> BudgetError:
-        text = (f"checkpoint: the budget {format_bytes(budget)} is below the smallest peak this step "
-                f"reaches with recomputation, {format_bytes(smallest.peak)} ({format_bytes(before.peak)} "
-                f"without checkpointing)")
+        shown, least = format_bytes(budget), format_bytes(smallest.peak)
+        if shown == least:  # too close to tell apart at two decimals
+            shown, least = f"{budget:,} bytes", f"{smallest.peak:,} bytes"
+        text = (f"checkpoint: the budget {shown} is below the smallest peak this step reaches with "
+                f"recomputation, {least} ({format_bytes(before.peak)} without checkpointing)")
         fits = None
         if batch:
             fixed = smallest.resident + (smallest.gradients if smallest.peak_phase == "backward" else 0)

@@ -145,6 +145,9 @@ def test_infeasible_budget_states_the_smallest_peak_and_a_batch(llama_step):
     assert isinstance(error, BudgetError) and 1 <= error.batch_that_fits < 4
     _, notes = llama_step.checkpoint(error.smallest_peak)  # the stated peak is reachable
     assert notes["peak_after"] <= error.smallest_peak
+    with pytest.raises(PassError, match=rf"budget {error.smallest_peak - 1:,} bytes is below .*, "
+                                        rf"{error.smallest_peak:,} bytes \("):
+        llama_step.checkpoint(error.smallest_peak - 1)  # a byte short: both told in bytes
 
 
 def test_loose_budget_changes_nothing_and_the_pass_is_idempotent(llama_step):

@@ -1,8 +1,8 @@
 """The order in which Inductor runs a graph's kernels, for the cost model's liveness.
 
 Inductor's scheduler fuses two loop kernels (pointwise or reduction nodes that write a buffer)
-when they have the same iteration size and touch a common buffer (both read it, or one writes
-what the other reads), unless a node outside the pair depends on one and feeds the other (the
+when they have the same iteration size and touch a common buffer alike (both load it with the
+same index over the same loop, or one writes what the other reads: `picofx.loop_loads`), unless a node outside the pair depends on one and feeds the other (the
 fusion would make a cycle). It then sorts the fused kernels by their first member's place and
 moves what each depends on before it. So a fused kernel runs where its first member stood, all
 its outputs are live at once and its inputs until it ends: fusing two kernels that read the
@@ -19,6 +19,7 @@ an extern kernel gets it only when that reader is lowered, so its kernel runs ju
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from functools import partial
 
@@ -30,9 +31,11 @@ from picofx.buffer_reuse import reuse_buffers
 from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_elementwise, is_fallback,
                                   unmaterialized)
 from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
+from picofx.loop_loads import LoopAccess
 
 aten = torch.ops.aten
 LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}  # Inductor lowers them to views
 PAIR_WINDOW = 64  # torch._inductor.config.max_fusion_buffer_group_pairwise_attempts
 MAX_MEMBERS = 64  # torch._inductor.config.max_fusion_size
 MAX_SPAN = 64  # Scheduler.are_long_distant_nodes: kernels farther apart than this do not fuse
@@ -46,9 +49,10 @@ def _is_loop(node: fx.Node, in_registers) -> bool:
             or node.target in LOOP_READERS)
 
 
-def _iteration_size(node: fx.Node) -> int:
-    """Elements a kernel loops over: a reduction loops over its input, anything else its output."""
-    return _output_size(node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node)
+def _iteration_shape(node: fx.Node) -> tuple:
+    source = node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node
+    values = tensor_values(source.meta.get("val"))
+    return tuple(values[0].shape) if values else ()
 
 
 def _output_size(node: fx.Node) -> int:
@@ -56,19 +60,26 @@ def _output_size(node: fx.Node) -> int:
     return math.prod(values[0].shape) if values else 0
 
 
-def _buffers_read(node: fx.Node, transparent, memo: dict) -> set[fx.Node]:
-    """The nodes whose buffers `node`'s kernel loads, seen through views and inlined values."""
-    if node not in memo:
-        found = set()
-        for arg in node.all_input_nodes:
-            found |= _buffers_read(arg, transparent, memo) if arg in transparent else {arg}
-        memo[node] = found
-    return memo[node]
-
-
 def _inlined(steps, in_registers) -> set[fx.Node]:
-    """Steps that are no kernel of their own: values in registers and views."""
-    return set(in_registers) | {n for n in steps if n.target in VIEWS}
+    """Steps that are no kernel of their own: values in registers and views (a split and the
+    pieces taken from it are views too)."""
+    return set(in_registers) | {n for n in steps if n.target in VIEWS or n.target in SPLITS
+                                or (n.target is operator.getitem and n.args[0].target in SPLITS)}
+
+
+def _scheduler_ranks(steps, transparent, in_registers) -> dict[fx.Node, int]:
+    """Each kernel's place in Inductor's list of scheduler nodes, which `are_long_distant_nodes`
+    measures in: a `cat` is a no-op node after one copy kernel per input that is not a loop
+    kernel of its own (those write into the output directly)."""
+    ranks, rank = {}, 0
+    for node in steps:
+        if node in transparent:
+            continue
+        if node.target is aten.cat.default:
+            rank += sum(not _is_loop(arg, in_registers) for arg in node.all_input_nodes)
+        ranks[node] = rank
+        rank += 1
+    return ranks
 
 
 def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
@@ -77,17 +88,20 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
     loops = [n for n in steps if _is_loop(n, in_registers)]
-    memo: dict = {}
+    access = LoopAccess(loops, _iteration_shape, transparent, {n for n in transparent if n not in in_registers})
     accessors: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in loops:
         accessors[node].append(node)
-        for buffer in _buffers_read(node, transparent, memo):
+        for buffer in access.reads[node]:
             accessors[buffer].append(node)
-    size = {node: _iteration_size(node) for node in loops}
+    size = {node: math.prod(_iteration_shape(node)) for node in loops}
 
     def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
-        """The same loop, or a reduction and a reader of its result that loops over that result."""
-        return size[a] == size[b] or (buffer is a and a.target in REDUCTIONS and size[b] == _output_size(a))
+        """The same loop, or a reduction and a reader of its result that loops over that result;
+        and the two access their common buffer alike (`picofx.loop_loads`)."""
+        if buffer is a and access.row_wise(a) and access.row_wise(b):
+            return size[a] == size[b] or (a.target in REDUCTIONS and size[b] == _output_size(a))
+        return size[a] == size[b] and access.alike(a, b, buffer)
 
     pairs = set()
     for buffer, nodes in accessors.items():
@@ -98,7 +112,7 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
     groups = UnionFind()
     members = {node: [node] for node in loops}
     between = _kernels_between(steps, transparent)
-    kernel_rank = {node: k for k, node in enumerate(n for n in steps if n not in transparent)}
+    kernel_rank = _scheduler_ranks(steps, transparent, in_registers)
     span = {node: (kernel_rank[node], kernel_rank[node]) for node in loops}
     for a, b in sorted(pairs, key=lambda p: (index[p[0]], index[p[1]])):
         ra, rb = groups[a], groups[b]

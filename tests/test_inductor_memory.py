@@ -3,7 +3,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from picofx.fused_buffers import VIEWS, is_fallback, unmaterialized
-from picofx.kernel_order import fused_kernels, inductor_fusion, kernel_order
+from picofx.kernel_order import _inlined, _scheduler_ranks, fused_kernels, inductor_fusion, kernel_order
 from picofx.liveness import Fusion, schedule_of, storage_key, timeline
 
 N = 64  # (N, N) fp32 values: 16 KiB each
@@ -153,3 +153,31 @@ def test_a_reduction_fuses_with_a_loop_over_its_result_unless_they_share_a_few_b
     assert nodes["sum_1"] in fusion.kernel_local
     groups = [{n.name for n in g} for g in fused_kernels(s, unmaterialized(s))]
     assert not any({"sum_2", "mul_1"} <= g for g in groups)
+
+
+def test_loops_share_a_broadcast_input_only_when_they_load_it_alike():
+    def f(x, w, v, u, c):
+        table = c.view(1, 2, 1, N // 2)  # c (N floats) broadcast over dims 0 and 2, as RoPE's tables
+        a = (x @ w).view(N // 2, 2, 2, N // 2) * table
+        a_too = (x @ v).view(N // 2, 2, 2, N // 2) * table  # the same load of c: fuses with a
+        b = (x @ u).view(N, 2, N // 2) * c.view(2, N // 2)  # as many elements, c loaded another way
+        return ((a.view(N, N) @ w) + (a_too.view(N, N) @ w) + (b.view(N, N) @ w),)
+
+    gm = make_fx(f, tracing_mode="fake")(*[torch.randn(N, N) for _ in range(4)], torch.randn(N))
+    s = schedule_of(gm)
+    groups = [{n.name for n in g} for g in fused_kernels(s, unmaterialized(s))]
+    assert any({"mul", "mul_1"} <= g for g in groups)  # as Inductor's code for f: two kernels
+    assert not any("mul_2" in g for g in groups)
+
+
+def test_a_split_is_no_kernel_and_a_cat_copies_each_input_not_computed_into_it():
+    def f(x, w):
+        first, second = (x @ w).split(N // 2, dim=1)  # views of the matmul's buffer
+        rotated = torch.cat([-second, first], dim=1)  # -second is written into the cat; first is copied
+        return (rotated @ w,)
+
+    gm, s, nodes = _graph(f, 2)
+    in_registers = unmaterialized(s)
+    ranks = _scheduler_ranks(s.steps, _inlined(s.steps, in_registers), in_registers)
+    assert "split" not in {n.name for n in ranks}
+    assert [ranks[nodes[name]] for name in ("mm", "neg", "cat", "mm_1")] == [0, 1, 3, 4]

@@ -99,8 +99,10 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
     def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
         """The same loop, or a reduction and a reader of its result that loops over that result;
         and the two access their common buffer alike (`picofx.loop_loads`)."""
+        if buffer is a and a.target in REDUCTIONS and size[b] == _output_size(a):
+            return True
         if buffer is a and access.row_wise(a) and access.row_wise(b):
-            return size[a] == size[b] or (a.target in REDUCTIONS and size[b] == _output_size(a))
+            return size[a] == size[b]
         return size[a] == size[b] and access.alike(a, b, buffer)
 
     pairs = set()

@@ -2,8 +2,8 @@
 
 Inductor's scheduler fuses two loop kernels (pointwise or reduction nodes that write a buffer)
 when they have the same iteration size and touch a common buffer alike (both load it with the
-same index over the same loop, or one writes what the other reads: `picofx.loop_loads`), unless a node outside the pair depends on one and feeds the other (the
-fusion would make a cycle). It then sorts the fused kernels by their first member's place and
+same index over the same loop, or one writes what the other reads: `picofx.loop_loads`), unless
+a node outside the pair depends on one and feeds the other (the fusion would make a cycle). It then sorts the fused kernels by their first member's place and
 moves what each depends on before it. So a fused kernel runs where its first member stood, all
 its outputs are live at once and its inputs until it ends: fusing two kernels that read the
 same buffer far apart (a recomputed activation and a gradient, say) can raise the peak above the
@@ -18,7 +18,6 @@ an extern kernel gets it only when that reader is lowered, so its kernel runs ju
 """
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from functools import partial
@@ -31,7 +30,7 @@ from picofx.buffer_reuse import reuse_buffers
 from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_elementwise, is_fallback,
                                   unmaterialized)
 from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
-from picofx.loop_loads import LoopAccess
+from picofx.loop_loads import LoopAccess, output_size
 
 aten = torch.ops.aten
 LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
@@ -53,11 +52,6 @@ def _iteration_shape(node: fx.Node) -> tuple:
     source = node.args[0] if node.target in REDUCTIONS and isinstance(node.args[0], fx.Node) else node
     values = tensor_values(source.meta.get("val"))
     return tuple(values[0].shape) if values else ()
-
-
-def _output_size(node: fx.Node) -> int:
-    values = tensor_values(node.meta.get("val"))
-    return math.prod(values[0].shape) if values else 0
 
 
 def _inlined(steps, in_registers) -> set[fx.Node]:
@@ -94,12 +88,12 @@ def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
         accessors[node].append(node)
         for buffer in access.reads[node]:
             accessors[buffer].append(node)
-    size = {node: math.prod(_iteration_shape(node)) for node in loops}
+    size = access.size
 
     def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
         """The same loop, or a reduction and a reader of its result that loops over that result;
         and the two access their common buffer alike (`picofx.loop_loads`)."""
-        if buffer is a and a.target in REDUCTIONS and size[b] == _output_size(a):
+        if buffer is a and a.target in REDUCTIONS and size[b] == output_size(a):
             return True
         if buffer is a and access.row_wise(a) and access.row_wise(b):
             return size[a] == size[b]

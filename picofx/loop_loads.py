@@ -22,6 +22,12 @@ RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 Load = tuple  # (sizes, strides, offset), or None where views past an inlined value hide the index
 
 
+def output_size(node: fx.Node) -> int:
+    """Elements of the node's (first) value."""
+    values = tensor_values(node.meta.get("val"))
+    return math.prod(values[0].shape) if values else 0
+
+
 def load_key(value: torch.Tensor, loop_shape, order=None) -> Load:
     """The load of `value` from a loop over `loop_shape`, its dims run in `order` (a reduction
     runs its kept dims outside the reduced ones)."""
@@ -145,6 +151,5 @@ class LoopAccess:
         ours, theirs = self.writes[a] if buffer is a else self.reads[a][buffer], self.reads[b][buffer]
         if (ours & theirs) - {None}:
             return True
-        values = tensor_values(buffer.meta.get("val"))
-        whole = bool(values) and values[0].numel() >= self.size[a]
+        whole = output_size(buffer) >= self.size[a]
         return None in ours | theirs and whole and self.row_wise(a) and self.row_wise(b)

@@ -63,6 +63,29 @@ def is_fallback(node: fx.Node) -> bool:
     return target in fallbacks or (target.namespace not in ("aten", "prims") and target not in lowerings)
 
 
+def copies_unrealized_inputs(node: fx.Node) -> bool:
+    """A fallback kernel with a layout constraint (attention): lowering it copies each input that
+    is not yet in a buffer into a buffer of its own (`ExternKernel.require_strides`), so a value
+    that is computed only for such readers is computed once per reader."""
+    from torch._inductor.lowering import maybe_layout_constraints
+
+    return is_fallback(node) and maybe_layout_constraints(node.target) is not None
+
+
+def loaded_buffers(node: fx.Node, in_registers) -> set[fx.Node]:
+    """The buffers the code computing `node` loads elements of (through views and the values it
+    inlines), leaving out scalars, which Inductor loads at a constant index."""
+    loads = set()
+    for arg in node.all_input_nodes:
+        while arg.target in VIEWS and arg.args and isinstance(arg.args[0], fx.Node):
+            arg = arg.args[0]
+        if arg in in_registers:
+            loads |= loaded_buffers(arg, in_registers)
+        elif arg.op != "get_attr" and getattr(arg.meta.get("val"), "numel", lambda: 0)() > 1:
+            loads.add(arg)
+    return loads
+
+
 def _computed_where_read(node: fx.Node) -> bool:
     return is_elementwise(node) or (node.op == "call_function" and node.target in FACTORIES)
 

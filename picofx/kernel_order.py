@@ -13,8 +13,11 @@ limits on how far apart two readers of a buffer may be, on how far apart (in ker
 kernels may start and end, and on how many nodes one kernel may hold.
 
 Where a kernel stands: Inductor computes a pointwise value when a reader needs it in memory.
-A value with several readers gets its buffer where it is defined; a value whose one reader is
-an extern kernel gets it only when that reader is lowered, so its kernel runs just before it.
+A value with several readers gets its buffer where it is defined; a value only extern kernels
+read gets it only when the first of them is lowered, so its kernel runs just before it. An
+extern kernel with a layout constraint (attention) copies such a value into a buffer of its
+own instead, unless the value loads several buffers (then Inductor computes it once): two
+attentions reading one value each get a copy.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from networkx.utils import UnionFind
 from torch import fx
 
 from picofx.buffer_reuse import reuse_buffers
-from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, in_place_candidates, is_elementwise, is_fallback,
-                                  unmaterialized)
+from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, copies_unrealized_inputs, in_place_candidates,
+                                  is_elementwise, is_fallback, loaded_buffers, unmaterialized)
 from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
 from picofx.loop_loads import LoopAccess, output_size
 
@@ -221,44 +224,75 @@ def _kernel_numbers(order, transparent, unit_of) -> dict[fx.Node, int]:
     return numbers
 
 
-def realized_by_reader(schedule: Schedule, in_registers) -> Schedule:
-    """The schedule with each pointwise value whose one reader is an extern kernel moved to just
-    before that reader, where Inductor computes it (module doc)."""
+def realized_by_reader(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, tuple]]:
+    """The schedule with each pointwise value that only extern kernels read moved to just before
+    the first of them, where Inductor computes it (module doc); and, for such a value whose
+    readers all copy it (`copies_unrealized_inputs`) and that Inductor leaves unrealized, the
+    readers that get a copy of their own besides its buffer: all but the last. Inductor
+    fuses the copies into one kernel (they load the same inputs alike), so each is allocated
+    with the first and lives until its reader."""
     late: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    copies = {}
+    index = {node: k for k, node in enumerate(schedule.steps)}
+    returned = {n for n in schedule.outputs if n is not None}
     for node in schedule.steps:
         if _is_loop(node, in_registers) and node.target not in REDUCTIONS:
-            reader = _sole_reader(node)
-            if reader is not None and is_fallback(reader):
-                late[reader].append(node)
+            readers = sorted(_readers(node, index, returned) or (), key=index.__getitem__)
+            if len(readers) == 1 and is_fallback(readers[0]):
+                late[readers[0]].append(node)
+            elif len(readers) > 1 and all(map(copies_unrealized_inputs, readers)):
+                late[readers[0]].append(node)
+                if not _realized_by_hint(node, in_registers):
+                    copies[node] = tuple(readers[:-1])
     if not late:
-        return schedule
+        return schedule, copies
     moved = {n for nodes in late.values() for n in nodes}
-    steps = []
+    ordered = []
     for node in schedule.steps:
-        steps.extend(late.get(node, ()))
+        ordered.extend(late.get(node, ()))
         if node not in moved:
-            steps.append(node)
-    return Schedule(schedule.inputs, steps, schedule.outputs)
+            ordered.append(node)
+    return Schedule(schedule.inputs, ordered, schedule.outputs), copies
 
 
-def _sole_reader(node: fx.Node) -> fx.Node | None:
-    """The one node that reads `node`'s value, through views, if there is one."""
-    while len(node.users) == 1:
-        node = next(iter(node.users))
-        if node.target not in VIEWS:
-            return node
-    return None
+def _realized_by_hint(node: fx.Node, in_registers) -> bool:
+    """Whether Inductor computes the value once for its several extern readers: it does when the
+    value, or a view of it, has more than one user and an extern kernel among them, and the
+    code computing it loads more than one buffer (`StorageBox.realize_hint`, called by
+    `GraphLowering.run_node`)."""
+    def hinted(n: fx.Node) -> bool:
+        return ((len(n.users) > 1 and any(is_fallback(u) for u in n.users))
+                or any(hinted(u) for u in n.users if u.target in VIEWS))
+
+    return hinted(node) and len(loaded_buffers(node, in_registers)) > 1
+
+
+def _readers(node: fx.Node, steps, returned) -> set[fx.Node] | None:
+    """The steps that read `node`'s value, through views; None if the schedule returns the value
+    or a view of it. (Users outside `steps` belong to the other graph of a joint graph.)"""
+    if node in returned:
+        return None
+    found = set()
+    for user in node.users:
+        if user in steps and user.target in VIEWS:
+            through = _readers(user, steps, returned)
+            if through is None:
+                return None
+            found |= through
+        elif user in steps:
+            found.add(user)
+    return found
 
 
 def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
     """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
     in_registers = unmaterialized(schedule)
-    schedule = realized_by_reader(schedule, in_registers)
+    schedule, copies = realized_by_reader(schedule, in_registers)
     ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers)
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
     return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
                            partial(reuse_buffers, allocates_itself=fallbacks), kernel_index,
-                           _kernel_local(ordered, in_registers, kernel_end))
+                           _kernel_local(ordered, in_registers, kernel_end), copies)
 
 
 def _kernel_local(schedule: Schedule, in_registers, kernel_end: dict) -> frozenset:

@@ -97,6 +97,7 @@ class Fusion:
     reuse: object = None  # reuse(storages, steps, fusion): lets outputs take over buffers that died
     kernel_index: dict = field(default_factory=dict)  # step -> number of the kernel it runs in
     kernel_local: frozenset = frozenset()  # values a fused kernel writes and reads itself: no buffer
+    copies: dict = field(default_factory=dict)  # step -> readers that each get a copy of its value
 
 
 def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool = True, held=(),
@@ -113,12 +114,15 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
     fusion = fusion or Fusion()
     st, owner = _storages(s, resident, fusion.in_registers, fusion.kernel_local)
     st.reads, st.runs_at = _kernel_reads(s.steps, fusion.in_registers, owner, st.allocates, fusion.kernel_end)
+    copy_read_by = _add_copies(st, s.steps, owner, fusion.copies)
     st.last_use = [-1] * len(st.size)
     for k, node in enumerate(s.steps):
         for i in owner[node]:
             st.last_use[i] = max(st.last_use[i], k)
         for i in st.reads[k]:
             st.last_use[i] = max(st.last_use[i], st.runs_at[k])
+    for i, k in copy_read_by.items():
+        st.last_use[i] = st.runs_at[k]
     returned = {i for n in s.outputs if n is not None for i in owner.get(n, ())}
     st.kept = returned | {i for n in held for i in owner[n]} | (st.inputs if not frees_inputs else set())
     input_bytes = sum(st.size[i] for i in st.inputs if st.counted[i])
@@ -166,6 +170,23 @@ def _storages(s: Schedule, resident: set, in_registers, kernel_local) -> tuple[S
         owner[node] = ids
         st.allocates.append(new)
     return st, owner
+
+
+def _add_copies(st: Storages, steps, owner, copies: dict) -> dict[int, int]:
+    """Storages for the copies `Fusion.copies` names: each is allocated with the value it copies
+    and lives until its reader runs. Returns, per copy, its reader's step."""
+    index = {node: k for k, node in enumerate(steps)}
+    read_by = {}
+    for node, readers in copies.items():
+        k = index[node]
+        for i in owner[node]:
+            for reader in readers:
+                st.size.append(st.size[i])
+                st.dtype.append(st.dtype[i])
+                st.counted.append(st.counted[i])
+                st.allocates[k].append(len(st.size) - 1)
+                read_by[len(st.size) - 1] = index[reader]
+    return read_by
 
 
 def _live(st: Storages, steps, workspace, counted=None, size=None) -> tuple[list[int], dict[str, int]]:

@@ -181,3 +181,24 @@ def test_a_split_is_no_kernel_and_a_cat_copies_each_input_not_computed_into_it()
     ranks = _scheduler_ranks(s.steps, _inlined(s.steps, in_registers), in_registers)
     assert "split" not in {n.name for n in ranks}
     assert [ranks[nodes[name]] for name in ("mm", "neg", "cat", "mm_1")] == [0, 1, 3, 4]
+
+
+def test_a_value_two_attentions_read_is_copied_for_each_unless_its_code_loads_several_buffers():
+    def attend_twice(value_of):
+        def f(x, w):
+            h = x @ w
+            q, value = h.view(1, 1, N, N), value_of(h, x).view(1, 1, N, N)
+            attend = torch.nn.functional.scaled_dot_product_attention
+            return (attend(q, q, value).sum() + attend(q, value, q).sum(),)
+        gm, s, nodes = _graph(f, 2)
+        ordered, fusion = inductor_fusion(s)
+        attentions = [n for n in ordered.steps if is_fallback(n)]
+        live = timeline(ordered, _resident(s), fusion=fusion)
+        return fusion.copies, nodes["mul"], attentions, live.live[ordered.steps.index(attentions[0])]
+
+    # as Inductor's code for both: h * 2 is written twice by one kernel, h * x once
+    copies, one_load, attentions, live_copied = attend_twice(lambda h, x: h * 2)
+    assert copies == {one_load: (attentions[0],)}
+    copies, two_loads, _, live_shared = attend_twice(lambda h, x: h * x)
+    assert copies == {}
+    assert live_copied == live_shared + KiB16

@@ -11,8 +11,9 @@ Two rules, both from Inductor's code generation, change what a graph holds at a 
   list once they die. Inductor keeps a buffer for a later kernel only when that keeps its own
   peak estimate at or below the estimate's maximum (`AllocateLine.should_reuse_buffer`); the
   estimate counts, per kernel, every buffer from the kernel that writes it to its last reader,
-  with no reuse (`torch._inductor.memory.estimate_peak_memory`), and each buffer kept adds its
-  size to the kernels it is kept across.
+  with no reuse, and each graph input at what its last reader's index reaches
+  (`torch._inductor.memory.estimate_peak_memory`, `get_freeable_input_buf`); each buffer kept
+  adds its size to the kernels it is kept across.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from picofx.liveness import Fusion, Storages, _live
 def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset()) -> None:
     """Apply both rules to `st`: reused outputs stop being counted and the buffer they take over
     lives on in their place. `allocates_itself`: the steps that are fallback kernels."""
-    estimate = _PeakEstimate(st, steps, fusion.kernel_index)
+    estimate = _PeakEstimate(st, steps, fusion)
     rewritten = _reuse_dying_inputs(st, steps, fusion)
     _reuse_freed(st, steps, allocates_itself, rewritten, estimate)
 
@@ -33,10 +34,10 @@ class _PeakEstimate:
     """Inductor's estimate of the bytes live at each kernel, before any reuse, and its rule for
     keeping a freed buffer until a later kernel allocates one of the same size."""
 
-    def __init__(self, st: Storages, steps, kernel_index: dict):
+    def __init__(self, st: Storages, steps, fusion: Fusion):
         counted = [c or i in st.kernel_local for i, c in enumerate(st.counted)]
-        live, _ = _live(st, steps, None, counted)
-        self.kernel = [kernel_index[node] for node in steps]
+        live, _ = _live(st, steps, None, counted, _input_sizes_as_read(st, steps, fusion.read_elements))
+        self.kernel = [fusion.kernel_index[node] for node in steps]
         self.per_kernel = [0] * (max(self.kernel, default=0) + 1)
         for k, bytes_live in zip(self.kernel, live):
             self.per_kernel[k] = max(self.per_kernel[k], bytes_live)
@@ -52,6 +53,21 @@ class _PeakEstimate:
         for k in range(first, stop):
             self.per_kernel[k] += size
         return True
+
+
+def _input_sizes_as_read(st: Storages, steps, read_elements: dict) -> list[int]:
+    """Storage sizes, with each input that a loop kernel reads last taken at what that kernel's
+    index covers: Inductor sizes a graph input by its last reader's memory dependency, which
+    counts the loop dims its index uses (none of a broadcast's; all of a reshape's that needs
+    floor division, as a repeat of heads read through a view does)."""
+    size = list(st.size)
+    for i in st.inputs:
+        node = st.input_of.get(i)
+        last = [steps[k] for k, reads in enumerate(st.reads) if i in reads and st.runs_at[k] == st.last_use[i]]
+        elements = [read_elements[(step, node)] for step in last if (step, node) in read_elements]
+        if elements:
+            size[i] = max(elements) * st.dtype[i].itemsize
+    return size
 
 
 def _read_by_kernel_mates(st: Storages, steps, kernel_end: dict) -> dict[int, set[int]]:

@@ -33,6 +33,7 @@ FACTORIES = {aten.full.default, aten.zeros.default, aten.ones.default, aten.full
              aten.arange.default, aten.arange.start_step, torch.ops.prims.iota.default}
 INDEXED_READERS = {aten.gather.default, aten.index.Tensor, aten.scatter_add.default, aten.scatter.src,
                    aten.scatter.value, aten.scatter_reduce.two, aten.index_put.default, aten.where.self}
+INDEXED_LOADS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
 ELEMENTWISE = {aten.slice_scatter.default, aten.select_scatter.default, aten.constant_pad_nd.default}
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
          aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
@@ -63,27 +64,12 @@ def is_fallback(node: fx.Node) -> bool:
     return target in fallbacks or (target.namespace not in ("aten", "prims") and target not in lowerings)
 
 
-def copies_unrealized_inputs(node: fx.Node) -> bool:
-    """A fallback kernel with a layout constraint (attention): lowering it copies each input that
-    is not yet in a buffer into a buffer of its own (`ExternKernel.require_strides`), so a value
-    that is computed only for such readers is computed once per reader."""
-    from torch._inductor.lowering import maybe_layout_constraints
-
-    return is_fallback(node) and maybe_layout_constraints(node.target) is not None
-
-
-def loaded_buffers(node: fx.Node, in_registers) -> set[fx.Node]:
-    """The buffers the code computing `node` loads elements of (through views and the values it
-    inlines), leaving out scalars, which Inductor loads at a constant index."""
-    loads = set()
-    for arg in node.all_input_nodes:
-        while arg.target in VIEWS and arg.args and isinstance(arg.args[0], fx.Node):
-            arg = arg.args[0]
-        if arg in in_registers:
-            loads |= loaded_buffers(arg, in_registers)
-        elif arg.op != "get_attr" and getattr(arg.meta.get("val"), "numel", lambda: 0)() > 1:
-            loads.add(arg)
-    return loads
+def is_loop_kernel(node: fx.Node, in_registers) -> bool:
+    """A step Inductor runs as a loop kernel of its own (unless inlined: `in_registers`)."""
+    if node.op != "call_function" or node in in_registers:
+        return False
+    return (is_elementwise(node) or node.target in REDUCTIONS or node.target in FACTORIES
+            or node.target in INDEXED_LOADS)
 
 
 def _computed_where_read(node: fx.Node) -> bool:

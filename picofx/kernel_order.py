@@ -14,13 +14,11 @@ kernels may start and end, and on how many nodes one kernel may hold.
 
 Where a kernel stands: Inductor computes a pointwise value when a reader needs it in memory.
 A value with several readers gets its buffer where it is defined; a value only extern kernels
-read gets it only when the first of them is lowered, so its kernel runs just before it. An
-extern kernel with a layout constraint (attention) copies such a value into a buffer of its
-own instead, unless the value loads several buffers (then Inductor computes it once): two
-attentions reading one value each get a copy.
+read is computed just before the first of them, or copied for each (`picofx.extern_readers`).
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections import defaultdict
 from functools import partial
@@ -30,25 +28,18 @@ from networkx.utils import UnionFind
 from torch import fx
 
 from picofx.buffer_reuse import reuse_buffers
-from picofx.fused_buffers import (FACTORIES, REDUCTIONS, VIEWS, copies_unrealized_inputs, in_place_candidates,
-                                  is_elementwise, is_fallback, loaded_buffers, unmaterialized)
+from picofx.extern_readers import realized_by_reader
+from picofx.fused_buffers import (REDUCTIONS, VIEWS, in_place_candidates, is_fallback, is_loop_kernel,
+                                  unmaterialized)
 from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
 from picofx.loop_loads import LoopAccess, output_size
 
 aten = torch.ops.aten
-LOOP_READERS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}  # Inductor lowers them to views
 PAIR_WINDOW = 64  # torch._inductor.config.max_fusion_buffer_group_pairwise_attempts
 MAX_MEMBERS = 64  # torch._inductor.config.max_fusion_size
 MAX_SPAN = 64  # Scheduler.are_long_distant_nodes: kernels farther apart than this do not fuse
 MIN_SHARED_BYTES = 10  # torch._inductor.config.score_fusion_memory_threshold
-
-
-def _is_loop(node: fx.Node, in_registers) -> bool:
-    if node.op != "call_function" or node in in_registers:
-        return False
-    return (is_elementwise(node) or node.target in REDUCTIONS or node.target in FACTORIES
-            or node.target in LOOP_READERS)
 
 
 def _iteration_shape(node: fx.Node) -> tuple:
@@ -73,19 +64,28 @@ def _scheduler_ranks(steps, transparent, in_registers) -> dict[fx.Node, int]:
         if node in transparent:
             continue
         if node.target is aten.cat.default:
-            rank += sum(not _is_loop(arg, in_registers) for arg in node.all_input_nodes)
+            rank += sum(not is_loop_kernel(arg, in_registers) for arg in node.all_input_nodes)
         ranks[node] = rank
         rank += 1
     return ranks
 
 
-def fused_kernels(schedule: Schedule, in_registers) -> list[list[fx.Node]]:
+def loop_access(steps, in_registers, loop_shapes=None) -> LoopAccess:
+    """How the loop kernels among `steps` access their buffers; `loop_shapes`: kernels whose loop
+    is not their value's shape (`realized_by_reader`)."""
+    transparent = _inlined(steps, in_registers)
+    loops = [n for n in steps if is_loop_kernel(n, in_registers)]
+    shape_of = (lambda n: loop_shapes[n] if n in loop_shapes else _iteration_shape(n)) if loop_shapes else _iteration_shape
+    return LoopAccess(loops, shape_of, transparent, {n for n in transparent if n not in in_registers})
+
+
+def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = None) -> list[list[fx.Node]]:
     """Groups of steps Inductor runs as one kernel (only groups of two or more), each in step order."""
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
-    loops = [n for n in steps if _is_loop(n, in_registers)]
-    access = LoopAccess(loops, _iteration_shape, transparent, {n for n in transparent if n not in in_registers})
+    loops = [n for n in steps if is_loop_kernel(n, in_registers)]
+    access = access or loop_access(steps, in_registers)
     accessors: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in loops:
         accessors[node].append(node)
@@ -158,7 +158,7 @@ def _kernels_between(steps, transparent):
     return between
 
 
-def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+def kernel_order(schedule: Schedule, in_registers, access: LoopAccess | None = None) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     """The schedule reordered as Inductor runs it; for each member of a fused kernel the
     kernel's last member (the step where the kernel ends: its inputs live until there); and for
     each step the number of the kernel it runs in, counting kernels in order. Views and inlined
@@ -167,7 +167,7 @@ def kernel_order(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.No
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
     unit_of = {node: (node,) for node in steps if node not in transparent}
-    for group in fused_kernels(schedule, in_registers):
+    for group in fused_kernels(schedule, in_registers, access):
         for node in group:
             unit_of[node] = tuple(group)
     order, emitted, opened, done = [], set(), set(), set()
@@ -224,75 +224,32 @@ def _kernel_numbers(order, transparent, unit_of) -> dict[fx.Node, int]:
     return numbers
 
 
-def realized_by_reader(schedule: Schedule, in_registers) -> tuple[Schedule, dict[fx.Node, tuple]]:
-    """The schedule with each pointwise value that only extern kernels read moved to just before
-    the first of them, where Inductor computes it (module doc); and, for such a value whose
-    readers all copy it (`copies_unrealized_inputs`) and that Inductor leaves unrealized, the
-    readers that get a copy of their own besides its buffer: all but the last. Inductor
-    fuses the copies into one kernel (they load the same inputs alike), so each is allocated
-    with the first and lives until its reader."""
-    late: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    copies = {}
-    index = {node: k for k, node in enumerate(schedule.steps)}
-    returned = {n for n in schedule.outputs if n is not None}
-    for node in schedule.steps:
-        if _is_loop(node, in_registers) and node.target not in REDUCTIONS:
-            readers = sorted(_readers(node, index, returned) or (), key=index.__getitem__)
-            if len(readers) == 1 and is_fallback(readers[0]):
-                late[readers[0]].append(node)
-            elif len(readers) > 1 and all(map(copies_unrealized_inputs, readers)):
-                late[readers[0]].append(node)
-                if not _realized_by_hint(node, in_registers):
-                    copies[node] = tuple(readers[:-1])
-    if not late:
-        return schedule, copies
-    moved = {n for nodes in late.values() for n in nodes}
-    ordered = []
-    for node in schedule.steps:
-        ordered.extend(late.get(node, ()))
-        if node not in moved:
-            ordered.append(node)
-    return Schedule(schedule.inputs, ordered, schedule.outputs), copies
-
-
-def _realized_by_hint(node: fx.Node, in_registers) -> bool:
-    """Whether Inductor computes the value once for its several extern readers: it does when the
-    value, or a view of it, has more than one user and an extern kernel among them, and the
-    code computing it loads more than one buffer (`StorageBox.realize_hint`, called by
-    `GraphLowering.run_node`)."""
-    def hinted(n: fx.Node) -> bool:
-        return ((len(n.users) > 1 and any(is_fallback(u) for u in n.users))
-                or any(hinted(u) for u in n.users if u.target in VIEWS))
-
-    return hinted(node) and len(loaded_buffers(node, in_registers)) > 1
-
-
-def _readers(node: fx.Node, steps, returned) -> set[fx.Node] | None:
-    """The steps that read `node`'s value, through views; None if the schedule returns the value
-    or a view of it. (Users outside `steps` belong to the other graph of a joint graph.)"""
-    if node in returned:
-        return None
-    found = set()
-    for user in node.users:
-        if user in steps and user.target in VIEWS:
-            through = _readers(user, steps, returned)
-            if through is None:
-                return None
-            found |= through
-        elif user in steps:
-            found.add(user)
-    return found
-
-
 def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
     """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
     in_registers = unmaterialized(schedule)
-    schedule, copies = realized_by_reader(schedule, in_registers)
-    ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers)
+    schedule, copies, loop_shapes = realized_by_reader(schedule, in_registers)
+    access = loop_access(schedule.steps, in_registers, loop_shapes)
+    ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers, access)
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
     return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
                            partial(reuse_buffers, allocates_itself=fallbacks), kernel_index,
-                           _kernel_local(ordered, in_registers, kernel_end), copies)
+                           _kernel_local(ordered, in_registers, kernel_end), _read_elements(access, schedule.inputs),
+                           copies)
+
+
+def _read_elements(access: LoopAccess, inputs) -> dict:
+    """(loop step, input) -> how many elements the step's index into the input covers: the loop
+    dims the index uses (`torch._inductor.dependencies.MemoryDep.get_numel`). A load through a
+    view that needs floor division uses all of its dims."""
+    inputs = set(inputs)
+    found = {}
+    for node, reads in access.reads.items():
+        for buffer, loads in reads.items():
+            if buffer in inputs:
+                found[(node, buffer)] = max(access.size[node] if load is None else
+                                            math.prod(n for n, stride in zip(*load[:2]) if stride)
+                                            for load in loads)
+    return found
 
 
 def _kernel_local(schedule: Schedule, in_registers, kernel_end: dict) -> frozenset:

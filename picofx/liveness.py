@@ -82,6 +82,7 @@ class Storages:
     kept: set[int] = field(default_factory=set)  # never freed during the graph
     kernel_local: set[int] = field(default_factory=set)  # not counted: buffers a fused kernel drops
     inputs: set[int] = field(default_factory=set)
+    input_of: dict = field(default_factory=dict)  # input storage id -> the input node it came with
     allocates: list[list[int]] = field(default_factory=list)  # per step, the storages it creates
     reads: list[set[int]] = field(default_factory=list)  # per step, the storages its kernel reads
     runs_at: list[int] = field(default_factory=list)  # per step, the step at which its kernel ends
@@ -97,6 +98,7 @@ class Fusion:
     reuse: object = None  # reuse(storages, steps, fusion): lets outputs take over buffers that died
     kernel_index: dict = field(default_factory=dict)  # step -> number of the kernel it runs in
     kernel_local: frozenset = frozenset()  # values a fused kernel writes and reads itself: no buffer
+    read_elements: dict = field(default_factory=dict)  # (loop step, input) -> elements its index covers
     copies: dict = field(default_factory=dict)  # step -> readers that each get a copy of its value
 
 
@@ -152,6 +154,7 @@ def _storages(s: Schedule, resident: set, in_registers, kernel_local) -> tuple[S
             key = storage_key(t)
             if key not in by_key:
                 by_key[key] = new_storage(key, t, key not in resident)
+                st.input_of[by_key[key]] = node
             ids.append(by_key[key])
         owner[node] = ids
     st.inputs = set(range(len(st.size)))

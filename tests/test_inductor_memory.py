@@ -202,3 +202,20 @@ def test_a_value_two_attentions_read_is_copied_for_each_unless_its_code_loads_se
     copies, two_loads, _, live_shared = attend_twice(lambda h, x: h * x)
     assert copies == {}
     assert live_copied == live_shared + KiB16
+
+
+def test_an_input_counts_in_inductors_estimate_as_far_as_its_last_readers_index_reaches():
+    def f(q, k, x, table):
+        repeated = k[:, :, None].expand(1, 2, 2, N, 16).reshape(1, 4, N, 16)  # copied for attention alone
+        out = torch.nn.functional.scaled_dot_product_attention(q, repeated, repeated)
+        return (out.sum() + (x * table).sum(),)  # table broadcast over x's rows, in the sum's kernel
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1, 4, N, 16), torch.randn(1, 2, N, 16),
+                                         torch.randn(N, N), torch.randn(N))
+    s = schedule_of(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ordered, fusion = inductor_fusion(s)
+    # the copy loops over the 4 heads attention takes, indexing k by head // 2: all 4 count
+    # (Inductor's estimate sized the bench model's saved k and v so, at twice their bytes)
+    assert fusion.read_elements[(nodes["clone"], nodes["k_1"])] == 4 * N * 16
+    assert fusion.read_elements[(nodes["sum_2"], nodes["table_1"])] == N  # a broadcast's dims do not count

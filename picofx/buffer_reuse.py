@@ -60,13 +60,13 @@ def _input_sizes_as_read(st: Storages, steps, read_elements: dict) -> list[int]:
     index covers: Inductor sizes a graph input by its last reader's memory dependency, which
     counts the loop dims its index uses (none of a broadcast's; all of a reshape's that needs
     floor division, as a repeat of heads read through a view does)."""
-    size = list(st.size)
-    for i in st.inputs:
-        node = st.input_of.get(i)
-        last = [steps[k] for k, reads in enumerate(st.reads) if i in reads and st.runs_at[k] == st.last_use[i]]
-        elements = [read_elements[(step, node)] for step in last if (step, node) in read_elements]
-        if elements:
-            size[i] = max(elements) * st.dtype[i].itemsize
+    size, elements = list(st.size), defaultdict(list)
+    for k, reads in enumerate(st.reads):
+        for i in reads & st.inputs:
+            if st.runs_at[k] == st.last_use[i] and (steps[k], st.input_of[i]) in read_elements:
+                elements[i].append(read_elements[(steps[k], st.input_of[i])])
+    for i, counts in elements.items():
+        size[i] = max(counts) * st.dtype[i].itemsize
     return size
 
 

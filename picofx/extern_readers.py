@@ -56,7 +56,7 @@ def realized_by_reader(schedule: Schedule, in_registers) -> tuple[Schedule, dict
         if is_loop_kernel(node, in_registers) and node.target not in REDUCTIONS:
             readers = sorted(_readers(node, index, returned) or (), key=index.__getitem__)
             copied = readers and all(map(copies_unrealized_inputs, readers))
-            if len(readers) == 1 and is_fallback(readers[0]) or copied:
+            if (len(readers) == 1 and is_fallback(readers[0])) or copied:
                 late[readers[0]].append(node)
             if copied and (len(readers) == 1 or not _realized_by_hint(node, in_registers)):
                 copies[node] = tuple(readers[:-1])

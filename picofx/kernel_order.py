@@ -3,11 +3,11 @@
 Inductor's scheduler fuses two loop kernels (pointwise or reduction nodes that write a buffer)
 when they have the same iteration size and touch a common buffer alike (both load it with the
 same index over the same loop, or one writes what the other reads: `picofx.loop_loads`), unless
-a node outside the pair depends on one and feeds the other (the fusion would make a cycle). It then sorts the fused kernels by their first member's place and
-moves what each depends on before it. So a fused kernel runs where its first member stood, all
-its outputs are live at once and its inputs until it ends: fusing two kernels that read the
-same buffer far apart (a recomputed activation and a gradient, say) can raise the peak above the
-graph order's. The rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
+a node outside the pair depends on one and feeds the other (the fusion would make a cycle).
+It then sorts the fused kernels by their first member's place and moves what each depends on
+before it. So a fused kernel runs where its first member stood, all its outputs are live at
+once and its inputs until it ends: fusing two kernels that read the same buffer far apart (a
+recomputed activation and a gradient, say) can raise the peak above the graph order's. The rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
 `will_fusion_create_cycle`, `are_long_distant_nodes`, `topological_sort_schedule`), with its
 limits on how far apart two readers of a buffer may be, on how far apart (in kernels) two fused
 kernels may start and end, and on how many nodes one kernel may hold.
@@ -75,8 +75,9 @@ def loop_access(steps, in_registers, loop_shapes=None) -> LoopAccess:
     is not their value's shape (`realized_by_reader`)."""
     transparent = _inlined(steps, in_registers)
     loops = [n for n in steps if is_loop_kernel(n, in_registers)]
-    shape_of = (lambda n: loop_shapes[n] if n in loop_shapes else _iteration_shape(n)) if loop_shapes else _iteration_shape
-    return LoopAccess(loops, shape_of, transparent, {n for n in transparent if n not in in_registers})
+    loop_shapes = loop_shapes or {}
+    return LoopAccess(loops, lambda n: loop_shapes.get(n) or _iteration_shape(n), transparent,
+                      {n for n in transparent if n not in in_registers})
 
 
 def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = None) -> list[list[fx.Node]]:
@@ -158,7 +159,8 @@ def _kernels_between(steps, transparent):
     return between
 
 
-def kernel_order(schedule: Schedule, in_registers, access: LoopAccess | None = None) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+def kernel_order(schedule: Schedule, in_registers,
+                 access: LoopAccess | None = None) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     """The schedule reordered as Inductor runs it; for each member of a fused kernel the
     kernel's last member (the step where the kernel ends: its inputs live until there); and for
     each step the number of the kernel it runs in, counting kernels in order. Views and inlined

@@ -7,7 +7,8 @@ a node outside the pair depends on one and feeds the other (the fusion would mak
 It then sorts the fused kernels by their first member's place and moves what each depends on
 before it. So a fused kernel runs where its first member stood, all its outputs are live at
 once and its inputs until it ends: fusing two kernels that read the same buffer far apart (a
-recomputed activation and a gradient, say) can raise the peak above the graph order's. The rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
+recomputed activation and a gradient, say) can raise the peak above the graph order's. The
+rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
 `will_fusion_create_cycle`, `are_long_distant_nodes`, `topological_sort_schedule`), with its
 limits on how far apart two readers of a buffer may be, on how far apart (in kernels) two fused
 kernels may start and end, and on how many nodes one kernel may hold.
@@ -18,7 +19,6 @@ read is computed just before the first of them, or copied for each (`picofx.exte
 """
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 from functools import partial
@@ -85,8 +85,8 @@ def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = 
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
-    loops = [n for n in steps if is_loop_kernel(n, in_registers)]
     access = access or loop_access(steps, in_registers)
+    loops = list(access.reads)
     accessors: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in loops:
         accessors[node].append(node)
@@ -235,23 +235,8 @@ def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
     return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
                            partial(reuse_buffers, allocates_itself=fallbacks), kernel_index,
-                           _kernel_local(ordered, in_registers, kernel_end), _read_elements(access, schedule.inputs),
+                           _kernel_local(ordered, in_registers, kernel_end), access.elements_read(schedule.inputs),
                            copies)
-
-
-def _read_elements(access: LoopAccess, inputs) -> dict:
-    """(loop step, input) -> how many elements the step's index into the input covers: the loop
-    dims the index uses (`torch._inductor.dependencies.MemoryDep.get_numel`). A load through a
-    view that needs floor division uses all of its dims."""
-    inputs = set(inputs)
-    found = {}
-    for node, reads in access.reads.items():
-        for buffer, loads in reads.items():
-            if buffer in inputs:
-                found[(node, buffer)] = max(access.size[node] if load is None else
-                                            math.prod(n for n, stride in zip(*load[:2]) if stride)
-                                            for load in loads)
-    return found
 
 
 def _kernel_local(schedule: Schedule, in_registers, kernel_end: dict) -> frozenset:

@@ -87,6 +87,12 @@ class Storages:
     reads: list[set[int]] = field(default_factory=list)  # per step, the storages its kernel reads
     runs_at: list[int] = field(default_factory=list)  # per step, the step at which its kernel ends
 
+    def add(self, size: int, dtype, counted: bool) -> int:
+        self.size.append(size)
+        self.dtype.append(dtype)
+        self.counted.append(counted)
+        return len(self.size) - 1
+
 
 @dataclass(frozen=True)
 class Fusion:
@@ -142,10 +148,7 @@ def _storages(s: Schedule, resident: set, in_registers, kernel_local) -> tuple[S
 
     def new_storage(key, t: torch.Tensor, is_counted: bool) -> int:
         keys.append(key)
-        st.size.append(t.untyped_storage().nbytes())
-        st.dtype.append(t.dtype)
-        st.counted.append(is_counted)
-        return len(st.size) - 1
+        return st.add(t.untyped_storage().nbytes(), t.dtype, is_counted)
 
     by_key: dict = {}
     for node in s.inputs:
@@ -184,11 +187,9 @@ def _add_copies(st: Storages, steps, owner, copies: dict) -> dict[int, int]:
         k = index[node]
         for i in owner[node]:
             for reader in readers:
-                st.size.append(st.size[i])
-                st.dtype.append(st.dtype[i])
-                st.counted.append(st.counted[i])
-                st.allocates[k].append(len(st.size) - 1)
-                read_by[len(st.size) - 1] = index[reader]
+                copy = st.add(st.size[i], st.dtype[i], st.counted[i])
+                st.allocates[k].append(copy)
+                read_by[copy] = index[reader]
     return read_by
 
 

@@ -153,3 +153,12 @@ class LoopAccess:
             return True
         whole = output_size(buffer) >= self.size[a]
         return None in ours | theirs and whole and self.row_wise(a) and self.row_wise(b)
+
+    def elements_read(self, buffers) -> dict:
+        """(loop, one of `buffers`) -> how many elements the loop's index into it covers: the loop
+        dims the index uses (`torch._inductor.dependencies.MemoryDep.get_numel`), none of a
+        broadcast's; a load through a view that needs floor division uses all of them."""
+        buffers = set(buffers)
+        return {(node, buffer): max(self.size[node] if load is None else
+                                    math.prod(n for n, stride in zip(*load[:2]) if stride) for load in loads)
+                for node, reads in self.reads.items() for buffer, loads in reads.items() if buffer in buffers}

@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 import picofx
-from picofx.cost_model import CostModel
-from picofx.device import device_for
+from picofx.cost.model import CostModel
+from picofx.cost.device import device_for
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 
 

@@ -10,7 +10,7 @@ leaves out what it would recompute from a value the caller receives); without a 
 the pass tags that base alone, so the step runs as Inductor would partition it.
 
 Algorithm:
-1. Segments and options (`picofx.recompute`): per decoder layer (and the code before/after the
+1. Segments and options (`picofx.cost.recompute`): per decoder layer (and the code before/after the
    layers), the vertices of the lower convex hull of (saved bytes, recompute seconds), by
    parametric min-cut; each is a recompute set of least time for its saved bytes.
 2. A peak model separable over the chain: while segment i runs (its forward, or its backward
@@ -41,12 +41,13 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from picofx.cost_model import CostModel, StepMemory, format_bytes, is_alias, optimizer_state_bytes, resident_keys
-from picofx.liveness import storage_key, tensor_values
-from picofx.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
-from picofx.pass_manager import Context, PassError, PassResult, Stage, register_pass
-from picofx.plan import BudgetError, parse_budget
-from picofx.recompute import Segment, analyze, module_path, signature
+from picofx.cost.model import CostModel, StepMemory, is_alias, optimizer_state_bytes, resident_keys
+from picofx.cost.liveness import storage_key, tensor_values
+from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
+from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.errors import BudgetError
+from picofx.cost.units import format_bytes, parse_budget
+from picofx.cost.recompute import Segment, analyze, module_path, signature
 
 MARK = "picofx_checkpoint"
 BINS = 2048
@@ -299,21 +300,6 @@ class Checkpoint:
             else:
                 text += f"not even batch 1 fits: it needs about {format_bytes(fixed + per_sample)}"
         return BudgetError(text + ".", smallest.peak, fits)
-
-
-def smallest_peak(model, example_inputs, *, loss_fn=None, backend: str = "eager", passes=()) -> int:
-    """The smallest step peak (bytes) `checkpoint` reaches on `model` after `passes`, as its error
-    for an impossible budget reports it."""
-    from picofx.optimize import optimize
-
-    try:
-        optimize(model, example_inputs, [*passes, Checkpoint(budget=1e-3)], backend=backend, loss_fn=loss_fn,
-                 verify=None)
-    except PassError as e:
-        if isinstance(e.__cause__, BudgetError):
-            return e.__cause__.smallest_peak
-        raise
-    raise RuntimeError("a budget of 0.1% of the peak was met: the step has no activations to speak of")
 
 
 def per_layer(chosen: Prediction, planner: Planner) -> dict[str, dict[str, list[str]]]:

@@ -1,6 +1,6 @@
 """Pass `fuse`: rewrite LLaMA blocks into fused kernels with pattern rules.
 
-Each rule (picofx.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
+Each rule (picofx.rewrite.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
 ones fuse RMSNorm (alone and after the residual add), SwiGLU, the Q/K/V projections, RoPE,
 attention (to SDPA with grouped-query heads), and the final projection with the cross-entropy
 loss. Users add rules with `picofx.rules.register_rule`.
@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
-from picofx.pass_manager import Context, PassResult, Stage, register_pass
-from picofx.rule_matcher import prepare
-from picofx.rule_rewrite import rewrite
-from picofx.rules import Rule, registered_rules
+from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.rewrite.matcher import prepare
+from picofx.rewrite.rewriter import rewrite
+from picofx.rewrite import Rule, registered_rules
 
 # Registration order is the order rules apply in: a rule whose pattern contains another rule's
 # fused op comes after it (add_rms_norm after rms_norm; grouped-query SDPA after attention).

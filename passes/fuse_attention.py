@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
-from picofx.rules import Rule, register_rule, scalar, tensor
+from picofx.rewrite import Rule, register_rule, scalar, tensor
 
 
 def rotate_half_by_chunks(x):

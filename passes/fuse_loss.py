@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.kernels import DEFAULT_CHUNK_SIZE
-from picofx.rules import Rule, register_rule, scalar, tensor
+from picofx.rewrite import Rule, register_rule, scalar, tensor
 
 # Tokens per chunk: as many as keep one chunk's fp32 logits near this many bytes (the op holds
 # one such buffer at a time), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the whole

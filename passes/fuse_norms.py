@@ -2,7 +2,7 @@
 import torch
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
-from picofx.rules import Rule, register_rule, scalar, tensor
+from picofx.rewrite import Rule, register_rule, scalar, tensor
 
 FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})  # casts vanish in fp32
 # The fused backward recomputes rstd and sums the weight gradient in one reduction over rows,

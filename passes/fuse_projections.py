@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
-from picofx.rules import Rule, register_rule, tensor
+from picofx.rewrite import Rule, register_rule, tensor
 
 
 # The merged matmul is one GEMM over more output columns, which the BLAS may block differently:

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from picofx.pass_manager import PassResult, Stage, register_pass
+from picofx.manager import PassResult, Stage, register_pass
 from picofx.passes.precision_casts import insert_casts
 from picofx.passes.precision_rules import (LOW_PRECISION, Rule, is_float_tensor, op_name, parse_dtype,
                                           resolve_op_names, rule_table, weight_free_nodes)

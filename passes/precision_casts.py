@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from picofx.annotate import fake_mode_of
+from picofx.capture.annotate import fake_mode_of
 from picofx.passes.precision_rules import EQUAL_DTYPE_OPS, LOW_PRECISION, is_float_tensor, op_name
 
 CAST = torch.ops.aten._to_copy.default

@@ -1,9 +1,19 @@
-"""picofx: compiler passes over torch.fx graphs that make LLaMA-style training faster and leaner."""
-from picofx.capture import CaptureError, capture
-from picofx.dump import DumpGraphs
-from picofx.optimize import InputShapeError, OptimizedModule, optimize
-from picofx.pass_manager import Context, PassError, PassManager, PassResult, Stage, register_pass
-from picofx.verify import VerificationError
+"""picofx: compiler passes over torch.fx graphs that make LLaMA-style training faster and leaner.
 
-__all__ = ["CaptureError", "Context", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
-           "PassManager", "PassResult", "Stage", "VerificationError", "capture", "optimize", "register_pass"]
+    capture/   model -> ATen forward graph, annotated        manager/  passes, stages, verify, report, dump
+    rewrite/   the rule API (pattern -> replacement)          cost/     devices, FLOPs, memory, plans
+    runtime/   compiling and running the step                 kernels/  the fused ops (CPU and Triton)
+    passes     picofx.passes: fuse, precision, checkpoint, ...
+"""
+from picofx.errors import BudgetError, CaptureError, InputShapeError, PassError, VerificationError
+from picofx.manager import Context, DumpGraphs, PassManager, PassResult, Stage, register_pass
+from picofx.optimize import OptimizedModule, optimize
+from picofx import plan, rules  # noqa: E402  (public modules: picofx.plan.predict, picofx.rules.Rule)
+from picofx.cost import device  # noqa: E402  (picofx.device.H100, picofx.device.calibrate)
+
+# Last: the passes register their names (and the fuse rules) as they are imported.
+from picofx import passes  # noqa: E402,F401  isort: skip
+
+__all__ = ["BudgetError", "CaptureError", "Context", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
+           "PassManager", "PassResult", "Stage", "VerificationError", "device", "optimize", "passes", "plan",
+           "register_pass", "rules"]

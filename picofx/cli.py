@@ -7,7 +7,7 @@ import importlib.util
 import os
 import sys
 
-from picofx.dump import DumpGraphs, graph_dot, graph_text
+from picofx.manager.dump import DumpGraphs, graph_dot, graph_text
 from picofx.optimize import optimize
 
 

@@ -8,16 +8,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from picofx.capture import Signature, capture_call, input_key, split_inputs
-from picofx.cost_model import CostModel
-from picofx.dump import DumpGraphs
-from picofx.pass_manager import Context, PassManager, Stage
-from picofx.report import Report
-from picofx.runtime import compile_graph
-
-
-class InputShapeError(ValueError):
-    """A call's inputs differ from the captured ones and recapture is off."""
+from picofx.errors import InputShapeError
+from picofx.capture.export import Signature, capture_call, input_key, split_inputs
+from picofx.cost.model import CostModel
+from picofx.manager.dump import DumpGraphs
+from picofx.manager import Context, PassManager, Stage
+from picofx.manager.report import Report
+from picofx.runtime.compile import compile_graph
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
@@ -177,7 +174,7 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     dump_dir:  write every graph (`NN_<pass>.txt` and `.dot`) there.
     recapture: a call with other input shapes captures and compiles again; False raises instead.
     cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
-               the inputs' device; pass one built on a calibrated picofx.device description).
+               the inputs' device; pass one built on a calibrated picofx.cost.device description).
     """
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
     return OptimizedModule(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,

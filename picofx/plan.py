@@ -1,5 +1,5 @@
-"""Planning with the cost model: budgets, predictions for a model and its inputs, the largest
-micro-batch that fits a memory budget.
+"""Planning with the cost model: predictions for a model and its inputs, the largest micro-batch
+that fits a memory budget, the smallest peak checkpointing reaches, symbolic fits in B and T.
 
 Predictions compile the step with `backend="eager"` and run nothing, so a model built under
 `fake_mode()` (Llama-2-7B shapes on a laptop: no memory, no weights) is predicted exactly like
@@ -7,7 +7,7 @@ the real one. (A model on the meta device is not: attention then takes another k
 """
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,45 +15,13 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from picofx.cost_model import CostModel, StepMemory, optimizer_state_bytes
-from picofx.partition import inductor_recomputes, num_forward_outputs
-from picofx.pass_manager import PassResult, Stage
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class BudgetError(ValueError):
-    """A memory budget cannot be met; the message says the smallest achievable peak and what fits.
-    `smallest_peak` (bytes) and `batch_that_fits` (or None) say it as numbers."""
-
-    def __init__(self, message: str, smallest_peak: int | None = None, batch_that_fits: int | None = None):
-        super().__init__(message)
-        self.smallest_peak, self.batch_that_fits = smallest_peak, batch_that_fits
-
-
-def parse_budget(budget, reference: int | None = None) -> int:
-    """Bytes from an int (bytes), a string ("8GiB", "512MiB", "1.5GB", "1e9") or a float, which is
-    a fraction of `reference` (the predicted peak without checkpointing)."""
-    if isinstance(budget, bool):
-        raise TypeError("a budget is bytes (int), a size string or a fraction (float), not a bool")
-    if isinstance(budget, int):
-        value = budget
-    elif isinstance(budget, float):
-        if reference is None:
-            raise ValueError(f"budget {budget} is a fraction, but there is no reference peak to take it of")
-        value = int(budget * reference)
-    elif isinstance(budget, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read budget {budget!r}: write bytes with a unit, e.g. '8GiB', '512MiB', "
-                             "'1.5GB', or pass an int (bytes) or a float (fraction of the peak)")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    else:
-        raise TypeError(f"a budget is bytes (int), a size string or a fraction (float), got {budget!r}")
-    if value <= 0:
-        raise ValueError(f"budget must be positive, got {budget!r}")
-    return value
+from picofx.cost.model import CostModel, StepMemory, bytes_moved, compute_dtype, node_flops, optimizer_state_bytes
+from picofx.cost.partition import inductor_recomputes, num_forward_outputs
+from picofx.cost.symbolic import CHECK_BT, SIZES_BT, SymbolicStep, fit_samples
+from picofx.cost.units import parse_budget
+from picofx.errors import BudgetError, PassError
+from picofx.manager import PASSES, PassResult, Stage
+from picofx.optimize import optimize
 
 
 def fake_mode():
@@ -77,11 +45,9 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
             cost_model=None, backend: str = "eager") -> StepPrediction:
     """Memory and time of one training step of `model` on `example_inputs`, after `passes`.
     backend="inductor" follows Inductor's generated code (fused kernels, their order, buffer
-    reuse: `picofx.kernel_order`) and, unless a pass plans the partition (`checkpoint`),
+    reuse: `picofx.cost.inductor.kernel_order`) and, unless a pass plans the partition (`checkpoint`),
     Inductor's own min-cut partition (as `checkpoint` starts from it:
-    `picofx.partition.inductor_recomputes`); "eager" saves everything the backward reads."""
-    from picofx.optimize import optimize
-
+    `picofx.cost.partition.inductor_recomputes`); "eager" saves everything the backward reads."""
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
     passes = list(passes)
     if cost_model.fuses_pointwise and not any(getattr(p, "plans_partition", False) for p in passes):
@@ -137,8 +103,6 @@ def max_batch(model: nn.Module, budget, seq: int | None = None, *, example_input
     batch, so predictions at batch 2 and 3 give the peak at every batch; the answer is checked
     by a third prediction. Otherwise, or if the fit or the check fails, it doubles and bisects
     on full predictions."""
-    from picofx.symbolic import fit_step
-
     budget = parse_budget(budget)
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
 
@@ -164,3 +128,37 @@ def max_batch(model: nn.Module, budget, seq: int | None = None, *, example_input
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+def fit_step(model, make_inputs: Callable[[int, int], object], *, sizes=None, check=None, loss_fn=None,
+             passes=(), optimizer=None, cost_model=None, vary_seq: bool = True) -> SymbolicStep:
+    """Predict the step at `sizes` ((B, T) pairs; `make_inputs(B, T)` builds the inputs) and fit
+    sympy expressions in B and T (`picofx.cost.symbolic`). With `vary_seq=False` only B varies
+    (two sizes, linear); `check` is one more size to verify."""
+    sizes = sizes or (SIZES_BT if vary_seq else ((2, 0), (3, 0)))
+    check = check if check is not None else (CHECK_BT if vary_seq else None)
+    cost_model = cost_model or CostModel("cpu", attention_scratch=False)
+    samples = []
+    for b, t in [*sizes, *([check] if check else [])]:
+        p = predict(model, make_inputs(b, t), loss_fn=loss_fn, passes=passes, optimizer=optimizer,
+                    cost_model=cost_model)
+        fw_t, bw_t = cost_model.timelines(p.forward, p.backward)
+        nodes = [n for g in (p.forward, p.backward) for n in g.graph.nodes if n.op == "call_function"]
+        samples.append({"shape": [str(n.target) for n in [*fw_t.nodes, *bw_t.nodes]],
+                        "live": [*fw_t.live, *bw_t.live], "memory": p.memory,
+                        "flops": [node_flops(n) for n in nodes], "moved": [bytes_moved(n) for n in nodes],
+                        "peak_flops": [cost_model.device.flops_per_second(compute_dtype(n)) for n in nodes]})
+    return fit_samples(samples, sizes, check, vary_seq, cost_model)
+
+
+def smallest_peak(model, example_inputs, *, loss_fn=None, backend: str = "eager", passes=()) -> int:
+    """The smallest step peak (bytes) the `checkpoint` pass reaches on `model` after `passes`, as
+    its error for an impossible budget reports it."""
+    checkpoint = PASSES["checkpoint"](budget=1e-3)
+    try:
+        optimize(model, example_inputs, [*passes, checkpoint], backend=backend, loss_fn=loss_fn, verify=None)
+    except PassError as e:
+        if isinstance(e.__cause__, BudgetError):
+            return e.__cause__.smallest_peak
+        raise
+    raise RuntimeError("a budget of 0.1% of the peak was met: the step has no activations to speak of")

@@ -7,10 +7,10 @@ from collections import Counter
 import torch
 from torch import fx
 
-from picofx.capture import capture
+from picofx.capture.export import capture
 from picofx.optimize import graph_inputs, optimize
-from picofx.pass_manager import Context, PassManager, Stage
-from picofx.verify import FP32_TOLERANCE
+from picofx.manager import Context, PassManager, Stage
+from picofx.manager.verify import FP32_TOLERANCE
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:

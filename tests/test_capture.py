@@ -5,7 +5,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import picofx
 from picofx.examples import zoo
-from picofx.verify import ANNOTATIONS
+from picofx.manager.verify import ANNOTATIONS
 
 aten = torch.ops.aten
 MODELS = ["llama-tiny", "hf-llama-tiny", "gpt2-tiny"]
@@ -14,7 +14,7 @@ MODELS = ["llama-tiny", "hf-llama-tiny", "gpt2-tiny"]
 @pytest.fixture(scope="module", params=MODELS)
 def captured(request):
     z = zoo.build(request.param)
-    return request.param, z, picofx.capture(z.model, z.example_inputs, z.loss_fn)
+    return request.param, z, picofx.capture.capture(z.model, z.example_inputs, z.loss_fn)
 
 
 def test_every_node_is_annotated(captured):
@@ -66,7 +66,7 @@ def test_loss_is_inside_the_graph(captured):
 def test_loss_fn_needs_labels():
     z = zoo.build("llama-tiny")
     with pytest.raises(picofx.CaptureError, match="labels"):
-        picofx.capture(z.model, {"input_ids": z.example_inputs["input_ids"]}, z.loss_fn)
+        picofx.capture.capture(z.model, {"input_ids": z.example_inputs["input_ids"]}, z.loss_fn)
 
 
 class DataDependentBranch(nn.Module):
@@ -92,7 +92,7 @@ class WrapsBranch(nn.Module):
 
 def test_data_dependent_branch_error_names_file_line_module_and_fix():
     with pytest.raises(picofx.CaptureError) as info:
-        picofx.capture(WrapsBranch(), (torch.randn(2, 4),))
+        picofx.capture.capture(WrapsBranch(), (torch.randn(2, 4),))
     message = str(info.value)
     assert "test_capture.py:" in message and "if y.sum() > 0" in message
     assert "module 'inner'" in message
@@ -111,11 +111,11 @@ class UsesOpaqueOp(nn.Module):
 
 def test_op_without_fake_implementation_says_to_register_one():
     with pytest.raises(picofx.CaptureError, match="fake") as info:
-        picofx.capture(UsesOpaqueOp(), (torch.randn(3),))
+        picofx.capture.capture(UsesOpaqueOp(), (torch.randn(3),))
     assert "test_capture.py:" in str(info.value)
 
 
 def test_cache_output_says_use_cache_false():
     z = zoo.hf_llama("tiny", use_cache=True)
     with pytest.raises(picofx.CaptureError, match="use_cache=False"):
-        picofx.capture(z.model, {"input_ids": z.example_inputs["input_ids"]})
+        picofx.capture.capture(z.model, {"input_ids": z.example_inputs["input_ids"]})

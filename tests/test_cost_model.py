@@ -6,13 +6,15 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import picofx
-from picofx.cost_model import CostModel, optimizer_state_bytes
-from picofx.device import DEVICES, H100, Device, calibrate, cpu
+from picofx.cost.model import CostModel, optimizer_state_bytes
+from picofx.cost.device import DEVICES, H100, Device, calibrate, cpu
 from picofx.examples import zoo
-from picofx.liveness import Schedule, timeline
-from picofx.memory import measure_peak, peak_allocated_during, resident_bytes
-from picofx.plan import fake_mode, max_batch, parse_budget, predict, resize_inputs
-from picofx.symbolic import B, T, fit_step
+from picofx.cost.liveness import Schedule, timeline
+from picofx.cost.memory import measure_peak, peak_allocated_during, resident_bytes
+from picofx.cost.units import parse_budget
+from picofx.plan import fake_mode, max_batch, predict, resize_inputs
+from picofx.cost.symbolic import B, T
+from picofx.plan import fit_step
 
 MiB = 2**20
 
@@ -68,7 +70,7 @@ def test_liveness_resolves_views_and_frees_after_last_use():
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 64))
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    from picofx.liveness import storage_key
+    from picofx.cost.liveness import storage_key
     line = timeline(gm, resident={storage_key(x.meta["val"])})
     allocated = {n.target.__name__ if hasattr(n.target, "__name__") else str(n.target): b
                  for n, b in zip(line.nodes, line.allocated_by.values())}
@@ -106,7 +108,7 @@ def test_node_time_is_compute_or_memory_bound():
                     link_bandwidth=1e10, link_latency=1e-6, network_bandwidth=1e9, network_latency=1e-5,
                     op_overhead=0.0)
     z = zoo.build("llama-tiny", batch=2, seq=32)
-    gm = picofx.capture(z.model, z.example_inputs, z.loss_fn)
+    gm = picofx.capture.capture(z.model, z.example_inputs, z.loss_fn)
     model = CostModel(device)
     by_target = {}
     for node in gm.graph.nodes:

@@ -2,9 +2,9 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from picofx.fused_buffers import VIEWS, is_fallback, unmaterialized
-from picofx.kernel_order import _inlined, _scheduler_ranks, fused_kernels, inductor_fusion, kernel_order
-from picofx.liveness import Fusion, schedule_of, storage_key, timeline
+from picofx.cost.inductor.fused_buffers import VIEWS, is_fallback, unmaterialized
+from picofx.cost.inductor.kernel_order import _inlined, _scheduler_ranks, fused_kernels, inductor_fusion, kernel_order
+from picofx.cost.liveness import Fusion, schedule_of, storage_key, timeline
 
 N = 64  # (N, N) fp32 values: 16 KiB each
 KiB16 = N * N * 4

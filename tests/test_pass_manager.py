@@ -6,7 +6,7 @@ import torch
 
 import picofx
 from picofx.examples import zoo
-from picofx.pass_manager import PassManager, Stage
+from picofx.manager import PassManager, Stage
 from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
 aten = torch.ops.aten

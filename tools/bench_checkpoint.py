@@ -37,13 +37,13 @@ import torch
 import torch.utils.checkpoint
 
 import picofx
-from picofx.cost_model import format_bytes
+from picofx.cost.units import format_bytes
 from picofx.examples.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.examples.zoo import token_batch
-from picofx.memory import measure_peak
-from picofx.pass_manager import PassError
+from picofx.cost.memory import measure_peak
+from picofx.errors import PassError
 from picofx.passes import Checkpoint
-from picofx.passes.checkpoint import smallest_peak
+from picofx.plan import smallest_peak
 from picofx.plan import predict
 
 BENCH = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

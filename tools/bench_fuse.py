@@ -29,7 +29,7 @@ import torch
 import picofx
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.examples.zoo import token_batch
-from picofx.memory import measure_peak
+from picofx.cost.memory import measure_peak
 
 TARGET_PEAK_RATIO = 0.6  # picofx peak / torch.compile peak, on CPU (issue 3)
 TARGET_TIME_RATIO = 1.0  # picofx step time / torch.compile step time, on CPU

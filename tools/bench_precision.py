@@ -25,7 +25,7 @@ import torch
 
 import picofx
 from picofx.examples import zoo
-from picofx.memory import measure_peak
+from picofx.cost.memory import measure_peak
 from picofx.testing import markov_batches, train_losses
 
 MODES = ("fp32", "precision", "autocast")

@@ -19,11 +19,11 @@ import warnings
 import torch
 
 import picofx
-from picofx.cost_model import format_bytes
+from picofx.cost.units import format_bytes
 from picofx.examples import zoo
-from picofx.memory import measure_peak
+from picofx.cost.memory import measure_peak
 from picofx.passes import Checkpoint
-from picofx.passes.checkpoint import smallest_peak
+from picofx.plan import smallest_peak
 from picofx.plan import predict
 
 SHAPES = {"tiny": (4, 64), "small": (4, 256), "smollm-135m": (2, 256)}  # (batch, seq) per size

@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from picofx.capture import KEPT_WHOLE, LossStep
+from picofx.capture.export import KEPT_WHOLE, LossStep
 from picofx.examples.zoo import ZooModel
-from picofx.pass_manager import copy_graph
+from picofx.manager import copy_graph
 from picofx.passes.precision_rules import RULES, op_name
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -54,7 +54,7 @@ def relative_errors(grads, reference):
 
 
 def autocast_graph(z: ZooModel) -> fx.GraphModule:
-    """The same step exported under torch.autocast(bf16), lowered like picofx.capture lowers."""
+    """The same step exported under torch.autocast(bf16), lowered as picofx.capture lowers."""
     step = z.model if z.loss_fn is None else LossStep(z.model, z.loss_fn)
 
     class Autocast(nn.Module):

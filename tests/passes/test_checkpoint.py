@@ -8,15 +8,16 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
 import picofx
-from picofx.cost_model import CostModel
+from picofx.cost.model import CostModel
 from picofx.examples import zoo
-from picofx.memory import measure_peak
+from picofx.cost.memory import measure_peak
 from picofx.optimize import graph_inputs
-from picofx.partition import inductor_recomputes, num_forward_outputs, partition
-from picofx.pass_manager import Context, PassError, PassManager, Stage, copy_graph
+from picofx.cost.partition import inductor_recomputes, num_forward_outputs, partition
+from picofx.manager import Context, PassManager, Stage, copy_graph
+from picofx.errors import PassError
 from picofx.passes import Checkpoint
 from picofx.plan import BudgetError
-from picofx.recompute import analyze
+from picofx.cost.recompute import analyze
 from picofx.testing import _reference_call
 
 MODELS = {"llama": lambda b, t: zoo.reference_llama("tiny", b, t), "hf-llama": lambda b, t: zoo.hf_llama("tiny", b, t)}
@@ -208,7 +209,7 @@ def test_inductor_backend_meets_the_budget(family):
     assert measured <= 1.05 * notes["budget"]
     # checkpoint starts from Inductor's own partition, so its peak before is that of `unplanned`
     assert notes["peak_before"] == pytest.approx(no_checkpoint, rel=0.03)
-    # Inductor's fused kernels, kernel order and buffer reuse are modelled (picofx.kernel_order)
+    # Inductor's fused kernels, kernel order and buffer reuse are modelled (picofx.cost.inductor.kernel_order)
     assert notes["peak_after"] == pytest.approx(measured, rel=0.03)
     _reference_call(z, reference, z.example_inputs).backward()
     for p, q in zip(z.model.parameters(), reference.parameters()):

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition, must_recompute
 
-from picofx.liveness import Schedule
+from picofx.cost.liveness import Schedule
 
 
 def is_dropout_free(node: fx.Node) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from picofx.liveness import Fusion, Storages, _live
+from picofx.cost.liveness import Fusion, Storages, live_bytes
 
 
 def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset()) -> None:
@@ -36,7 +36,7 @@ class _PeakEstimate:
 
     def __init__(self, st: Storages, steps, fusion: Fusion):
         counted = [c or i in st.kernel_local for i, c in enumerate(st.counted)]
-        live, _ = _live(st, steps, None, counted, _input_sizes_as_read(st, steps, fusion.read_elements))
+        live, _ = live_bytes(st, steps, None, counted, _input_sizes_as_read(st, steps, fusion.read_elements))
         self.kernel = [fusion.kernel_index[node] for node in steps]
         self.per_kernel = [0] * (max(self.kernel, default=0) + 1)
         for k, bytes_live in zip(self.kernel, live):

@@ -1,4 +1,4 @@
-"""Trace plain functions to ATen graphs exactly as `picofx.capture` traces models, many at once.
+"""Trace plain functions to ATen graphs exactly as `picofx.capture.export` traces models, many at once.
 
 Rules' patterns and replacements are traced with torch.export and the same decompositions as
 capture, so a pattern has the very nodes capture produces from the same code. An export has a
@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from picofx.capture import aten_decompositions
+from picofx.capture.export import aten_decompositions
 
 
 @dataclass

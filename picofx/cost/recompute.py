@@ -31,9 +31,9 @@ import networkx as nx
 import torch
 from torch import fx
 
-from picofx.cost_model import is_alias
-from picofx.liveness import storage_bytes, tensor_values
-from picofx.partition import forward_region, is_dropout_free
+from picofx.cost.model import is_alias
+from picofx.cost.liveness import storage_bytes, tensor_values
+from picofx.cost.partition import forward_region, is_dropout_free
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from collections.abc import Callable
 
 import numpy as np
 import sympy
 
-from picofx.cost_model import bytes_moved, compute_dtype, node_flops
 
 B, T = sympy.symbols("B T", positive=True, integer=True)
 SIZES_BT = ((2, 16), (3, 16), (2, 32), (3, 32), (2, 48), (3, 48))
@@ -73,27 +71,11 @@ def _poly(coefficients, monomials) -> sympy.Expr:
     return sum(sympy.Rational(c.numerator, c.denominator) * m for c, m in zip(coefficients, monomials))
 
 
-def fit_step(model, make_inputs: Callable[[int, int], object], *, sizes=None, check=None, loss_fn=None,
-             passes=(), optimizer=None, cost_model=None, vary_seq: bool = True) -> SymbolicStep:
-    """Predict the step at `sizes` ((B, T) pairs; `make_inputs(B, T)` builds the inputs) and fit.
-    With `vary_seq=False` only B varies (two sizes, linear); `check` is one more size to verify."""
-    from picofx.cost_model import CostModel
-    from picofx.plan import predict
-
-    sizes = sizes or (SIZES_BT if vary_seq else ((2, 0), (3, 0)))
-    check = check if check is not None else (CHECK_BT if vary_seq else None)
+def fit_samples(samples: list[dict], sizes, check, vary_seq: bool, cost_model) -> SymbolicStep:
+    """Fit the step's predictions at `sizes` (and verify at `check`): `samples` holds, per size, the
+    timelines' node targets ("shape") and live bytes, the StepMemory, and per node FLOPs, bytes
+    moved and peak FLOP/s; `picofx.plan.fit_step` collects them."""
     monomials = _monomials(vary_seq)
-    cost_model = cost_model or CostModel("cpu", attention_scratch=False)
-    samples = []
-    for b, t in [*sizes, *([check] if check else [])]:
-        p = predict(model, make_inputs(b, t), loss_fn=loss_fn, passes=passes, optimizer=optimizer,
-                    cost_model=cost_model)
-        fw_t, bw_t = cost_model.timelines(p.forward, p.backward)
-        nodes = [n for g in (p.forward, p.backward) for n in g.graph.nodes if n.op == "call_function"]
-        samples.append({"shape": [str(n.target) for n in [*fw_t.nodes, *bw_t.nodes]],
-                        "live": [*fw_t.live, *bw_t.live], "memory": p.memory,
-                        "flops": [node_flops(n) for n in nodes], "moved": [bytes_moved(n) for n in nodes],
-                        "peak_flops": [cost_model.device.flops_per_second(compute_dtype(n)) for n in nodes]})
     if any(s["shape"] != samples[0]["shape"] for s in samples):
         raise ValueError("the step's graphs differ between sizes (a pass decides by size, or shapes "
                          "specialise the graph); predict each size with picofx.plan.predict instead")

@@ -11,9 +11,9 @@ import torch
 from torch import fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
-from picofx.annotate import common_module_path, fake_mode_of
-from picofx.rule_matcher import Match, NearMiss, find_matches
-from picofx.rules import Rule
+from picofx.capture.annotate import common_module_path, fake_mode_of
+from picofx.rewrite.matcher import Match, NearMiss, find_matches
+from picofx.rewrite.rules import Rule
 
 
 def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | None]) -> list[str]:

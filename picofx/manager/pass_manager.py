@@ -1,116 +1,19 @@
-"""Passes, their context, and the manager that runs them, measures them and rolls them back.
+"""The manager that runs passes stage by stage, measures them and rolls them back.
 
-A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
-frozen dataclass with `__call__` when it has options. It declares its stage with a `stage`
-attribute. The manager, not the pass, measures time and node counts, re-annotates, verifies
-and restores the previous graph when the pass fails.
+The manager, not the pass, measures time and node counts, re-annotates, verifies and restores
+the previous graph when the pass fails.
 """
 from __future__ import annotations
 
 import copy
-import enum
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
 
-import torch
-from torch import fx, nn
+from torch import fx
 
-from picofx.annotate import annotate
-from picofx.verify import VerificationError, check_invariants, check_numerics
-
-
-class Stage(enum.Enum):
-    FORWARD = "forward"          # the captured forward graph, loss included
-    JOINT = "joint"              # forward + backward in one graph (primals, tangents)
-    PARTITIONED = "partitioned"  # the forward and backward graphs after partitioning
-
-
-@dataclass
-class PassResult:
-    changed: bool = False
-    notes: dict[str, Any] = field(default_factory=dict)
-    tolerance: tuple[float, float] | None = None  # (rtol, atol) when the pass changes rounding on purpose
-    normwise: bool = False                          # compare per tensor as ||a-b|| <= rtol*||b|| + atol
-    graphs: list[fx.GraphModule] | None = None      # set when the pass splits the graph into several
-
-
-@dataclass
-class Context:
-    """Everything a pass may read. Passes read no globals and no environment variables."""
-
-    model: nn.Module
-    example_inputs: list           # real values of the current graph's placeholders, in order
-    device: torch.device
-    backend: str = "eager"
-    options: dict[str, Any] = field(default_factory=dict)
-    cost_model: Any = None
-    stage: Stage = Stage.FORWARD
-    graph_role: str = "forward"    # "forward", "joint" or "backward"
-
-
-@dataclass
-class PassRecord:
-    name: str
-    stage: Stage
-    graph_role: str
-    seconds: float
-    nodes_before: int
-    nodes_after: int
-    added: list[str]
-    removed: list[str]
-    changed: bool
-    notes: dict[str, Any]
-
-
-class PassError(RuntimeError):
-    """A pass raised or failed verification; the graph is left as it was before the pass."""
-
-
-class Instrument(Protocol):
-    def on_graph(self, label: str, gm: fx.GraphModule, ctx: Context) -> None: ...
-    def after_pass(self, record: PassRecord, gm: fx.GraphModule, ctx: Context) -> None: ...
-
-
-PASSES: dict[str, Callable[[], Callable]] = {}
-
-
-def register_pass(name: str, stage: Stage = Stage.FORWARD):
-    """Register a pass under `name`: a function `(gm, ctx) -> PassResult` or a dataclass type
-    whose no-argument instance is the pass with default options."""
-
-    def register(obj):
-        if name in PASSES:
-            raise ValueError(f"register_pass: a pass named {name!r} is already registered")
-        if isinstance(obj, type):
-            PASSES[name] = obj
-        else:
-            obj.stage = getattr(obj, "stage", stage)
-            PASSES[name] = lambda: obj
-        obj.pass_name = name
-        return obj
-
-    return register
-
-
-def resolve_pass(spec) -> Callable:
-    if isinstance(spec, str):
-        import picofx.passes  # noqa: F401  (registers the built-in passes)
-
-        if spec not in PASSES:
-            raise KeyError(f"unknown pass {spec!r}; available passes: {', '.join(sorted(PASSES))}")
-        return PASSES[spec]()
-    if not callable(spec):
-        raise TypeError(f"a pass is a registered name or a callable (gm, ctx) -> PassResult, got {spec!r}")
-    return spec
-
-
-def pass_name(p) -> str:
-    return getattr(p, "pass_name", None) or getattr(p, "__name__", None) or type(p).__name__.lower()
-
-
-def pass_stage(p) -> Stage:
-    return getattr(p, "stage", Stage.FORWARD)
+from picofx.capture.annotate import annotate
+from picofx.errors import PassError, VerificationError
+from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_name, pass_stage, resolve_pass
+from picofx.manager.verify import check_invariants, check_numerics
 
 
 def _node_keys(graph: fx.Graph) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 Inductor's scheduler fuses two loop kernels (pointwise or reduction nodes that write a buffer)
 when they have the same iteration size and touch a common buffer alike (both load it with the
-same index over the same loop, or one writes what the other reads: `picofx.loop_loads`), unless
+same index over the same loop, or one writes what the other reads: `picofx.cost.inductor.loop_loads`), unless
 a node outside the pair depends on one and feeds the other (the fusion would make a cycle).
 It then sorts the fused kernels by their first member's place and moves what each depends on
 before it. So a fused kernel runs where its first member stood, all its outputs are live at
@@ -15,7 +15,7 @@ kernels may start and end, and on how many nodes one kernel may hold.
 
 Where a kernel stands: Inductor computes a pointwise value when a reader needs it in memory.
 A value with several readers gets its buffer where it is defined; a value only extern kernels
-read is computed just before the first of them, or copied for each (`picofx.extern_readers`).
+read is computed just before the first of them, or copied for each (`picofx.cost.inductor.extern_readers`).
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ import torch
 from networkx.utils import UnionFind
 from torch import fx
 
-from picofx.buffer_reuse import reuse_buffers
-from picofx.extern_readers import realized_by_reader
-from picofx.fused_buffers import (REDUCTIONS, VIEWS, in_place_candidates, is_fallback, is_loop_kernel,
+from picofx.cost.inductor.buffer_reuse import reuse_buffers
+from picofx.cost.inductor.extern_readers import realized_by_reader
+from picofx.cost.inductor.fused_buffers import (REDUCTIONS, VIEWS, in_place_candidates, is_fallback, is_loop_kernel,
                                   unmaterialized)
-from picofx.liveness import Fusion, Schedule, storage_bytes, tensor_values
-from picofx.loop_loads import LoopAccess, output_size
+from picofx.cost.liveness import Fusion, Schedule, storage_bytes, tensor_values
+from picofx.cost.inductor.loop_loads import LoopAccess, output_size
 
 aten = torch.ops.aten
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}  # Inductor lowers them to views
@@ -96,7 +96,7 @@ def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = 
 
     def compatible(a: fx.Node, b: fx.Node, buffer: fx.Node) -> bool:
         """The same loop, or a reduction and a reader of its result that loops over that result;
-        and the two access their common buffer alike (`picofx.loop_loads`)."""
+        and the two access their common buffer alike (`picofx.cost.inductor.loop_loads`)."""
         if buffer is a and a.target in REDUCTIONS and size[b] == output_size(a):
             return True
         if buffer is a and access.row_wise(a) and access.row_wise(b):

@@ -6,7 +6,7 @@ backend="eager":    aot_autograd(fw_compiler, bw_compiler, partition_fn) runs ev
                     that predictions see Inductor's graphs.
 backend="inductor": Inductor's own hooks run the same stages (joint_custom_post_pass,
                     custom_partitioner_fn, post_grad_custom_post_pass), then Inductor generates code.
-Both partition with picofx.partition (torch's `default_partition`, which honours `recompute`
+Both partition with picofx.cost.partition (torch's `default_partition`, which honours `recompute`
 tags exactly) when a joint pass tagged nodes for recomputation or planned memory for that
 partition (`plans_partition`, as `checkpoint` does); otherwise Inductor keeps its min-cut
 partitioner and eager saves what the forward computed.
@@ -22,9 +22,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.graph import _BoxedCodeGen
 
-from picofx.annotate import annotate
-from picofx.partition import partition
-from picofx.pass_manager import Context, PassManager, Stage
+from picofx.capture.annotate import annotate
+from picofx.cost.partition import partition
+from picofx.manager import Context, PassManager, Stage
 
 
 def has_recompute_tags(gm: fx.GraphModule) -> bool:

@@ -1,16 +1,16 @@
 """The cost model every pass reads: time per node and the memory of a training step.
 
 Time: a node takes max(FLOPs / peak FLOP/s for its dtype, bytes it reads and writes / memory
-bandwidth) + the device's per-op overhead (`picofx.device`); views and other aliases take no time.
+bandwidth) + the device's per-op overhead (`picofx.cost.device`); views and other aliases take no time.
 
 Memory: a step holds its parameters, buffers and inputs (resident), plus optimizer state when
 one is named. On top of that the forward graph's live storages grow and shrink until it returns
 the loss and the saved activations (its outputs beyond the user outputs); the backward graph
 starts from those, frees each after its last use and produces the gradients, which stay.
 The step's peak is resident + optimizer state + the larger of the two graphs' peaks, each
-from `picofx.liveness` (exact storage liveness over the execution order, views resolved; the
-scratch memory of custom ops and attention kernels from `picofx.workspace`). Under Inductor the
-order, the buffers and their reuse are those of its generated code (`picofx.kernel_order`).
+from `picofx.cost.liveness` (exact storage liveness over the execution order, views resolved; the
+scratch memory of custom ops and attention kernels from `picofx.cost.inductor.workspace`). Under Inductor the
+order, the buffers and their reuse are those of its generated code (`picofx.cost.inductor.kernel_order`).
 `picofx.memory.measure_peak` measures the same quantity.
 """
 from __future__ import annotations
@@ -21,20 +21,14 @@ from functools import partial
 import torch
 from torch import fx
 
-from picofx.annotate import tensor_bytes
-from picofx.device import Device, GiB, device_for
-from picofx.kernel_order import inductor_fusion
-from picofx.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
-from picofx.workspace import workspace_bytes
+from picofx.capture.annotate import tensor_bytes
+from picofx.cost.units import format_bytes
+from picofx.cost.device import Device, GiB, device_for
+from picofx.cost.inductor.kernel_order import inductor_fusion
+from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
+from picofx.cost.inductor.workspace import workspace_bytes
 
 MiB = 2**20
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -113,9 +107,9 @@ class CostModel:
     `out = model(...); out.loss.backward()` does; by default only what the backward takes lives
     on, as with `model(...).loss.backward()` or a loss_fn that returns the loss alone.
     `fuses_pointwise`: the graphs run compiled by Inductor, with its fused kernels, kernel order
-    and buffer reuse (`picofx.kernel_order`); False counts every value in graph order (eager).
+    and buffer reuse (`picofx.cost.inductor.kernel_order`); False counts every value in graph order (eager).
     `attention_scratch`: count the scratch memory of attention kernels, which on the CPU depends
-    on the thread count and is not a polynomial in batch and sequence (`picofx.symbolic` turns
+    on the thread count and is not a polynomial in batch and sequence (`picofx.cost.symbolic` turns
     it off)."""
 
     def __init__(self, device: Device | torch.device | str | None = None, *, backward_frees_inputs: bool = True,
@@ -243,7 +237,7 @@ def optimizer_state_bytes(optimizer, parameters) -> int:
             raise ValueError(f"unknown optimizer {optimizer!r}; name one of {sorted(per_param)} or pass an instance")
         return per_param[optimizer.lower()] * numel
     if optimizer.state:
-        from picofx.memory import resident_bytes
+        from picofx.cost.memory import resident_bytes
 
         return resident_bytes(optimizer)
     param_bytes = sum(p.numel() * p.element_size() for p in params)

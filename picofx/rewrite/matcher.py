@@ -23,9 +23,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
-from picofx.annotate import common_module_path
-from picofx.rule_tracing import Traced, argument_names, call_nodes, normalized_args, trace_all
-from picofx.rules import Pattern, Rule, ScalarSpec, TensorSpec, pattern_graphs, trace_patterns
+from picofx.capture.annotate import common_module_path
+from picofx.rewrite.tracing import Traced, argument_names, call_nodes, normalized_args, trace_all
+from picofx.rewrite.rules import Pattern, Rule, ScalarSpec, TensorSpec, pattern_graphs, trace_patterns
 
 
 @dataclass

@@ -5,12 +5,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from picofx.errors import VerificationError
+
 FP32_TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): the same math in fp32, rounding aside
 ANNOTATIONS = ("val", "flops", "bytes", "module_path")
-
-
-class VerificationError(AssertionError):
-    """A graph broke an invariant or changed the numbers; the message says which and how to fix it."""
 
 
 def check_invariants(gm: fx.GraphModule, ctx) -> None:

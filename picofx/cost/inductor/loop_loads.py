@@ -15,8 +15,8 @@ import math
 import torch
 from torch import fx
 
-from picofx.fused_buffers import REDUCTIONS
-from picofx.liveness import tensor_values
+from picofx.cost.inductor.fused_buffers import REDUCTIONS
+from picofx.cost.liveness import tensor_values
 
 RESHAPES = {torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 Load = tuple  # (sizes, strides, offset), or None where views past an inlined value hide the index

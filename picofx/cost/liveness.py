@@ -10,7 +10,7 @@ backward recomputes is still a fresh allocation, because it matches none of its 
 
 The peak at a node is what is live while it runs: everything live before it plus its new
 outputs (its inputs are still held), plus the kernel's scratch memory where the caller gives
-it (`picofx.workspace` measures it for fused custom ops).
+it (`picofx.cost.inductor.workspace` measures it for fused custom ops).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Storages:
 
 @dataclass(frozen=True)
 class Fusion:
-    """How a fusing compiler (Inductor) runs a schedule; see `picofx.fused_buffers`."""
+    """How a fusing compiler (Inductor) runs a schedule; see `picofx.cost.inductor.fused_buffers`."""
 
     in_registers: frozenset = frozenset()  # values never written to memory
     in_place: frozenset = frozenset()  # nodes whose kernel may write into a dying input
@@ -137,7 +137,7 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
     output_bytes = sum(st.size[i] for i in returned if st.counted[i])
     if fusion.reuse is not None:
         fusion.reuse(st, s.steps, fusion)
-    live, allocated_by = _live(st, s.steps, workspace)
+    live, allocated_by = live_bytes(st, s.steps, workspace)
     return Timeline(s.steps, live, input_bytes, output_bytes, allocated_by)
 
 
@@ -193,7 +193,7 @@ def _add_copies(st: Storages, steps, owner, copies: dict) -> dict[int, int]:
     return read_by
 
 
-def _live(st: Storages, steps, workspace, counted=None, size=None) -> tuple[list[int], dict[str, int]]:
+def live_bytes(st: Storages, steps, workspace, counted=None, size=None) -> tuple[list[int], dict[str, int]]:
     """Bytes live while each step runs, and the bytes each step allocates. `counted`, `size`:
     which storages to count and their bytes, if not `st.counted` and `st.size`."""
     counted, size = counted or st.counted, size or st.size

@@ -9,16 +9,16 @@ gets a buffer. Inductor also writes a pointwise value to a buffer when recomputi
 reader would cost too much (`torch._inductor.ir.StorageBox.should_realize_on_reuse`,
 `has_exceeded_max_reads`): it has several readers and loads more than 4 buffers or, on CPU,
 calls exp, log, sigmoid or tanh; or it loads more than 8 buffers (12 on CPU). Such a buffer still
-disappears when every reader ends up in its fused kernel (`picofx.kernel_order`). How the
+disappears when every reader ends up in its fused kernel (`picofx.cost.inductor.kernel_order`). How the
 kernels that write buffers are fused and ordered, and how their buffers are reused:
-`picofx.kernel_order`, `picofx.buffer_reuse`.
+`picofx.cost.inductor.kernel_order`, `picofx.cost.inductor.buffer_reuse`.
 """
 from __future__ import annotations
 
 import torch
 from torch import fx
 
-from picofx.liveness import Schedule
+from picofx.cost.liveness import Schedule
 
 aten = torch.ops.aten
 

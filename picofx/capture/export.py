@@ -18,7 +18,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from picofx.annotate import annotate
+from picofx.errors import CaptureError
+from picofx.capture.annotate import annotate
 
 KEPT_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default)
 
@@ -31,10 +32,6 @@ def aten_decompositions() -> dict:
     for op in KEPT_WHOLE:
         del table[op]
     return table.materialize()
-
-
-class CaptureError(RuntimeError):
-    """The model cannot be captured as one graph; the message says where, why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import picofx.flops  # noqa: F401  (registers the CPU attention formulas)
+import picofx.capture.flops  # noqa: F401  (registers the CPU attention formulas)
 
 
 def tensor_bytes(value) -> int:

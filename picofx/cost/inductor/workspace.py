@@ -15,9 +15,9 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from picofx.annotate import tensor_bytes
-from picofx.liveness import tensor_values
-from picofx.memory import peak_allocated_during
+from picofx.capture.annotate import tensor_bytes
+from picofx.cost.liveness import tensor_values
+from picofx.cost.memory import peak_allocated_during
 
 _cache: dict[tuple, int] = {}
 

@@ -1,4 +1,4 @@
-"""Values that only extern kernels read, and how Inductor computes them, for `picofx.kernel_order`.
+"""Values that only extern kernels read, and how Inductor computes them, for `picofx.cost.inductor.kernel_order`.
 
 Inductor computes a pointwise value when a reader needs it in memory. A value only extern
 kernels (matmuls, attention, custom ops) read gets its buffer only when the first of them is
@@ -13,8 +13,8 @@ from collections import defaultdict
 
 from torch import fx
 
-from picofx.fused_buffers import REDUCTIONS, VIEWS, is_fallback, is_loop_kernel
-from picofx.liveness import Schedule, tensor_values
+from picofx.cost.inductor.fused_buffers import REDUCTIONS, VIEWS, is_fallback, is_loop_kernel
+from picofx.cost.liveness import Schedule, tensor_values
 
 
 def copies_unrealized_inputs(node: fx.Node) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from picofx.pass_manager import PassRecord
+from picofx.manager.passes import PassRecord
 
 
 def _format_notes(notes: dict[str, Any]) -> str:

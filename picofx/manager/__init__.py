@@ -1,0 +1,10 @@
+"""The pass manager: what a pass is, the registry of names, running stages with verification,
+rollback, instruments, the report and the graph dumps."""
+from picofx.manager.dump import DumpGraphs
+from picofx.manager.pass_manager import PassManager, copy_graph
+from picofx.manager.passes import (PASSES, Context, Instrument, PassRecord, PassResult, Stage, pass_name,
+                                   register_pass, resolve_pass)
+from picofx.manager.report import Report
+
+__all__ = ["PASSES", "Context", "DumpGraphs", "Instrument", "PassManager", "PassRecord", "PassResult", "Report",
+           "Stage", "copy_graph", "pass_name", "register_pass", "resolve_pass"]

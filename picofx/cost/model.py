@@ -22,13 +22,12 @@ import torch
 from torch import fx
 
 from picofx.capture.annotate import tensor_bytes
-from picofx.cost.units import format_bytes
+from picofx.cost.units import MiB, format_bytes
 from picofx.cost.device import Device, GiB, device_for
 from picofx.cost.inductor.kernel_order import inductor_fusion
 from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
 from picofx.cost.inductor.workspace import workspace_bytes
 
-MiB = 2**20
 
 
 def is_alias(node: fx.Node) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+MiB = 2**20
+GiB = 2**30
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

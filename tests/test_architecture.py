@@ -1,0 +1,276 @@
+"""The layout's rules (docs/ARCHITECTURE.md), checked on the source tree.
+
+- The core (picofx/) imports no pass: only picofx/__init__.py imports picofx.passes, as its last import.
+- No import cycles between picofx's modules (passes/ counts as picofx.passes); imports run down the
+  layers: passes -> the public face (optimize, plan, ...) -> runtime -> manager -> cost, rewrite,
+  kernels -> capture -> errors.
+- No module imports another module's private (_underscore) names.
+- picofx/ has at most 8 top-level modules and at least 4 subpackages; no module is over 400 lines.
+
+Each rule is also run on a small tree that breaks it, so a rule that stopped seeing its breach fails.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"picofx": "picofx", "passes": "picofx.passes"}  # folder -> the package it is installed as
+LINE_FOLDERS = ("picofx", "passes", "examples", "tools", "tests")
+MAX_TOP_LEVEL_MODULES, MIN_SUBPACKAGES, MAX_LINES = 8, 4, 400
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Module name -> file, for picofx/ and passes/ under `root` (a package by its __init__.py)."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+@dataclass
+class Import:
+    """One import of a picofx module."""
+    statement: ast.stmt
+    module: str
+    taken: list[str]    # the names `from module import a, b` takes
+    bound: str | None   # the local name the module itself is bound to
+
+
+def imports(name: str, tree: ast.Module, is_package: bool, known: dict[str, Path]) -> list[Import]:
+    """Every import of a known module, anywhere in the file (a function-level import is a
+    dependency too). `from package import sub` imports the submodule; the parent packages that
+    Python runs first are not counted."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(node, a.name, [], a.asname) for a in node.names if a.name in known]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            taken = []
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    found.append(Import(node, f"{base}.{alias.name}", [], alias.asname or alias.name))
+                else:
+                    taken.append(alias.name)
+            if taken and base in known:
+                found.append(Import(node, base, taken, None))
+    return found
+
+
+def parsed(root: Path) -> dict[str, tuple[Path, ast.Module, list[Import]]]:
+    known = modules(root)
+    result = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        result[name] = path, tree, imports(name, tree, path.name == "__init__.py", known)
+    return result
+
+
+def import_graph(root: Path) -> nx.DiGraph:
+    graph = nx.DiGraph()
+    for name, (_, _, found) in parsed(root).items():
+        graph.add_node(name)
+        graph.add_edges_from((name, i.module) for i in found if i.module != name)
+    return graph
+
+
+def cycles(root: Path) -> list[list[str]]:
+    """Each cycle of imports, starting from its first module by name."""
+    found = [c[c.index(min(c)):] + c[:c.index(min(c))] for c in nx.simple_cycles(import_graph(root))]
+    return sorted(found)
+
+
+def is_pass(module: str) -> bool:
+    return module == "picofx.passes" or module.startswith("picofx.passes.")
+
+
+def core_imports_of_passes(root: Path) -> list[str]:
+    """Imports of a pass by the core; picofx/__init__.py's last top-level import may be one."""
+    problems = []
+    for name, (path, tree, found) in parsed(root).items():
+        if is_pass(name):
+            continue
+        top_level = [s for s in tree.body if isinstance(s, (ast.Import, ast.ImportFrom))]
+        for i in found:
+            allowed = name == "picofx" and i.statement is top_level[-1]
+            if is_pass(i.module) and not allowed:
+                problems.append(f"{path.relative_to(root)}:{i.statement.lineno} imports {i.module}")
+    return problems
+
+
+def private_imports(root: Path) -> list[str]:
+    """`from picofx.x import _name`, and `x._name` where x is a picofx module bound by an import."""
+    problems = []
+    for name, (path, tree, found) in parsed(root).items():
+        where = path.relative_to(root)
+        others = [i for i in found if i.module != name]
+        problems += [f"{where}:{i.statement.lineno} imports {i.module}.{t}"
+                     for i in others for t in i.taken if _private(t)]
+        bound = {i.bound for i in others if i.bound}
+        problems += [f"{where}:{node.lineno} uses {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                     and node.value.id in bound and _private(node.attr)]
+    return problems
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+# Dependencies run down this list (a module may import its own layer and the layers below):
+# passes -> the public face -> runtime -> manager -> cost, rewrite, kernels -> capture -> errors.
+LAYERS = {"picofx.errors": 0, "picofx.capture": 1, "picofx.cost": 2, "picofx.rewrite": 2, "picofx.kernels": 2,
+          "picofx.manager": 3, "picofx.runtime": 4, "picofx.passes": 6}
+PUBLIC_FACE = 5  # picofx/__init__.py and the other top-level modules (optimize, plan, cli, ...)
+
+
+def layer(module: str) -> int:
+    return next((rank for prefix, rank in LAYERS.items() if module == prefix or module.startswith(prefix + ".")),
+                PUBLIC_FACE)
+
+
+def layer_problems(root: Path) -> list[str]:
+    """Imports that climb the layers (the pass import of picofx/__init__.py is the other rule's)."""
+    return [f"{a} imports {b}, a layer above it" for a, b in sorted(import_graph(root).edges)
+            if layer(b) > layer(a) and not (a == "picofx" and is_pass(b))]
+
+
+def size_problems(root: Path) -> list[str]:
+    core = root / "picofx"
+    top_level = sorted(p.name for p in core.glob("*.py"))
+    subpackages = sorted(p.name for p in core.iterdir() if (p / "__init__.py").is_file())
+    problems = []
+    if len(top_level) > MAX_TOP_LEVEL_MODULES:
+        problems.append(f"picofx/ has {len(top_level)} top-level modules (at most {MAX_TOP_LEVEL_MODULES}): "
+                        f"{', '.join(top_level)}")
+    if len(subpackages) < MIN_SUBPACKAGES:
+        problems.append(f"picofx/ has {len(subpackages)} subpackages (at least {MIN_SUBPACKAGES})")
+    for folder in LINE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else []:
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES:
+                problems.append(f"{path.relative_to(root)} has {lines} lines (at most {MAX_LINES})")
+    return problems
+
+
+
+# ---- the tree as it is ------------------------------------------------------------------------
+
+def test_the_core_imports_no_pass():
+    assert core_imports_of_passes(ROOT) == []
+    assert import_graph(ROOT).has_edge("picofx", "picofx.passes")  # the one allowed import is seen
+
+
+def test_no_import_cycles():
+    graph = import_graph(ROOT)
+    assert cycles(ROOT) == []
+    # The graph is the real one: the dependencies the layout rests on are in it.
+    assert graph.has_edge("picofx.passes.checkpoint", "picofx.cost.model")
+    assert graph.has_edge("picofx.runtime.compile", "picofx.cost.partition")
+    assert graph.has_edge("picofx.kernels.rms_norm", "picofx.kernels.triton_rms_norm")  # a function-level import
+
+
+def test_dependencies_run_down_the_layers():
+    assert layer_problems(ROOT) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(ROOT) == []
+
+
+def test_few_top_level_modules_several_subpackages_short_files():
+    assert size_problems(ROOT) == []
+
+
+def test_import_picofx_makes_the_public_names_available():
+    names = ["passes.Checkpoint", "passes.Fuse", "passes.Precision", "plan.fit_step", "rules.Rule",
+             "device.calibrate", "BudgetError", "optimize"]
+    code = f"import picofx; print(sorted(picofx.manager.PASSES)); print([picofx.{', picofx.'.join(names)}])"
+    # A fresh interpreter: nothing imported before `import picofx` (outside the source tree).
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "['checkpoint', 'fuse', 'precision']"
+
+
+# ---- each rule sees its breach ----------------------------------------------------------------
+
+GOOD_TREE = {
+    "picofx/__init__.py": "from picofx.api import run\nfrom picofx import passes\n",
+    "picofx/api.py": "from picofx.cost import model\n\ndef run():\n    return model.predict()\n",
+    "picofx/cost/__init__.py": "",
+    "picofx/cost/model.py": "from .units import GiB\n\ndef predict():\n    return GiB\n",
+    "picofx/cost/units.py": "GiB = 2**30\n_internal = 1\n",
+    "picofx/capture/__init__.py": "",
+    "picofx/manager/__init__.py": "REGISTRY = {}\n",
+    "picofx/runtime/__init__.py": "from picofx.cost.model import predict\n",
+    "passes/__init__.py": "from picofx.passes.one import One\n",
+    "passes/one.py": "from picofx.manager import REGISTRY\nfrom picofx.cost.model import predict\n\nclass One:\n    pass\n",
+}
+
+BREACHES = {
+    "core imports a pass": ({"picofx/api.py": "from picofx.passes.one import One\n"},
+                            core_imports_of_passes, "picofx/api.py:1 imports picofx.passes.one"),
+    "core imports a pass in a function": ({"picofx/cost/units.py": "def f():\n    from picofx.passes import one\n"},
+                                          core_imports_of_passes, "picofx/cost/units.py:2 imports picofx.passes.one"),
+    "__init__ imports the passes early": ({"picofx/__init__.py": "from picofx import passes\nfrom picofx import api\n"},
+                                          core_imports_of_passes, "picofx/__init__.py:1 imports picofx.passes"),
+    "a cycle": ({"picofx/cost/units.py": "from picofx.runtime import predict\n"},
+                lambda root: [" -> ".join(c) for c in cycles(root)], "picofx.cost.model -> picofx.cost.units"),
+    "a relative-import cycle": ({"picofx/cost/units.py": "from . import model\n"},
+                                lambda root: [" -> ".join(c) for c in cycles(root)], "model -> picofx.cost.units"),
+    "a climbing import": ({"picofx/cost/units.py": "from picofx.manager import REGISTRY\n"},
+                          layer_problems, "picofx.cost.units imports picofx.manager, a layer above it"),
+    "a private name": ({"picofx/api.py": "from picofx.cost.units import _internal\n"},
+                       private_imports, "picofx/api.py:1 imports picofx.cost.units._internal"),
+    "a private attribute": ({"passes/one.py": "from picofx.cost import units as u\nx = u._internal\n"},
+                            private_imports, "passes/one.py:2 uses u._internal"),
+    "too many modules": ({f"picofx/m{i}.py": "" for i in range(8)}, size_problems, "10 top-level modules"),
+    "too few subpackages": ({"picofx/capture/__init__.py": None, "picofx/runtime/__init__.py": None},
+                            size_problems, "2 subpackages"),
+    "a long module": ({"picofx/cost/units.py": "GiB = 2**30\n" * 401}, size_problems, "units.py has 401 lines"),
+}
+
+
+def write_tree(root: Path, files: dict[str, str | None]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        if text is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return root
+
+
+def test_a_tree_that_keeps_the_rules_passes(tmp_path):
+    root = write_tree(tmp_path, GOOD_TREE)
+    checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems)
+    assert [check(root) for check in checks] == [[]] * len(checks)
+    assert set(import_graph(root).edges) == {
+        ("picofx", "picofx.api"), ("picofx", "picofx.passes"), ("picofx.api", "picofx.cost.model"),
+        ("picofx.cost.model", "picofx.cost.units"), ("picofx.runtime", "picofx.cost.model"),
+        ("picofx.passes", "picofx.passes.one"), ("picofx.passes.one", "picofx.manager"),
+        ("picofx.passes.one", "picofx.cost.model")}
+
+
+@pytest.mark.parametrize("breach", list(BREACHES))
+def test_each_rule_sees_its_breach(tmp_path, breach):
+    changes, check, expected = BREACHES[breach]
+    root = write_tree(write_tree(tmp_path, GOOD_TREE), changes)
+    problems = check(root)
+    assert any(expected in p for p in problems), problems

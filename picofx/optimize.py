@@ -15,6 +15,7 @@ from picofx.manager.dump import DumpGraphs
 from picofx.manager import Context, PassManager, Stage
 from picofx.manager.report import Report
 from picofx.runtime.compile import compile_graph
+from picofx.runtime.pipeline import PipelineStep
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
@@ -59,6 +60,9 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
     forward passes see the captured graph; joint and partitioned passes run inside compilation."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
+    for p in manager.passes:  # a pass that runs the step in micro-batches (pipeline) captures one
+        if hasattr(p, "capture_inputs"):
+            args, kwargs = p.capture_inputs(args, kwargs)
     start = time.perf_counter()
     gm = capture_call(model, args, kwargs, loss_fn)
     report = Report(backend=backend, input_key=input_key(args, kwargs),
@@ -70,9 +74,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
                   cost_model=cost_model or CostModel.for_backend(device, backend))
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
-    if len(graphs) != 1:
-        raise NotImplementedError("a forward pass split the graph into stages: run it with picofx's "
-                                  "pipeline runtime under torchrun, not picofx.optimize.")
+    if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
+        return PipelineStep(graphs, model, manager, ctx, report, signature)
     start = time.perf_counter()
     run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
     report.compile_seconds = time.perf_counter() - start
@@ -122,11 +125,31 @@ class OptimizedModule(nn.Module):
     def graphs(self) -> dict:
         return self._current.graphs
 
+    def forward_backward(self, *args, **kwargs):
+        """One step's forward and backward (gradients accumulate in .grad); returns the loss.
+        A pipelined model (pass `pipeline`) runs its schedule and returns the loss on every rank."""
+        step = self._step_for(args, kwargs)
+        if isinstance(step, PipelineStep):
+            return step.forward_backward(self._model, args, kwargs)
+        loss = step(self._model, args, kwargs)
+        loss.backward()
+        return loss.detach()
+
+    def _held(self) -> nn.Module:
+        """What this process trains: the model, or a pipelined model's stages on this rank."""
+        return self._current.module if isinstance(self._current, PipelineStep) else self._model
+
+    def named_parameters(self, *args, **kwargs):
+        return self._held().named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self._held().parameters(recurse)
+
     def state_dict(self, *args, **kwargs):
-        return self._model.state_dict(*args, **kwargs)
+        return self._held().state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args, **kwargs):
-        return self._model.load_state_dict(*args, **kwargs)
+        return self._held().load_state_dict(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self._model.train(mode)

@@ -1,0 +1,360 @@
+"""Pass `pipeline`: cut the captured forward graph into pipeline stages balanced by predicted cost.
+
+Forward stage; it returns one graph per stage (`PassResult.graphs`), which picofx's pipeline
+runtime (`picofx.runtime.pipeline`) compiles and runs as `torch.distributed.pipelining` stages.
+
+1. The graph's step is the loss alone (other outputs, such as logits, are dropped). Nodes that
+   depend on no user input (casts of weights, RoPE tables, masks) are copied into every stage
+   that reads them instead of being sent between stages.
+2. The other nodes, in graph order, form a chain of units, split where exactly one
+   floating-point activation crosses (the residual stream between and inside decoder layers),
+   and at the places `balance` asks for. Each unit gets its forward time from the cost model,
+   backward = BACKWARD_PER_FORWARD x forward, its parameters' bytes and its activations' bytes.
+3. `balance="cost"`: `picofx.cost.balance.balanced_cuts` (min over cuts of the slowest stage,
+   memory within the device); "layers": equal numbers of the model's repeated layers per stage
+   (the embedding goes with the first, the final norm, projection and loss with the last); a list
+   of module paths: stages begin where those modules begin.
+4. `torch.fx.passes.split_module` cuts the graph; each stage graph takes its parameters, buffers
+   and constants (the captured inputs' slots) and the values the previous stage sends (user
+   inputs a later stage reads travel along), and returns what later stages read (the last: the loss).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from picofx.capture.annotate import tensor_bytes
+from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, Link, Unit, balanced_cuts, plan_for
+from picofx.cost.model import CostModel, is_alias
+from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.manager.pass_manager import copy_graph
+
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+BACKWARD_PER_FORWARD = 2.0  # a matmul's backward is two matmuls of its size; pointwise backward reads and writes about twice
+ADAMW_STATE_PER_PARAMETER_BYTE = 4.0  # parameter + gradient + two fp32 moments, for fp32 parameters
+KEY = "picofx_value"  # node.meta: the captured node a value stands for, across split_module
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    """What a stage graph's placeholders and outputs are."""
+    index: int
+    num_stages: int
+    inputs: list           # InputSlot (parameter, buffer, constant) or the name of a carried value
+    outputs: list[str]     # names of the carried values it returns (the last stage: the loss)
+
+
+@dataclass
+class PipelineLayout:
+    """What the pass decided; every stage graph's meta["picofx_pipeline"] holds it."""
+    options: "Pipeline"
+    units: list[Unit]
+    plan: object           # picofx.cost.balance.PipelinePlan
+    tied: dict[str, list[int]] = field(default_factory=dict)  # parameter -> stages that read it
+
+    def table(self) -> str:
+        return self.plan.table(self.units)
+
+
+@register_pass("pipeline")
+@dataclass(frozen=True)
+class Pipeline:
+    stages: int = 2
+    schedule: str = "1F1B"
+    microbatches: int = 4
+    balance: str | tuple = "cost"   # "cost", "layers", or module paths where stages 1.. begin
+    virtual: int = 1                # stages per rank (interleaved schedules)
+    group: object = None            # ProcessGroup or DeviceMesh with a "pp" dimension; None: the world
+    stage = Stage.FORWARD
+
+    def __post_init__(self):
+        known = SINGLE_STAGE_SCHEDULES + INTERLEAVED_SCHEDULES
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(f"Pipeline: schedule {self.schedule!r} splits each stage's backward into input and "
+                             "weight gradients itself, which a compiled picofx stage (one autograd function) cannot "
+                             f"do; use one of {known}.")
+        if self.schedule not in known:
+            raise ValueError(f"Pipeline: unknown schedule {self.schedule!r}; use one of {known}.")
+        if self.stages < 2 or self.virtual < 1 or self.microbatches < 1:
+            raise ValueError(f"Pipeline: stages >= 2, virtual >= 1, microbatches >= 1 (got stages={self.stages}, "
+                             f"virtual={self.virtual}, microbatches={self.microbatches}).")
+        if (self.virtual > 1) != (self.schedule in INTERLEAVED_SCHEDULES):
+            raise ValueError(f"Pipeline: schedule {self.schedule!r} runs "
+                             f"{'several stages' if self.schedule in INTERLEAVED_SCHEDULES else 'one stage'} per "
+                             f"rank, but virtual={self.virtual}; use virtual=1 with GPipe/1F1B, virtual>=2 with "
+                             f"{INTERLEAVED_SCHEDULES}.")
+        if self.microbatches < self.stages:
+            raise ValueError(f"Pipeline: {self.microbatches} micro-batches for {self.stages} stages: the schedule "
+                             "needs at least one micro-batch per stage (fewer can deadlock); raise microbatches.")
+        if isinstance(self.balance, str) and self.balance not in ("cost", "layers"):
+            raise ValueError(f"Pipeline: balance is 'cost', 'layers' or a list of module paths, got {self.balance!r}.")
+        if not isinstance(self.balance, str) and len(self.balance) != self.stages * self.virtual - 1:
+            raise ValueError(f"Pipeline: balance lists {len(self.balance)} module paths where stages begin; "
+                             f"{self.stages * self.virtual} stages need {self.stages * self.virtual - 1}.")
+
+    @property
+    def total_stages(self) -> int:
+        return self.stages * self.virtual
+
+    def capture_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The step runs in micro-batches: capture one (the first), after checking they divide the batch."""
+        batch = batch_size(args, kwargs)
+        if batch % self.microbatches:
+            raise ValueError(f"Pipeline: {self.microbatches} micro-batches do not divide the batch of {batch} "
+                             f"(dimension 0 of the inputs); use a batch that is a multiple of {self.microbatches}.")
+        size = batch // self.microbatches
+        return pytree.tree_map(lambda x: x[:size] if _batched(x, batch) else x, (args, kwargs))
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        work = fx.GraphModule(gm, copy_graph(gm.graph))
+        work.meta.update(gm.meta)
+        loss = keep_loss_only(work)
+        units, starts, main = chain_units(work, ctx.cost_model or CostModel(ctx.device), self.balance)
+        link = Link(ctx.cost_model.device.link_bandwidth, ctx.cost_model.device.link_latency)
+        plan_args = dict(schedule=self.schedule, microbatches=self.microbatches, virtual=self.virtual, link=link,
+                         state_per_parameter_byte=ADAMW_STATE_PER_PARAMETER_BYTE)
+        if self.balance == "cost":
+            plan = balanced_cuts(units, self.total_stages, capacity=ctx.cost_model.device.memory_capacity,
+                                 **plan_args)
+        else:
+            bounds = layer_bounds(units, self.total_stages) if self.balance == "layers" else \
+                path_bounds(units, list(self.balance))
+            plan = plan_for(units, bounds, capacity=ctx.cost_model.device.memory_capacity, **plan_args)
+        stage_of = {}
+        for stage in plan.stages:
+            for u in stage.units:
+                for node in main[starts[u]:starts[u + 1] if u + 1 < len(starts) else len(main)]:
+                    stage_of[node] = stage.index
+        copy_constants_into_stages(work, stage_of)
+        layout = PipelineLayout(self, units, plan, tied_parameters(work, stage_of))
+        graphs = split_stages(work, stage_of, self.total_stages, loss, layout)
+        slowest = max(plan.stages, key=lambda s: s.time)
+        return PassResult(changed=True, graphs=graphs, notes={
+            "stages": self.total_stages, "cuts": " | ".join(units[c].label for c in plan.cuts),
+            "slowest_stage_ms": slowest.time * 1e3, "step_ms": plan.step_time * 1e3, "bubble": plan.bubble})
+
+
+def batch_size(args: tuple, kwargs: dict) -> int:
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors:
+        raise ValueError("Pipeline: the step has no tensor input with a batch dimension to split into micro-batches.")
+    return tensors[0].shape[0]
+
+
+def _batched(x, batch: int) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
+
+
+def keep_loss_only(gm: fx.GraphModule) -> fx.Node:
+    """Make the graph return its loss alone (the first scalar floating-point output)."""
+    signature = gm.meta["picofx_signature"]
+    if any(kind == "buffer" for kind, _ in signature.outputs):
+        raise ValueError("Pipeline: the step updates buffers; pipelined steps may only read them.")
+    output = gm.graph.output_node()
+    flat = pytree.tree_leaves(output.args[0])
+    scalars = [n for n in flat if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].dim() == 0 and n.meta["val"].is_floating_point()]
+    if not scalars:
+        raise ValueError("Pipeline: the step returns no scalar loss; a pipelined model must compute its loss "
+                         "(pass labels, or loss_fn= to picofx.optimize).")
+    output.args = ((scalars[0],),)
+    gm.graph.eliminate_dead_code()
+    return scalars[0]
+
+
+def _is_user_input(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.meta["picofx_input"].kind == "user"
+
+
+def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[list[Unit], list[int], list[fx.Node]]:
+    """Units of the step's chain: (units, index in `main` where each begins, main nodes in order).
+    Main nodes are those that depend on a user input; a unit ends where one floating-point value
+    crosses, or where `balance` wants a stage to begin."""
+    depends = set()
+    for node in gm.graph.nodes:
+        if _is_user_input(node) or any(a in depends for a in node.all_input_nodes):
+            depends.add(node)
+    main = [n for n in gm.graph.nodes if n.op == "call_function" and n in depends]
+    position = {n: i for i, n in enumerate(main)}
+    last_use = {n: max((position.get(u, len(main)) for u in n.users), default=i) for i, n in enumerate(main)}
+    crossing = [0] * len(main)  # crossing[i]: floating-point values made at or before i, read after i
+    for i, n in enumerate(main):
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point():
+            for b in range(i, last_use[n]):
+                crossing[b] += 1
+    starts = [0] + [i + 1 for i in range(len(main) - 1) if crossing[i] == 1
+                    and main[i + 1].meta.get("module_path") != main[i].meta.get("module_path")]
+    starts = sorted(set(starts) | set(wanted_starts(main, balance)))
+    param_first_use: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter" and node.users:
+            param_first_use[node] = min(position.get(_first_main_user(u, position), len(main) - 1) for u in node.users)
+    units = []
+    for k, lo in enumerate(starts):
+        hi = starts[k + 1] if k + 1 < len(starts) else len(main)
+        nodes = main[lo:hi]
+        forward = sum(cost_model.node_time(n) for n in nodes)
+        crossing_out = [n for n in main[:hi] if last_use[n] >= hi] if hi < len(main) else []
+        units.append(Unit(label=nodes[0].meta.get("module_path") or nodes[0].name,
+                          time=forward * (1 + BACKWARD_PER_FORWARD),
+                          parameter_bytes=sum(tensor_bytes(p.meta["val"]) for p, u in param_first_use.items()
+                                              if lo <= u < hi),
+                          activation_bytes=sum(n.meta.get("bytes", 0) for n in nodes if not is_alias(n)),
+                          boundary_bytes=sum(n.meta.get("bytes", 0) for n in crossing_out)))
+    return units, starts, main
+
+
+def _first_main_user(node: fx.Node, position: dict) -> fx.Node | None:
+    """The first main node reached from `node` (a parameter's user may be a cast first)."""
+    frontier = [node]
+    while frontier:
+        found = [n for n in frontier if n in position]
+        if found:
+            return min(found, key=position.__getitem__)
+        frontier = [u for n in frontier for u in n.users]
+    return None
+
+
+LAYER = re.compile(r"^(.*?\.)?(\d+)(\.|$)")
+
+
+def layer_of(node: fx.Node) -> str | None:
+    """The repeated layer a node belongs to ("decoder_layers.3"), or None outside the layers."""
+    match = LAYER.match(node.meta.get("module_path") or "")
+    return f"{match.group(1) or ''}{match.group(2)}" if match else None
+
+
+def wanted_starts(main: list[fx.Node], balance) -> list[int]:
+    """Where each layer begins ("layers"), or where each listed module path begins."""
+    if balance == "cost":
+        return []
+    if balance == "layers":
+        starts, seen = [], set()
+        for i, n in enumerate(main):
+            layer = layer_of(n)
+            if layer is not None and layer not in seen:
+                seen.add(layer)
+                starts.append(i)
+        return [s for s in starts if s > 0]
+    starts = []
+    for path in balance:
+        hits = [i for i, n in enumerate(main) if (n.meta.get("module_path") or "") == path
+                or (n.meta.get("module_path") or "").startswith(path + ".")]
+        if not hits:
+            raise ValueError(f"Pipeline: no computation comes from module {path!r}; name modules where stages "
+                             "begin, e.g. 'decoder_layers.4'.")
+        starts.append(hits[0])
+    return starts
+
+
+def layer_bounds(units: list[Unit], num_stages: int) -> list[int]:
+    """Stage starts (unit indices) that give every stage an equal share of the repeated layers."""
+    firsts, seen = [], set()
+    for i, u in enumerate(units):
+        match = LAYER.match(u.label)
+        layer = f"{match.group(1) or ''}{match.group(2)}" if match else None
+        if layer is not None and layer not in seen:
+            seen.add(layer)
+            firsts.append(i)
+    if len(firsts) < num_stages:
+        raise ValueError(f"Pipeline: balance='layers' needs at least {num_stages} repeated layers, the model has "
+                         f"{len(firsts)}; use balance='cost' or fewer stages.")
+    return [0] + [firsts[round(k * len(firsts) / num_stages)] for k in range(1, num_stages)]
+
+
+def path_bounds(units: list[Unit], paths: list[str]) -> list[int]:
+    bounds = [0]
+    for path in paths:
+        hits = [i for i, u in enumerate(units) if u.label == path or u.label.startswith(path + ".")]
+        bounds.append(hits[0])
+    if bounds != sorted(set(bounds)):
+        raise ValueError(f"Pipeline: the module paths {paths} do not begin stages in graph order; list them as the "
+                         "model runs them.")
+    return bounds
+
+
+def copy_constants_into_stages(gm: fx.GraphModule, stage_of: dict) -> None:
+    """Give every node that depends on no user input (weight casts, RoPE tables, masks) the stage
+    of its readers, copied once per further stage that reads it; in reverse order, so a copy's
+    own inputs are placed (and copied) after it."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or node in stage_of:
+            continue
+        stages = sorted({stage_of[u] for u in node.users if u.op != "output"})
+        if not stages:
+            raise ValueError(f"Pipeline: {node.name} depends on no input and is returned; cannot place it.")
+        stage_of[node] = stages[0]
+        for s in stages[1:]:
+            with gm.graph.inserting_after(node):
+                twin = gm.graph.node_copy(node)
+            stage_of[twin] = s
+            for user in [u for u in node.users if stage_of.get(u) == s]:
+                user.replace_input_with(node, twin)
+
+
+def tied_parameters(gm: fx.GraphModule, stage_of: dict) -> dict[str, list[int]]:
+    """Parameters read by more than one stage (a tied embedding and head)."""
+    tied = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter":
+            stages = sorted({stage_of[u] for u in node.users})
+            if len(stages) > 1:
+                tied[node.meta["picofx_input"].target] = stages
+    return tied
+
+
+def split_stages(gm: fx.GraphModule, stage_of: dict, num_stages: int, loss: fx.Node,
+                 layout: PipelineLayout) -> list[fx.GraphModule]:
+    for node in gm.graph.nodes:
+        node.meta[KEY] = node.name
+    parts = split_module(gm, None, lambda n: stage_of[n], keep_original_order=True)
+    submods = [getattr(parts, f"submod_{k}") for k in range(num_stages)]
+    reads = [[n.meta[KEY] for n in sub.graph.nodes if n.op == "placeholder"] for sub in submods]
+    produced = [[a.meta[KEY] for a in pytree.tree_leaves(sub.graph.output_node().args[0]) if isinstance(a, fx.Node)]
+                for sub in submods]
+    slots = {n.name: n.meta["picofx_input"] for n in gm.graph.nodes if n.op == "placeholder"}
+    originals = {n.name: n for n in gm.graph.nodes}
+    order = {name: i for i, name in enumerate(originals)}
+    carried_in = [[name for name, slot in slots.items() if slot.kind == "user"]]  # the step's inputs, in order
+    for k in range(1, num_stages):
+        later = {name for r in reads[k:] for name in r}
+        available = set(carried_in[k - 1]) | set(produced[k - 1])
+        carried_in.append(sorted(available & later, key=order.__getitem__))
+    graphs = []
+    for k, sub in enumerate(submods):
+        outputs = carried_in[k + 1] if k + 1 < num_stages else [loss.name]
+        graphs.append(stage_graph(sub, k, num_stages, slots, carried_in[k], outputs, layout, originals))
+    return graphs
+
+
+def stage_graph(sub: fx.GraphModule, index: int, num_stages: int, slots: dict, carried: list[str],
+                outputs: list[str], layout: PipelineLayout, originals: dict) -> fx.GraphModule:
+    """Stage `index` as a flat graph: (its parameters, buffers, constants, then the carried values)
+    -> the values later stages read."""
+    graph = fx.Graph()
+    env, by_key = {}, {}
+    sub_inputs = {n.meta[KEY]: n for n in sub.graph.nodes if n.op == "placeholder"}
+    resident = [name for name in slots if slots[name].kind != "user" and name in sub_inputs]
+    for name in resident + carried:
+        node = graph.placeholder(name)
+        node.meta = copy.copy(originals[name].meta)
+        by_key[name] = node
+        if name in sub_inputs:
+            env[sub_inputs[name]] = node
+    for node in sub.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        env[node] = graph.node_copy(node, lambda a: env[a])
+        by_key.setdefault(node.meta[KEY], env[node])
+    graph.output(tuple(by_key[name] for name in outputs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    gm.meta["picofx_stage"] = StageSignature(index, num_stages, [slots[n] for n in resident] + list(carried),
+                                             list(outputs))
+    gm.meta["picofx_pipeline"] = layout
+    return gm

@@ -1,0 +1,228 @@
+"""Run stage graphs (from pass `pipeline`) as `torch.distributed.pipelining` stages under a schedule.
+
+Each rank compiles only its own stages (stage k runs on pipeline rank k % ranks), each through
+the manager's joint and partitioned passes (`compile_graph`), and wraps each as a `StageModule`:
+an nn.Module that holds the model's own parameters under their original names and runs the
+compiled stage. `PipelineStep.forward_backward` splits the batch into micro-batches, runs the
+schedule and returns the mean loss on every rank. The schedule's loss function divides each
+micro-batch's loss by their number (so gradients already equal the full batch's mean-loss
+gradients, and gradients accumulated before the step are left alone: `scale_grads=False`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from picofx.manager import Context
+from picofx.runtime.compile import compile_graph
+
+
+class StageModule(nn.Module):
+    """One compiled stage. Parameters and buffers are the model's own objects, registered under
+    their original names (so `state_dict()` has the model's keys for this stage)."""
+
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, constants: dict):
+        super().__init__()
+        self.stage = gm.meta["picofx_stage"]
+        self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
+        self.constants = constants
+        for slot in self.resident:
+            if slot.kind in ("parameter", "buffer"):
+                register_as(self, model, slot.target, slot.kind)
+        object.__setattr__(self, "run", None)
+
+    def resident_values(self) -> list:
+        values = []
+        for slot in self.resident:
+            if slot.kind == "parameter":
+                values.append(self.get_parameter(slot.target))
+            elif slot.kind == "buffer":
+                values.append(self.get_buffer(slot.target))
+            else:
+                values.append(self.constants[slot.target])
+        return values
+
+    def forward(self, *carried):
+        outputs = self.run(self.resident_values() + list(carried))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def register_as(holder: nn.Module, model: nn.Module, target: str, kind: str) -> None:
+    """Register the model's parameter or buffer `target` ("layers.0.mlp.weight") on `holder`
+    under the same dotted name, creating empty containers on the way."""
+    *path, leaf = target.split(".")
+    module, source = holder, model
+    for part in path:
+        source = getattr(source, part)
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]
+    if kind == "parameter":
+        module.register_parameter(leaf, getattr(source, leaf))
+    else:
+        module.register_buffer(leaf, getattr(source, leaf), persistent=leaf not in source._non_persistent_buffers_set)
+
+
+def example_value(node_val, requires_grad: bool) -> torch.Tensor:
+    """A real tensor shaped like a stage input's recorded value: zeros (valid indices for integer inputs)."""
+    t = torch.zeros(node_val.shape, dtype=node_val.dtype, device=node_val.device)
+    return t.requires_grad_(requires_grad and t.is_floating_point())
+
+
+@dataclass
+class PipelineGroups:
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup | None
+    rank: int          # this rank's place in the pipeline
+    ranks: int
+
+
+def pipeline_groups(group, stages: int) -> PipelineGroups:
+    """The pipeline's process group: `group` (a ProcessGroup, or a DeviceMesh with "pp" and
+    optionally "dp" dimensions), or the whole world, which must then hold exactly `stages` ranks."""
+    if not dist.is_initialized():
+        raise RuntimeError("Pipeline: torch.distributed is not initialized; run under torchrun and call "
+                           "dist.init_process_group(timeout=...) before picofx.optimize.")
+    dp = None
+    if group is None:
+        world = dist.get_world_size()
+        if world != stages:
+            raise ValueError(f"Pipeline: the world has {world} ranks but the pipeline {stages} stages; "
+                             + ("pass group=DeviceMesh with 'dp' and 'pp' dimensions to run "
+                                f"{world // stages} data-parallel replicas." if world % stages == 0 else
+                                f"the world size must be a multiple of {stages}."))
+        pp = dist.group.WORLD
+    elif hasattr(group, "mesh_dim_names"):
+        names = group.mesh_dim_names or ()
+        if "pp" not in names:
+            raise ValueError(f"Pipeline: the DeviceMesh has dimensions {names}; it needs one named 'pp'.")
+        pp = group["pp"].get_group()
+        dp = group["dp"].get_group() if "dp" in names else None
+    else:
+        pp = group
+    ranks = dist.get_world_size(pp)
+    if ranks != stages:
+        raise ValueError(f"Pipeline: the pipeline group has {ranks} ranks for {stages} stages per rank set; "
+                         "they must be equal.")
+    return PipelineGroups(pp, dp, dist.get_rank(pp), ranks)
+
+
+class PipelineStep:
+    """This rank's part of a pipelined training step."""
+
+    def __init__(self, graphs: list[fx.GraphModule], model: nn.Module, manager, ctx: Context, report, signature):
+        self.layout = graphs[0].meta["picofx_pipeline"]
+        options = self.layout.options
+        if self.layout.tied:
+            raise ValueError("Pipeline: parameters are read by more than one stage (tied weights): "
+                             + ", ".join(f"{name} by stages {stages}" for name, stages in self.layout.tied.items())
+                             + "; untie them (e.g. tie_word_embeddings=False) or cut so one stage reads each.")
+        self.groups = pipeline_groups(options.group, options.stages)
+        self.options, self.signature, self.report = options, signature, report
+        self.microbatches = options.microbatches
+        mine = [g for g in graphs if g.meta["picofx_stage"].index % self.groups.ranks == self.groups.rank]
+        self.modules, self.stages, self.stage_graphs, self.graph_of = [], [], {}, {}
+        self.module = nn.Module()  # every parameter and buffer of this rank's stages, original names
+        start = time.perf_counter()
+        for gm in mine:
+            module = StageModule(model, gm, signature.constants)
+            self.graph_of[module.stage.index] = gm
+            inputs, carried = self._example_inputs(module, gm)
+            stage_ctx = Context(model=model, example_inputs=inputs, device=ctx.device, backend=ctx.backend,
+                                options=ctx.options, cost_model=ctx.cost_model)
+            manager.announce(f"stage{module.stage.index}", gm, stage_ctx)
+            run, compiled = compile_graph(gm, inputs, manager, stage_ctx)
+            object.__setattr__(module, "run", run)
+            outputs = [example_value(n.meta["val"], True) for n in pytree.tree_leaves(gm.graph.output_node().args[0])]
+            self.stages.append(PipelineStage(module, module.stage.index, module.stage.num_stages, ctx.device,
+                                             input_args=tuple(carried), output_args=tuple(outputs),
+                                             group=self.groups.pp))
+            self.modules.append(module)
+            self.stage_graphs[module.stage.index] = compiled
+            for slot in module.resident:
+                if slot.kind in ("parameter", "buffer"):
+                    register_as(self.module, model, slot.target, slot.kind)
+        report.compile_seconds = time.perf_counter() - start
+        report.sections["pipeline"] = self.layout.table()
+        scale = 1.0 / self.microbatches
+        schedule_class = get_schedule_class(options.schedule)
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        self.schedule = schedule_class(self.stages[0] if single else self.stages, options.microbatches,
+                                       loss_fn=lambda loss, _target: loss * scale, scale_grads=False)
+        self.holds_first = any(s.is_first for s in self.stages)
+        self.holds_last = any(s.is_last for s in self.stages)
+        self.last_rank = dist.get_global_rank(self.groups.pp, (options.total_stages - 1) % self.groups.ranks)
+
+    def _example_inputs(self, module: StageModule, gm: fx.GraphModule) -> tuple[list, list]:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        carried = [example_value(n.meta["val"], module.stage.index > 0) for n in placeholders[len(module.resident):]]
+        return module.resident_values() + carried, carried
+
+    @property
+    def graphs(self) -> dict:
+        return self.stage_graphs[min(self.stage_graphs)]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.modules[0]
+
+    def __call__(self, model, args, kwargs):
+        raise RuntimeError("this model is pipelined: call opt.forward_backward(**batch), which runs the schedule's "
+                           "forward and backward on every rank and returns the loss; opt(...) cannot return a "
+                           "forward alone.")
+
+    def forward_backward(self, model, args, kwargs) -> torch.Tensor:
+        user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        batch = user[0].shape[0]
+        if batch % self.microbatches:
+            raise ValueError(f"Pipeline: {self.microbatches} micro-batches do not divide the batch of {batch}.")
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(batch, 1)  # the loss is computed inside the last stage; the schedule wants a target
+        step_args = user if self.holds_first else []
+        step_kwargs = {"target": target, "losses": losses} if self.holds_last else {}
+        self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
+        dist.broadcast(loss, src=self.last_rank, group=self.groups.pp)
+        if self.groups.dp is not None:
+            average_gradients(self.module.parameters(), self.groups.dp)
+        return loss
+
+    def measure_stages(self, repeats: int = 5) -> dict[int, float]:
+        """Median seconds of each of this rank's stages for one micro-batch, forward + backward, run
+        alone on example inputs (no communication), by stage index. Clears the stages' gradients."""
+        times = {}
+        for module in self.modules:
+            samples = []
+            for _ in range(repeats + 1):
+                _, carried = self._example_inputs(module, self.graph_of[module.stage.index])
+                start = time.perf_counter()
+                out = module(*carried)
+                outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+                samples.append(time.perf_counter() - start)
+            module.zero_grad(set_to_none=True)
+            times[module.stage.index] = statistics.median(samples[1:])
+        return times
+
+
+def average_gradients(parameters, group: dist.ProcessGroup) -> None:
+    """Average gradients across a data-parallel group: one flat all-reduce (sum, then divide:
+    gloo has no average)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

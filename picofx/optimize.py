@@ -15,6 +15,7 @@ from picofx.manager.dump import DumpGraphs
 from picofx.manager import Context, PassManager, Stage
 from picofx.manager.report import Report
 from picofx.runtime.compile import compile_graph
+from picofx.runtime.hf import optimized_class
 from picofx.runtime.pipeline import PipelineStep
 
 
@@ -87,7 +88,7 @@ class OptimizedModule(nn.Module):
 
     def __init__(self, model: nn.Module, example_inputs, recapture: bool, **build_options):
         object.__setattr__(self, "_model", model)
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): optimize's subclass may also derive from the model's class
         # Share the model's containers: parameters, buffers and submodules are the model's own objects,
         # so .parameters(), .to(), optimizers and checkpoints see exactly what they would see on `model`.
         self._modules, self._parameters, self._buffers = model._modules, model._parameters, model._buffers
@@ -200,6 +201,7 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
                the inputs' device; pass one built on a calibrated picofx.cost.device description).
     """
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
-    return OptimizedModule(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,
+    module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
+    return module_class(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,
                            backend=backend, verify=verify, instruments=instruments, options=options or {},
                            cost_model=cost_model)

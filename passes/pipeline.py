@@ -289,13 +289,17 @@ def copy_constants_into_stages(gm: fx.GraphModule, stage_of: dict) -> None:
         stages = sorted({stage_of[u] for u in node.users if u.op != "output"})
         if not stages:
             raise ValueError(f"Pipeline: {node.name} depends on no input and is returned; cannot place it.")
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first_reader = {s: min((u for u in node.users if stage_of.get(u) == s), key=order.__getitem__)
+                        for s in stages}
         stage_of[node] = stages[0]
         for s in stages[1:]:
-            with gm.graph.inserting_after(node):
+            with gm.graph.inserting_before(first_reader[s]):  # among its stage's nodes, where split_module wants it
                 twin = gm.graph.node_copy(node)
             stage_of[twin] = s
             for user in [u for u in node.users if stage_of.get(u) == s]:
                 user.replace_input_with(node, twin)
+        first_reader[stages[0]].prepend(node)
 
 
 def tied_parameters(gm: fx.GraphModule, stage_of: dict) -> dict[str, list[int]]:

@@ -122,9 +122,13 @@ class PipelineStep:
         self.layout = graphs[0].meta["picofx_pipeline"]
         options = self.layout.options
         if self.layout.tied:
-            raise ValueError("Pipeline: parameters are read by more than one stage (tied weights): "
-                             + ", ".join(f"{name} by stages {stages}" for name, stages in self.layout.tied.items())
-                             + "; untie them (e.g. tie_word_embeddings=False) or cut so one stage reads each.")
+            names = {id(p): [] for p in model.parameters()}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names[id(p)].append(name)
+            ties = [f"{' = '.join(names[id(model.get_parameter(name))])} read by stages {stages}"
+                    for name, stages in self.layout.tied.items()]
+            raise ValueError(f"Pipeline: a parameter read by more than one stage (tied weights): {'; '.join(ties)}. "
+                             "Untie it (e.g. tie_word_embeddings=False) or cut so that one stage reads it.")
         self.groups = pipeline_groups(options.group, options.stages)
         self.options, self.signature, self.report = options, signature, report
         self.microbatches = options.microbatches
@@ -175,7 +179,7 @@ class PipelineStep:
         return self.modules[0]
 
     def __call__(self, model, args, kwargs):
-        raise RuntimeError("this model is pipelined: call opt.forward_backward(**batch), which runs the schedule's "
+        raise RuntimeError("this model is pipelined: use opt.forward_backward(**batch), which runs the schedule's "
                            "forward and backward on every rank and returns the loss; opt(...) cannot return a "
                            "forward alone.")
 

@@ -1,7 +1,8 @@
 """Train the reference LLaMA with picofx on a corpus already on the machine.
 
 The corpus is the Python standard library's own source (no download), read as bytes: the
-tokenizer is byte-level (256 tokens). Prints per-interval loss and tokens/s, then picofx's report.
+tokenizer is byte-level (256 tokens). Shows a progress bar and per-interval loss and tokens/s,
+then a summary (tokens/s over the run, MFU) and picofx's report.
 
     python examples/train_llama.py                          # CPU, fuse + Inductor, 200 steps
     python examples/train_llama.py --backend eager --steps 50 --passes
@@ -9,6 +10,7 @@ tokenizer is byte-level (256 tokens). Prints per-interval loss and tokens/s, the
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import pathlib
 import sysconfig
@@ -18,8 +20,9 @@ import torch
 from tqdm import tqdm
 
 import picofx
-from picofx.cost.model import CostModel
+from picofx.cost.model import CostModel, compute_dtype, node_flops
 from picofx.cost.device import device_for
+from picofx.cost.units import format_bytes
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 
 
@@ -52,36 +55,82 @@ class Batches:
         return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
 
 
+def step_dtype(graphs) -> torch.dtype:
+    """The dtype most of the step's FLOPs are computed in (bf16 under the precision pass)."""
+    flops: collections.Counter = collections.Counter()
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_function":
+                flops[compute_dtype(node)] += node_flops(node)
+    return max(flops, key=flops.get) if flops else torch.float32
+
+
 def throughput_line(model: Llama, opt_model, tokens_per_s: float, batch: int, seq: int, device: str) -> str:
-    """tokens/s, MFU in the PaLM convention (6 x matmul parameters + 12 x layers x hidden x seq FLOPs
-    per token, embedding excluded), and the FLOPs the captured graphs really hold, beside it."""
+    """MFU in the PaLM convention (6 x matmul parameters + 12 x layers x hidden x seq FLOPs per
+    token, embedding excluded) against the device's peak for the dtype the step computes in, and
+    the FLOPs the captured graphs really hold, beside it."""
     config = model.config
     matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embedding" not in name)
     palm_per_token = 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq
     spec = device_for(device)
-    peak = spec.flops_per_second(torch.float32)
+    graphs = [opt_model.graphs["forward"], opt_model.graphs["backward"]]
+    dtype = step_dtype(graphs)
+    peak = spec.flops_per_second(dtype)
     cost = CostModel(spec)
-    graph_per_token = (cost.graph_flops(opt_model.graphs["forward"]) +
-                       cost.graph_flops(opt_model.graphs["backward"])) / (batch * seq)
-    return (f"{tokens_per_s:,.0f} tokens/s; MFU {palm_per_token * tokens_per_s / peak:.1%} of {spec.name} "
-            f"({peak / 1e9:,.0f} GFLOP/s fp32, {spec.source}); {palm_per_token / 1e6:.2f} MFLOP/token by "
+    graph_per_token = sum(cost.graph_flops(g) for g in graphs) / (batch * seq)
+    dtype_name = str(dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16") \
+        .replace("float16", "fp16")
+    return (f"MFU {100 * palm_per_token * tokens_per_s / peak:.3g}% of its {dtype_name} peak on {spec.name} "
+            f"({peak / 1e9:,.0f} GFLOP/s, {spec.source}); {palm_per_token / 1e6:.2f} MFLOP/token by "
             f"6N+12LHT, {graph_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
 
 
+def step_bytes(config, batch: int, seq: int) -> int:
+    """A step's memory, roughly: fp32 weights, gradients and AdamW's two moments (16 bytes per
+    parameter), saved activations of 2 x (34 x hidden + 5 x heads x seq) bytes per token and layer
+    (Korthikanti et al.'s 16-bit estimate, doubled for fp32), and the logits with their gradient."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * config.head_dim
+    params = 2 * config.vocab_size * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+    tokens = batch * seq
+    activations = tokens * layers * 2 * (34 * h + 5 * config.num_attention_heads * seq)
+    return 16 * params + activations + 2 * 4 * tokens * config.vocab_size
+
+
+def fits(size: str, batch: int, seq: int, device: str) -> bool:
+    config = dataclasses.replace(CONFIGS[size], vocab_size=256)
+    return step_bytes(config, batch, seq) <= device_for(device).memory_capacity
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and gives every option's default."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(CONFIGS), default="tiny", help="model shape (vocab set to 256)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    default_device = "cpu"
+    offered = [size for size in CONFIGS if fits(size, 8, 128, default_device)]
+    p.add_argument("--size", choices=sorted(CONFIGS), default="tiny", metavar="SIZE",
+                   help=f"model shape, vocabulary set to 256; on {default_device} at the default batch and "
+                        f"sequence: {', '.join(offered)} (a size whose step does not fit the device is refused)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (20 steps of warm-up)")
+    p.add_argument("--device", default=default_device, help="torch device: cpu, cuda, cuda:1")
+    p.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
+                   help="inductor generates code (20-30 s to compile on CPU); eager runs the graphs as they are")
     p.add_argument("--passes", nargs="*", default=["fuse"], help="picofx passes, e.g. fuse precision checkpoint")
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=25, help="steps between loss and tokens/s lines")
     p.add_argument("--dump-dir", help="write every graph picofx produced to this directory")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    args = p.parse_args(argv)
+    if not fits(args.size, args.batch, args.seq, args.device):
+        config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
+        p.error(f"--size {args.size} needs about {format_bytes(step_bytes(config, args.batch, args.seq))} per step "
+                f"at batch {args.batch}, seq {args.seq}; {args.device} has "
+                f"{format_bytes(device_for(args.device).memory_capacity)}: pick a smaller size, batch or sequence")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -101,6 +150,7 @@ def main(argv=None) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
     history, interval_loss, interval_tokens, interval_start = [], 0.0, 0, time.perf_counter()
+    run_start, run_tokens = interval_start, 0
     progress = tqdm(range(args.steps), desc="train", unit="step")
     for step in progress:
         batch = first if step == 0 else {k: v.to(args.device) for k, v in batches.sample().items()}
@@ -112,6 +162,7 @@ def main(argv=None) -> dict:
         optimizer.zero_grad(set_to_none=True)
         interval_loss += loss.item()
         interval_tokens += batch["input_ids"].numel()
+        run_tokens += batch["input_ids"].numel()
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             seconds = time.perf_counter() - interval_start
             steps_in_interval = (step % args.log_every) + 1
@@ -119,16 +170,26 @@ def main(argv=None) -> dict:
                      "tokens_per_s": interval_tokens / seconds}
             history.append(entry)
             progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
+            progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval_loss, interval_tokens, interval_start = 0.0, 0, time.perf_counter()
 
     with torch.no_grad():
         model.eval()
         val = batches.sample("val")
         val_loss = causal_lm_loss(model(val["input_ids"]), val["labels"]).item()
-    print(f"\nloss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
-    print(throughput_line(model, opt_model, history[-1]["tokens_per_s"], args.batch, args.seq, args.device))
-    print("\n" + opt_model.report.table())
-    return {"history": history, "val_loss": val_loss}
+    run_seconds = time.perf_counter() - run_start
+    tokens_per_s = run_tokens / run_seconds
+    report = opt_model.report
+    print(f"\nsummary: {args.size}, {args.steps} steps of {args.batch} x {args.seq} tokens on {args.device}, "
+          f"backend {args.backend}, passes {' '.join(args.passes) or '(none)'}")
+    print(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
+    print(f"  tokens/s: {tokens_per_s:,.0f} over the run ({run_tokens:,} tokens in {run_seconds:.1f}s), "
+          f"{history[-1]['tokens_per_s']:,.0f} in the last interval")
+    print("  " + throughput_line(model, opt_model, tokens_per_s, args.batch, args.seq, args.device))
+    print(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
+          f"{report.recompilations} recompilations")
+    print("\n" + report.table())
+    return {"history": history, "val_loss": val_loss, "tokens_per_s": tokens_per_s}
 
 
 if __name__ == "__main__":

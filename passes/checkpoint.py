@@ -46,7 +46,7 @@ from picofx.cost.liveness import storage_key, tensor_values
 from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.errors import BudgetError
-from picofx.cost.units import format_bytes, parse_budget
+from picofx.cost.units import check_budget, format_bytes, parse_budget
 from picofx.cost.recompute import Segment, analyze, module_path, signature
 
 MARK = "picofx_checkpoint"
@@ -218,6 +218,10 @@ class Checkpoint:
     optimizer: object = None
     stage = Stage.JOINT
     plans_partition = True  # its peak is predicted for picofx's partition, used even when it tags nothing
+
+    def __post_init__(self):
+        if self.budget is not None:
+            check_budget(self.budget)  # a bad budget fails here, before the model is captured
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         _clear_own_tags(gm)

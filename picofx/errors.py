@@ -25,3 +25,11 @@ class BudgetError(ValueError):
     def __init__(self, message: str, smallest_peak: int | None = None, batch_that_fits: int | None = None):
         super().__init__(message)
         self.smallest_peak, self.batch_that_fits = smallest_peak, batch_that_fits
+
+
+class PassBudgetError(PassError, BudgetError):
+    """A BudgetError raised by a pass, as the pass manager reports it: it names the pass and says the
+    graph was restored, and is caught by `except picofx.BudgetError` as by `except picofx.PassError`."""
+
+    def __init__(self, message: str, smallest_peak: int | None = None, batch_that_fits: int | None = None):
+        BudgetError.__init__(self, message, smallest_peak, batch_that_fits)

@@ -9,11 +9,11 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from picofx.errors import InputShapeError
-from picofx.capture.export import Signature, capture_call, input_key, split_inputs
+from picofx.capture.export import Signature, argument_name, capture_call, input_changes, input_key, split_inputs
 from picofx.cost.model import CostModel
 from picofx.manager.dump import DumpGraphs
-from picofx.manager import Context, PassManager, Stage
-from picofx.manager.report import Report
+from picofx.manager import Context, PassManager, Stage, resolve_passes
+from picofx.manager.report import Report, notices
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.pipeline import PipelineStep
@@ -106,7 +106,14 @@ class OptimizedModule(nn.Module):
         if step is None:
             if self._steps and not self._recapture:
                 raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
+            start = time.perf_counter()
             step = build_step(self._model, args, kwargs, **self._build_options)
+            if self._steps:  # a recompilation: one line saying why and what it cost
+                first_mode = next(iter(self._steps))[0]
+                changed = [input_changes(*self._first_call, args, kwargs),
+                           ("train" if key[0] else "eval") + " mode" if key[0] != first_mode else ""]
+                notices().info(f"{'; '.join(c for c in changed if c) or 'new call'}: captured and compiled "
+                               f"again in {time.perf_counter() - start:.1f}s (recompilation {len(self._steps)})")
             self._steps[key] = step
         object.__setattr__(self, "_current", step)
         return step
@@ -116,6 +123,7 @@ class OptimizedModule(nn.Module):
 
     @property
     def report(self) -> Report:
+        self._current.report.recompilations = len(self._steps) - 1
         return self._current.report
 
     @property
@@ -171,16 +179,16 @@ def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict
         return (f"the call's inputs are structured differently from the captured call "
                 f"({new_spec} vs {old_spec}); call with the same arguments, or optimize with recapture=True.")
     for (path, a), (_, b) in zip(old, new):
-        name = pytree.keystr(path)
+        name = argument_name(path)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             for dim, (x, y) in enumerate(zip(a.shape, b.shape)):
                 if x != y:
-                    return (f"input {name} dimension {dim} is {y}, but the graph was captured with {x} "
-                            f"(shape {tuple(a.shape)}); optimize with recapture=True to capture each new shape.")
+                    return (f"{name} has shape {tuple(b.shape)}, but the graph was captured with {tuple(a.shape)} "
+                            f"(dimension {dim}: {y} vs {x}); optimize with recapture=True to capture each new shape.")
             if a.dim() != b.dim() or a.dtype != b.dtype:
-                return f"input {name} is {b.dtype} {tuple(b.shape)}, captured as {a.dtype} {tuple(a.shape)}."
+                return f"{name} is {b.dtype} {tuple(b.shape)}, captured as {a.dtype} {tuple(a.shape)}."
         elif not isinstance(a, torch.Tensor) and a != b:
-            return f"input {name} is {b!r}, captured as {a!r}; the graph is specialised on it."
+            return f"{name} is {b!r}, captured as {a!r}; the graph is specialised on it."
     return "the model's train/eval mode changed since capture; optimize with recapture=True."
 
 
@@ -202,6 +210,6 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     """
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
     module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
-    return module_class(model, example_inputs, recapture, passes=list(passes), loss_fn=loss_fn,
+    return module_class(model, example_inputs, recapture, passes=resolve_passes(passes), loss_fn=loss_fn,
                            backend=backend, verify=verify, instruments=instruments, options=options or {},
                            cost_model=cost_model)

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -37,8 +38,8 @@ def test_dump_loads_a_factory_from_a_file(capsys, tmp_path):
 
 
 def test_dump_rejects_unknown_models_and_passes(capsys):
-    with pytest.raises(SystemExit, match="unknown model 'llama-huge'.*llama-tiny"):
-        main(["dump", "llama-huge"])
+    assert main(["dump", "llama-huge"]) == 2
+    assert re.search("unknown model 'llama-huge'.*llama-tiny", capsys.readouterr().err)
     assert main(["dump", "gpt2-tiny", "--passes", "nope"]) == 2
     assert "unknown pass 'nope'; available passes:" in capsys.readouterr().err
 

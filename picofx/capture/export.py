@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import logging
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +64,15 @@ class LossStep(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *args, labels, **kwargs):
-        return self.loss_fn(self.model(*args, **kwargs), labels)
+        output = self.model(*args, **kwargs)
+        try:
+            return self.loss_fn(output, labels)
+        except Exception as e:
+            if isinstance(output, torch.Tensor) or not accepts_labels(self.model):
+                raise
+            raise CaptureError(f"loss_fn failed on the model's output, a {type(output).__name__}: "
+                               f"{type(e).__name__}: {e}.\n  {type(self.model).__name__}.forward takes labels and "
+                               "computes its own loss: drop loss_fn and pass labels to the model.") from None
 
 
 def split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -84,6 +95,21 @@ def input_key(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
+def input_changes(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict) -> str:
+    """What differs between two calls, briefly: "input_ids (2, 32) -> (2, 16)"; "" if nothing does."""
+    old, old_spec = pytree.tree_flatten_with_path((args0, kwargs0))
+    new, new_spec = pytree.tree_flatten_with_path((args, kwargs))
+    if old_spec != new_spec:
+        return "other arguments"
+
+    def shown(x):
+        return f"{tuple(x.shape)}" + ("" if x.dtype in (torch.int64, torch.float32) else f" {x.dtype}") \
+            if isinstance(x, torch.Tensor) else repr(x)
+
+    return ", ".join(f"{argument_name(path)} {shown(a)} -> {shown(b)}" for (path, a), (_, b) in zip(old, new)
+                     if shown(a) != shown(b))
+
+
 def capture(model: nn.Module, example_inputs, loss_fn=None) -> fx.GraphModule:
     """The forward of one training step, loss included, as an annotated ATen GraphModule.
 
@@ -102,12 +128,20 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
     if loss_fn is not None and "labels" not in kwargs:
         raise CaptureError("capture: with loss_fn, example_inputs must be a dict (or kwargs) with a "
                            "'labels' entry; it is passed to loss_fn(output, labels) and not to the model.")
-    with _module_path_tracker(model) as where:
+    if loss_fn is None and "labels" in kwargs and not accepts_labels(model):
+        raise CaptureError(f"capture: {type(model).__name__}.forward takes no 'labels', so it returns its "
+                           "output, not a loss: pass loss_fn=..., called as loss_fn(output, labels) (e.g. "
+                           "picofx.examples.llama.causal_lm_loss), or leave labels out to capture the forward alone.")
+    with _module_path_tracker(model) as where, quiet_export():
         try:
             ep = torch.export.export(step, args, kwargs, strict=False)
             ep = ep.run_decompositions(aten_decompositions())
-        except Exception as e:  # every export failure is explained, then chained
-            raise explain_capture_failure(e, where) from e
+        except CaptureError:
+            raise
+        except Exception as e:  # explained; torch's traceback is chained when the cause is unknown
+            error, known = explain_capture_failure(e, where, model, args, kwargs)
+            error.torch_error = e
+            raise error from (None if known else e)
     gm = ep.graph_module
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
@@ -208,19 +242,77 @@ _CAUSES = [
 ]
 
 
-def explain_capture_failure(error: Exception, module_stack: list[str]) -> CaptureError:
+def explain_capture_failure(error: Exception, module_stack: list[str], model: nn.Module | None = None,
+                            args: tuple = (), kwargs: dict | None = None) -> tuple[CaptureError, bool]:
+    """The CaptureError for an export failure, and whether its cause is known (then torch's
+    traceback adds nothing the message does not say)."""
     text = f"{type(error).__name__}: {error}"
     cause, hint = "torch.export could not trace the step", "see the torch error below; a model that " \
         "runs eagerly with static shapes and no data-dependent Python control flow captures"
+    known = False
     for words, c, h in _CAUSES:
         if any(w in text for w in words):
-            cause, hint = c, h
+            cause, hint, known = c, h, True
             break
+    too_long = _over_position_limit(model, args, kwargs or {}) if model is not None else None
+    if too_long:
+        cause, hint, known = too_long
     where = _user_frame(error)
     module = f" in module '{module_stack[-1]}'" if module_stack and module_stack[-1] else ""
+    at = f"\n  at {where}{module}" if where or module else ""
     first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-    return CaptureError(f"cannot capture the model: {cause}.\n  at {where}{module}\n  fix: {hint}.\n"
-                        f"  torch said: {type(error).__name__}: {first_line}")
+    return CaptureError(f"cannot capture the model: {cause}.{at}\n  fix: {hint}.\n"
+                        f"  torch said: {type(error).__name__}: {first_line}"), known
+
+
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "block_size", "n_ctx")
+
+
+def _over_position_limit(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, str, bool] | None:
+    """(cause, fix, True) when an integer input (token ids) is longer than the model's position limit."""
+    config = getattr(model, "config", None)
+    limit = next(((name, getattr(config, name)) for name in POSITION_LIMITS
+                  if isinstance(getattr(config, name, None), int)), None)
+    if limit is None:
+        return None
+    for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and not x.is_floating_point() and x.shape[-1] > limit[1]:
+            name = argument_name(path)
+            return (f"{name} has {x.shape[-1]} positions (shape {tuple(x.shape)}), more than the model's "
+                    f"{limit[0]}={limit[1]}",
+                    f"use sequences of at most {limit[1]} tokens, or build the model with {limit[0]} >= "
+                    f"{x.shape[-1]}", True)
+    return None
+
+
+def argument_name(path: tuple) -> str:
+    """A pytree path into (args, kwargs) as the call wrote it: 'input_ids', 'argument 0', "batch['ids']"."""
+    in_kwargs, top, rest = path[0].idx == 1, path[1], pytree.keystr(tuple(path[2:]))
+    return f"{top.key}{rest}" if in_kwargs else f"argument {top.idx}{rest}"
+
+
+def accepts_labels(model: nn.Module) -> bool:
+    """Whether the model's forward takes a `labels` argument (or any keyword)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+@contextlib.contextmanager
+def quiet_export():
+    """torch.export's own chatter off the user's terminal while picofx captures: the LeafSpec
+    deprecation its deep copies raise, and the fake-tensor log of a failure the CaptureError explains."""
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, fake_tensor_log.disabled = fake_tensor_log.disabled, True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
+            yield
+    finally:
+        fake_tensor_log.disabled = was_disabled
 
 
 def _user_frame(error: BaseException) -> str:
@@ -232,6 +324,6 @@ def _user_frame(error: BaseException) -> str:
         e = e.__cause__ or e.__context__
     user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _PICOFX_DIR, "<"))]
     if not user:
-        return "an unknown place (no frame outside torch)"
+        return ""
     f = user[-1]
     return f"{f.filename}:{f.lineno} ({f.name}: {(f.line or '').strip()})"

@@ -12,6 +12,9 @@ size. On CUDA it is `torch.cuda.max_memory_allocated` over the step.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -69,7 +72,7 @@ def measure_peak(fn: Callable[[], object], resident=(), device: torch.device | s
 
 def peak_allocated_during(fn: Callable[[], object]) -> int:
     """The largest net amount `fn` has allocated on the CPU at any moment (bytes, ≥ 0)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _profiler_lines_hidden(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     changes = sorted((e.start_time_ns, e.extra_fields.alloc_size)
                      for e in _walk(prof.profiler.kineto_results.experimental_event_tree())
@@ -79,6 +82,21 @@ def peak_allocated_during(fn: Callable[[], object]) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _profiler_lines_hidden():
+    """The profiler's C++ side writes a line to the process's stderr (fd 2) at each start and stop;
+    send fd 2 to /dev/null meanwhile, so measuring prints nothing on the user's terminal."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _walk(events):

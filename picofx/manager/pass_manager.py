@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 from torch import fx
 
 from picofx.capture.annotate import annotate
-from picofx.errors import PassError, VerificationError
-from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_name, pass_stage, resolve_pass
+from picofx.errors import BudgetError, PassBudgetError, PassError, VerificationError
+from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_name, pass_stage, resolve_passes
 from picofx.manager.verify import check_invariants, check_numerics
 
 
@@ -22,7 +23,9 @@ def _node_keys(graph: fx.Graph) -> dict[str, str]:
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:
     new = fx.Graph()
-    new._codegen = copy.deepcopy(graph._codegen)  # joint graphs take (primals, tangents) as pytrees
+    with warnings.catch_warnings():  # copying a pytree spec's leaves trips torch's LeafSpec deprecation
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+        new._codegen = copy.deepcopy(graph._codegen)  # joint graphs take (primals, tangents) as pytrees
     new.output(new.graph_copy(graph, {}))
     return new
 
@@ -39,7 +42,7 @@ class PassManager:
     def __init__(self, passes, *, verify: str | None = "invariants", instruments=()):
         if verify not in (None, "invariants", "numerics"):
             raise ValueError(f"verify must be None, 'invariants' or 'numerics', got {verify!r}")
-        self.passes = [resolve_pass(p) for p in passes]
+        self.passes = resolve_passes(passes)
         self.verify = verify
         self.instruments = list(instruments)
         self.records: list[PassRecord] = []
@@ -81,8 +84,11 @@ class PassManager:
             restore_graph(gm.graph, saved)
             gm.recompile()
             what = "failed verification" if isinstance(e, VerificationError) else "raised"
-            raise PassError(f"pass '{name}' ({ctx.stage.value} stage, {ctx.graph_role} graph) {what}: "
-                            f"{type(e).__name__}: {e}\n  the graph is left as it was before '{name}'.") from e
+            message = (f"pass '{name}' ({ctx.stage.value} stage, {ctx.graph_role} graph) {what}: "
+                       f"{type(e).__name__}: {e}\n  the graph is left as it was before '{name}'.")
+            if isinstance(e, BudgetError):  # still caught by `except picofx.BudgetError`
+                raise PassBudgetError(message, e.smallest_peak, e.batch_that_fits) from e
+            raise PassError(message) from e
         after_keys = {k: v for out in outputs for k, v in _node_keys(out.graph).items()}
         record = PassRecord(
             name=name, stage=ctx.stage, graph_role=ctx.graph_role, seconds=seconds,

@@ -7,6 +7,7 @@ attribute. Names resolve through `PASSES`, which the passes fill when they are i
 """
 from __future__ import annotations
 
+import difflib
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -85,13 +86,29 @@ def register_pass(name: str, stage: Stage = Stage.FORWARD):
 
 
 def resolve_pass(spec) -> Callable:
+    """The pass `spec` names: a registered name or a pass object. Mistakes are reported here,
+    before anything is captured."""
     if isinstance(spec, str):
         if spec not in PASSES:
-            raise KeyError(f"unknown pass {spec!r}; available passes: {', '.join(sorted(PASSES))}")
+            close = difflib.get_close_matches(spec, PASSES, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise KeyError(f"unknown pass {spec!r}; {hint}available passes: {', '.join(sorted(PASSES))}")
         return PASSES[spec]()
+    if isinstance(spec, type):
+        raise TypeError(f"passes takes pass objects, got the class {spec.__name__}: "
+                        f"did you mean {spec.__name__}()?")
     if not callable(spec):
         raise TypeError(f"a pass is a registered name or a callable (gm, ctx) -> PassResult, got {spec!r}")
     return spec
+
+
+def resolve_passes(passes) -> list:
+    """`passes` (a list of names and pass objects) resolved, each checked."""
+    if isinstance(passes, str):
+        raise TypeError(f"passes is a list: passes=[{passes!r}], not passes={passes!r}")
+    if callable(passes) and not isinstance(passes, type):
+        raise TypeError(f"passes is a list: passes=[{pass_name(passes)}], not a single pass")
+    return [resolve_pass(p) for p in passes]
 
 
 def pass_name(p) -> str:

@@ -1,15 +1,103 @@
-"""What picofx did: one row per pass, then whatever the cost model and passes add."""
+"""What picofx did: one row per pass, then what the passes explain (per-layer checkpoint decisions,
+fusion near-misses, memory); and the one-line notices picofx prints on the `picofx` logger.
+
+`str(report)` fits in WIDTH columns; `report.table(wide=True)` has every note on one line, and
+`report.to_json()` every number as it is.
+"""
 from __future__ import annotations
 
+import json
+import logging
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from picofx.cost.units import format_bytes
 from picofx.manager.passes import PassRecord
 
+WIDTH = 100
+BYTE_WORDS = ("bytes", "peak", "budget", "memory")  # an int note whose name (or parent's) has one is bytes
+SECTION_NOTES = {"per_layer": " (values the backward reads, saved or recomputed; views are not listed)",
+                 "memory": " (the step's predicted memory after the pass)"}
 
-def _format_notes(notes: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in notes.items()
-                     if not isinstance(v, (dict, list)))
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (pytest and notebooks replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def notices() -> logging.Logger:
+    """The `picofx` logger: INFO lines such as a recompilation, printed to stderr as `picofx: ...`.
+    `logging.getLogger("picofx").setLevel(logging.WARNING)` silences them."""
+    log = logging.getLogger("picofx")
+    if not log.handlers:
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("picofx: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+def _is_bytes(name: str, parent: str = "") -> bool:
+    return any(word in name or word in parent for word in BYTE_WORDS)
+
+
+def format_value(name: str, value: Any, parent: str = "") -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and _is_bytes(name, parent):
+        return format_bytes(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_notes(notes: dict[str, Any]) -> str:
+    """The scalar notes as `name=value`, bytes in KiB/MiB/GiB. Recomputed nodes that add no FLOPs
+    are said to be views and free ops, so the two figures cannot be read as a contradiction."""
+    items = []
+    for key, value in notes.items():
+        if isinstance(value, (dict, list)):
+            continue
+        if key == "added_flops" and value == 0 and notes.get("recomputed"):
+            continue
+        text = f"{key}={format_value(key, value)}"
+        if key == "recomputed" and value and notes.get("added_flops") == 0:
+            text += " (views and free ops: 0 FLOPs added)"
+        items.append(text)
+    return ", ".join(items)
+
+
+def _near_miss(miss: dict) -> str:
+    check = f" [{miss['check']}]" if miss.get("check") else ""
+    return f"{miss.get('rule', '?')} at {miss.get('candidate', '?')}: {miss.get('reason', '')}{check}"
+
+
+def _per_layer(layers: dict) -> list[str]:
+    lines = []
+    for layer, kinds in layers.items():
+        saved, recomputed = kinds.get("saved", []), kinds.get("recomputed", [])
+        lines.append(f"{layer}: saves {len(saved)}, recomputes {len(recomputed)}"
+                     + (f": {', '.join(recomputed)}" if recomputed else ""))
+    return lines
+
+
+def explain_lines(key: str, value: Any) -> list[str]:
+    """A structured note as lines: per-layer decisions, near-misses, or `name=value` pairs."""
+    if key == "per_layer" and isinstance(value, dict):
+        return _per_layer(value)
+    if isinstance(value, list):
+        return [_near_miss(v) if isinstance(v, dict) and "reason" in v else
+                ", ".join(f"{k}={format_value(k, x)}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+                for v in value]
+    return [", ".join(f"{k}={format_value(k, x, parent=key)}" for k, x in value.items())]
 
 
 @dataclass
@@ -20,22 +108,42 @@ class Report:
     compile_seconds: float = 0.0
     records: list[PassRecord] = field(default_factory=list)
     sections: dict[str, str] = field(default_factory=dict)  # e.g. "memory", "throughput": preformatted text
+    recompilations: int = 0  # captures after the first (new input shapes, or train/eval)
 
     def rows(self) -> list[list[str]]:
         rows = [["capture", "-", "forward", f"{self.capture_seconds * 1e3:.0f}", "-", ""]]
         for r in self.records:
             rows.append([r.name, r.stage.value, r.graph_role, f"{r.seconds * 1e3:.1f}",
                          f"{r.nodes_before} -> {r.nodes_after} (+{len(r.added)} -{len(r.removed)})",
-                         _format_notes(r.notes)])
+                         format_notes(r.notes)])
         rows.append([f"compile ({self.backend})", "-", "all", f"{self.compile_seconds * 1e3:.0f}", "-", ""])
         return rows
 
-    def table(self) -> str:
+    def table(self, wide: bool = False) -> str:
+        """The pass table and what the passes explain; lines fit in WIDTH columns unless `wide`."""
         header = ["pass", "stage", "graph", "ms", "nodes", "notes"]
         rows = [header] + self.rows()
         widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
-        lines.insert(1, "-" * max(len(line) for line in lines))
+        indent = sum(widths) + 2 * len(widths)
+        room = None if wide else max(WIDTH - indent, 30)
+        lines = []
+        for row in rows:
+            cells = "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  "
+            notes = textwrap.wrap(row[-1], room) if room and row[-1] else [row[-1]]
+            lines += [cells + notes[0]] + [" " * indent + more for more in notes[1:]]
+        lines.insert(1, "-" * min(max(len(line.rstrip()) for line in lines), WIDTH if not wide else 10**6))
+        if self.recompilations:
+            lines += ["", f"captured and compiled {self.recompilations + 1} times "
+                          f"({self.recompilations} recompilations for new input shapes or train/eval)"]
+        for r in self.records:
+            for key, value in r.notes.items():
+                if isinstance(value, (dict, list)) and not value:
+                    lines += ["", f"{r.name}: {key.replace('_', ' ')}: none"]
+                elif isinstance(value, (dict, list)):
+                    lines += ["", f"{r.name}: {key.replace('_', ' ')}{SECTION_NOTES.get(key, '')}"]
+                    for line in explain_lines(key, value):
+                        lines += [f"  {line}"] if wide else textwrap.wrap(line, WIDTH, initial_indent="  ",
+                                                                          subsequent_indent="      ")
         for title, text in self.sections.items():
             lines += ["", f"{title}:", text]
         return "\n".join(line.rstrip() for line in lines)
@@ -45,7 +153,12 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "capture_seconds": self.capture_seconds,
-                "compile_seconds": self.compile_seconds, "sections": self.sections,
+                "compile_seconds": self.compile_seconds, "recompilations": self.recompilations,
+                "sections": self.sections,
                 "passes": [{"name": r.name, "stage": r.stage.value, "graph": r.graph_role, "seconds": r.seconds,
                             "nodes_before": r.nodes_before, "nodes_after": r.nodes_after,
                             "added": r.added, "removed": r.removed, "notes": r.notes} for r in self.records]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Everything in the report as JSON, numbers unformatted (bytes as ints)."""
+        return json.dumps(self.to_dict(), indent=indent, default=str)

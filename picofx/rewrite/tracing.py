@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from picofx.capture.export import aten_decompositions
+from picofx.capture.export import aten_decompositions, quiet_export
 
 
 @dataclass
@@ -58,7 +58,8 @@ def trace_all(calls: Sequence[tuple[Callable, Mapping[str, Any]]]) -> list[Trace
     module = _Calls(calls, out_specs)
     tensors = [kw[name] for (_, kw), (_, names, _) in zip(calls, module.calls) for name in names]
     try:
-        ep = torch.export.export(module, tuple(tensors), strict=False).run_decompositions(aten_decompositions())
+        with quiet_export():
+            ep = torch.export.export(module, tuple(tensors), strict=False).run_decompositions(aten_decompositions())
     except Exception as error:  # find out which: trace them one by one
         return [error] if len(calls) == 1 else [trace_all([call])[0] for call in calls]
     graph = ep.graph_module.graph

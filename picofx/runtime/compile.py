@@ -13,6 +13,8 @@ partitioner and eager saves what the forward computed.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import fx
 from torch._functorch import config as functorch_config
@@ -161,7 +163,10 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
                                        decompositions=inductor_decompositions(ctx.device) if inductor_graphs else None)
         elif ctx.backend == "inductor":
             from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx
+            with warnings.catch_warnings():  # its first import loads torch.utils.mkldnn, which uses torch.jit
+                warnings.filterwarnings("ignore", message=r"`torch.jit.script_method` is deprecated",
+                                        category=DeprecationWarning)
+                from torch._inductor.compile_fx import compile_fx
 
             hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}

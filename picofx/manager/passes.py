@@ -91,8 +91,8 @@ def resolve_pass(spec) -> Callable:
     if isinstance(spec, str):
         if spec not in PASSES:
             close = difflib.get_close_matches(spec, PASSES, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise KeyError(f"unknown pass {spec!r}; {hint}available passes: {', '.join(sorted(PASSES))}")
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise KeyError(f"unknown pass {spec!r}; available passes: {', '.join(sorted(PASSES))}{hint}")
         return PASSES[spec]()
     if isinstance(spec, type):
         raise TypeError(f"passes takes pass objects, got the class {spec.__name__}: "

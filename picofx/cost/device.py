@@ -78,21 +78,28 @@ def cpu(cores: int | None = None) -> Device:
                   source="nominal")
 
 
-DEVICES = {"h100": H100, "h200": H200, "a100": A100, "cpu": cpu()}
+# GPU entries by a word of the name CUDA reports ("NVIDIA H100 80GB HBM3" -> "h100"); add your own.
+DEVICES = {"h100": H100, "h200": H200, "a100": A100}
+
+
+def devices() -> dict[str, Device]:
+    """Every entry as of now: DEVICES and the nominal CPU with the threads torch uses at this call."""
+    return {**DEVICES, "cpu": cpu()}
 
 
 def device_for(device: torch.device | str) -> Device:
-    """The entry for a torch device: a CUDA device by its name, anything else as the nominal CPU."""
+    """The entry for a torch device, read at this call: a CUDA device by its name (the longest
+    DEVICES key in it) with its real memory capacity, anything else as the nominal CPU."""
     device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        for key in ("h200", "h100", "a100"):
-            if key in name:
-                entry = DEVICES[key]
-                capacity = torch.cuda.get_device_properties(device).total_memory
-                return dataclasses.replace(entry, memory_capacity=capacity)
-        raise KeyError(f"no description for {name!r}; add one to picofx.device.DEVICES or use calibrate()")
-    return cpu()
+    if device.type != "cuda":
+        return cpu()
+    name = torch.cuda.get_device_name(device).lower()
+    keys = sorted((key for key in DEVICES if key in name), key=len, reverse=True)
+    if not keys:
+        raise KeyError(f"no description for {name!r}; add one to picofx.device.DEVICES "
+                       f"(known: {', '.join(DEVICES)}) or use calibrate()")
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    return dataclasses.replace(DEVICES[keys[0]], memory_capacity=capacity)
 
 
 def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.float32,),

@@ -10,7 +10,7 @@
    the rule's checks;
    "replacement"  the replacement, traced on the same inputs, returns what the candidate returns
                   (shapes, dtypes), and drops no output that the graph still uses.
-Accepted candidates that do not overlap are replaced by picofx.rule_rewrite.
+Accepted candidates that do not overlap are replaced by picofx.rewrite.rewriter.
 """
 from __future__ import annotations
 
@@ -183,37 +183,35 @@ def _strides(shape: tuple, stored_as: tuple | None) -> tuple:
 
 
 def _trace_key(match: Match, fn, for_replacement: bool) -> tuple:
-    """The pattern is traced again in the layout its variant was traced in (the match already
-    proved the structure; the trace is for the constants), the replacement in the inputs' own
-    layout (its outputs' strides must be the real ones)."""
+    """(rule, key in the rule's traces). The pattern is traced again in the layout its variant was
+    traced in (the match already proved the structure; the trace is for the constants), the
+    replacement in the inputs' own layout (its outputs' strides must be the real ones)."""
     spec, _ = match.rule.variant_inputs(match.pattern.variant)
     inputs = tuple((name, _input_key(match.bindings.get(name), kind, for_replacement)) for name, kind in spec.items())
-    return match.rule, match.pattern.variant, fn, inputs, tuple(match.rule.options.items()) if for_replacement else ()
-
-
-# Traces on candidates' inputs, by _trace_key: the same shapes recur in every layer and every run.
-_TRACES: dict[tuple, Traced | Exception] = {}
+    options = tuple(match.rule.options.items()) if for_replacement else ()
+    return match.rule, (match.pattern.variant, fn, inputs, options)
 
 
 def traced_for(match: Match, fn, for_replacement: bool = False) -> Traced | Exception:
     """`fn` traced on the candidate's inputs: fake tensors like the bound nodes', the matched scalars
     (an exception when it does not trace)."""
-    key = _trace_key(match, fn, for_replacement)
-    if key not in _TRACES:
-        trace_keys([key])
-    return _TRACES[key]
+    rule, key = _trace_key(match, fn, for_replacement)
+    traced = rule.traces.get(key)
+    if traced is None:
+        trace_keys([(rule, key)])
+        traced = rule.traces.get(key)
+    return traced
 
 
 def trace_keys(keys: list[tuple]) -> None:
-    """Trace every key not traced yet, all in one export."""
-    keys = list(dict.fromkeys(k for k in keys if k not in _TRACES))
+    """Trace every (rule, key) not in its rule's traces yet, all in one export."""
+    missing = {(rule.traces, key): rule for rule, key in keys if rule.traces.get(key) is None}  # copies share
+    keys = [(rule, key) for (_, key), rule in missing.items()]
     if not keys:
         return
-    if len(_TRACES) > 4096:
-        _TRACES.clear()
     mode = FakeTensorMode()
     calls = []
-    for rule, variant, fn, inputs, options in keys:
+    for rule, (variant, fn, inputs, options) in keys:
         spec, _ = rule.variant_inputs(variant)
         kwargs = {}
         for name, key in inputs:
@@ -224,7 +222,8 @@ def trace_keys(keys: list[tuple]) -> None:
             else:
                 kwargs[name] = key[2] if key[0] == "constant" else spec[name]
         calls.append((fn, {**kwargs, **dict(options)}))
-    _TRACES.update(zip(keys, trace_all(calls)))
+    for (rule, key), traced in zip(keys, trace_all(calls)):
+        rule.traces.put(key, traced)
 
 
 # ---- finding ---------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ reason it rejects it. The fuse pass applies the registered rules in registration
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -95,6 +97,8 @@ class Rule:
     tolerance: tuple[float, float] | None = None
     tolerance_reason: str = ""
     options: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments of the replacement only
+    # What tracing this rule gave; it lives and dies with the rule (and the copies with_options makes).
+    traces: Traces = field(default_factory=lambda: Traces(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.tolerance is not None and not self.tolerance_reason:
@@ -113,7 +117,11 @@ class Rule:
     def with_options(self, **options) -> Rule:
         """This rule with the given replacement options set (those it has; others are ignored)."""
         changed = {k: v for k, v in options.items() if k in self.options and self.options[k] != v}
-        return self if not changed else Rule(**{**self.__dict__, "options": {**self.options, **changed}})
+        if not changed:
+            return self
+        copy = dataclasses.replace(self, options={**self.options, **changed})
+        object.__setattr__(copy, "traces", self.traces)  # same pattern, inputs and variants: same traces
+        return copy
 
 
 # The registry: the fuse pass applies these in order. Order matters where one rule's replacement is
@@ -152,24 +160,41 @@ class Pattern:
     inputs: dict[fx.Node, str]  # placeholder -> input name (tensors and scalars)
 
 
-# Traced patterns by what they are traced from (rules that differ in options only share them).
-_PATTERNS: dict[tuple, tuple[Rule, list[Pattern]]] = {}
+class Traces:
+    """A rule's traces: its pattern graphs (one per distinct variant trace), and its pattern and
+    replacement traced on candidates' inputs, keyed by those inputs' shapes, layouts, dtypes and
+    matched constants (the same keys recur in every layer and every step). The most recent
+    `LIMIT` of those are kept: a long run over many shapes does not grow without bound."""
 
+    LIMIT = 512  # a model with a few dtypes and sequence lengths needs a few dozen per rule
 
-def _pattern_key(rule: Rule) -> tuple:
-    return rule.pattern, id(rule.inputs), id(rule.variants)
+    def __init__(self):
+        self.patterns: list[Pattern] | None = None
+        self.on_inputs: OrderedDict[tuple, Traced | Exception] = OrderedDict()
+
+    def get(self, key: tuple) -> Traced | Exception | None:
+        found = self.on_inputs.get(key)
+        if found is not None:
+            self.on_inputs.move_to_end(key)
+        return found
+
+    def put(self, key: tuple, traced: Traced | Exception) -> None:
+        self.on_inputs[key] = traced
+        self.on_inputs.move_to_end(key)
+        while len(self.on_inputs) > self.LIMIT:
+            self.on_inputs.popitem(last=False)
 
 
 def pattern_graphs(rule: Rule) -> list[Pattern]:
     """The rule's pattern traced for each variant (identical traces once), scalars as placeholders."""
-    if _pattern_key(rule) not in _PATTERNS:
+    if rule.traces.patterns is None:
         trace_patterns([rule])
-    return _PATTERNS[_pattern_key(rule)][1]
+    return rule.traces.patterns
 
 
 def trace_patterns(rules: Sequence[Rule]) -> None:
     """Trace the patterns of every rule not traced yet, all in one export."""
-    rules = list({_pattern_key(r): r for r in rules if _pattern_key(r) not in _PATTERNS}.values())
+    rules = list({r.traces: r for r in rules if r.traces.patterns is None}.values())  # copies trace once
     calls, owners = [], []
     for rule in rules:
         for index in range(len(rule.variants)):
@@ -178,7 +203,7 @@ def trace_patterns(rules: Sequence[Rule]) -> None:
                                          else v.example if isinstance(v, ScalarSpec) else v
                                          for k, v in kwargs.items()}))
             owners.append((rule, index))
-    seen = set()
+    patterns = {rule.traces: [] for rule in rules}
     for (rule, index), traced in zip(owners, trace_all(calls)):
         if isinstance(traced, Exception):
             raise RuleError(f"rule {rule.name!r}: its pattern does not trace for variant {index} "
@@ -189,10 +214,11 @@ def trace_patterns(rules: Sequence[Rule]) -> None:
             if isinstance(spec, ScalarSpec):
                 _make_placeholder(rule, traced, name, spec.example)
         traced.graph.eliminate_dead_code()
-        patterns = _PATTERNS.setdefault(_pattern_key(rule), (rule, []))[1]  # holds the rule: ids stay unique
-        if (rule, str(traced.graph)) not in seen:
-            seen.add((rule, str(traced.graph)))
-            patterns.append(Pattern(index, traced.graph, traced.inputs))
+        mine = patterns[rule.traces]
+        if all(str(p.graph) != str(traced.graph) for p in mine):
+            mine.append(Pattern(index, traced.graph, traced.inputs))
+    for rule in rules:  # only once every variant traced: a rule that raised stays untraced
+        rule.traces.patterns = patterns[rule.traces]
 
 
 def _make_placeholder(rule: Rule, traced: Traced, name: str, example: int | float) -> None:

@@ -19,6 +19,9 @@ from picofx.capture.annotate import tensor_bytes
 from picofx.cost.liveness import tensor_values
 from picofx.cost.memory import peak_allocated_during
 
+# Scratch bytes by (op, input shapes, strides and dtypes, constants): a few dozen keys per model.
+# Bounded for long runs over many shapes: past MEASUREMENTS_KEPT the oldest measurement goes.
+MEASUREMENTS_KEPT = 1024
 _cache: dict[tuple, int] = {}
 
 
@@ -55,6 +58,8 @@ def workspace_bytes(node: fx.Node, limit: int = 256 * 2**20, attention: bool = T
     key = (node.target, tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs),
            repr([a for a in pytree.tree_leaves((args, kwargs)) if not isinstance(a, torch.Tensor)]))
     if key not in _cache:
+        if len(_cache) >= MEASUREMENTS_KEPT:
+            del _cache[next(iter(_cache))]
         if tensor_bytes(inputs) > limit:
             _cache[key] = 0
         else:

@@ -1,6 +1,7 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,14 @@ def test_dump_rejects_unknown_models_and_passes(capsys):
     assert "unknown pass 'nope'; available passes:" in capsys.readouterr().err
 
 
-def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "picofx.cli", "dump", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "--passes" in result.stdout
+def test_console_script_is_installed(tmp_path):
+    """The `picofx` command pip installed beside this interpreter, run as a user runs it."""
+    command = Path(sys.executable).parent / "picofx"
+    assert command.is_file(), f"{command} is missing: install the project (pip install -e .)"
+    result = subprocess.run([str(command), "dump", "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0 and "--passes" in result.stdout and "--format" in result.stdout
+    (tmp_path / "my_model.py").write_text(FACTORY)
+    result = subprocess.run([str(command), "dump", "my_model.py:build"], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0].split() == ["name", "op", "target", "shape", "dtype", "flops", "bytes", "module"]
+    assert "aten.gelu.default" in result.stdout and "compile (eager)" in result.stdout

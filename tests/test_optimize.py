@@ -44,11 +44,23 @@ def test_new_shape_recaptures_and_stays_exact():
     z = zoo.build("llama-tiny", seq=16)
     reference = copy.deepcopy(z.model)
     opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn)
+    first = opt.graph_module
     longer = zoo.build("llama-tiny", seq=24, seed=3).example_inputs
     loss = opt(**longer)
     expected = z.loss_fn(reference(longer["input_ids"]), longer["labels"])
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert len(opt._steps) == 2 and opt.report.input_key != ()
+    # The new step is captured for the new shape: its key and its graph's inputs say 24, not 16.
+    batch = z.example_inputs["input_ids"].shape[0]
+    assert opt.report.input_key[1:] == (("tensor", (batch, 24), torch.int64, "cpu"),) * 2  # input_ids, labels
+    assert opt.graph_module is not first
+    assert [tuple(n.meta["val"].shape) for n in opt.graph_module.graph.nodes
+            if n.op == "placeholder" and n.meta["val"].dtype == torch.int64] == [(batch, 24)] * 2
+    # The first shape again: its step is reused, not captured a third time, and it is still exact.
+    loss = opt(**z.example_inputs)
+    assert opt.graph_module is first and len(opt._steps) == 2
+    torch.testing.assert_close(loss, z.loss_fn(reference(z.example_inputs["input_ids"]), z.example_inputs["labels"]),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_new_shape_without_recapture_names_the_dimension():
@@ -63,11 +75,19 @@ def test_new_shape_without_recapture_names_the_dimension():
 def test_eval_mode_gets_its_own_graph():
     z = zoo.build("llama-tiny")
     opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn)
+    training = opt.graphs
+    assert list(training) == ["joint", "forward", "backward"]
     opt.eval()
     assert not z.model.training
     with torch.no_grad():
-        opt(**z.example_inputs)
+        loss = opt(**z.example_inputs)
+        expected = z.loss_fn(z.model(z.example_inputs["input_ids"]), z.example_inputs["labels"])
     assert len(opt._steps) == 2
+    assert list(opt.graphs) == ["forward"]  # captured in eval mode: a forward graph, no backward
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    opt.train()
+    opt(**z.example_inputs)
+    assert opt.graphs is training and len(opt._steps) == 2  # back in training: the training step again
 
 
 def test_report_lists_every_pass_with_stage_and_counts():

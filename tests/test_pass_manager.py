@@ -153,10 +153,33 @@ def test_rewritten_graph_still_trains_like_eager(llama):
     assert_trains_like_eager(zoo.build("hf-llama-tiny"), [add_as_sub_of_neg], verify="numerics")
 
 
+def mean_from_var_mean(gm, ctx):
+    """x.mean(dim, keepdim) -> var_mean(x, dim, keepdim)[1]: a new multi-output node and its getitem,
+    created without meta (the manager annotates them)."""
+    means = [n for n in gm.graph.nodes if n.target is aten.mean.dim]
+    for node in means:
+        x, dims, keepdim = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else False
+        with gm.graph.inserting_before(node):
+            both = gm.graph.call_function(aten.var_mean.correction, (x, dims), {"correction": 0, "keepdim": keepdim})
+            mean = gm.graph.call_function(operator.getitem, (both, 1))
+        node.replace_all_uses_with(mean)
+        gm.graph.erase_node(node)
+    return picofx.PassResult(changed=bool(means), notes={"rewritten": len(means)})
+
+
 def test_getitem_and_multi_output_nodes_survive_annotation(llama):
     gm, ctx = captured(llama)
     getitems = [n for n in gm.graph.nodes if n.target is operator.getitem]
     assert getitems and all(isinstance(n.meta["val"], torch.Tensor) for n in getitems)
+    mean_shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is aten.mean.dim]
+    record = run_pass(mean_from_var_mean, gm, ctx)  # numerics verified: the same means
+    assert record.notes["rewritten"] == len(mean_shapes) > 0
+    pairs = [n for n in gm.graph.nodes if n.target is aten.var_mean.correction]
+    assert [tuple(n.meta["val"][1].shape) for n in pairs] == mean_shapes
+    assert all(isinstance(n.meta["val"], tuple) and len(n.meta["val"]) == 2 and n.meta["bytes"] > 0 for n in pairs)
+    new_getitems = [u for n in pairs for u in n.users]
+    assert [tuple(n.meta["val"].shape) for n in new_getitems] == mean_shapes
+    assert all(n.meta["module_path"] for n in new_getitems)  # the path their inputs share
 
 
 def drop_logits(gm, ctx):

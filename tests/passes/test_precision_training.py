@@ -1,7 +1,6 @@
 """Pass `precision` in training: backward casts, master weights, gradients and losses against fp32
 and torch.autocast, fp16 loss scaling, composition with `fuse`, Inductor."""
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -107,8 +106,6 @@ def test_fp16_overflowing_steps_are_skipped_and_training_recovers():
 
 # ---- composition and Inductor ----------------------------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("picofx.passes.fuse") is None,
-                    reason="passes/fuse.py is not there yet: the composition test runs once it lands")
 def test_composes_with_fuse():
     z = zoo.build("llama-tiny")
     reference = copy.deepcopy(z.model)

@@ -144,6 +144,11 @@ class OptimizedModule(nn.Module):
         loss.backward()
         return loss.detach()
 
+    @property
+    def pipeline(self) -> PipelineStep | None:
+        """This rank's part of a pipelined step (its plan, stages, `measure_stages`), else None."""
+        return self._current if isinstance(self._current, PipelineStep) else None
+
     def _held(self) -> nn.Module:
         """What this process trains: the model, or a pipelined model's stages on this rank."""
         return self._current.module if isinstance(self._current, PipelineStep) else self._model

@@ -10,7 +10,6 @@ gradients, and gradients accumulated before the step are left alone: `scale_grad
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -130,6 +129,7 @@ class PipelineStep:
             raise ValueError(f"Pipeline: a parameter read by more than one stage (tied weights): {'; '.join(ties)}. "
                              "Untie it (e.g. tie_word_embeddings=False) or cut so that one stage reads it.")
         self.groups = pipeline_groups(options.group, options.stages)
+        check_same_cuts(self.layout, self.groups.pp)
         self.options, self.signature, self.report = options, signature, report
         self.microbatches = options.microbatches
         mine = [g for g in graphs if g.meta["picofx_stage"].index % self.groups.ranks == self.groups.rank]
@@ -199,9 +199,16 @@ class PipelineStep:
             average_gradients(self.module.parameters(), self.groups.dp)
         return loss
 
-    def measure_stages(self, repeats: int = 5) -> dict[int, float]:
-        """Median seconds of each of this rank's stages for one micro-batch, forward + backward, run
-        alone on example inputs (no communication), by stage index. Clears the stages' gradients."""
+    def predict_stages(self, cost_model) -> dict[int, float]:
+        """Predicted seconds of each of this rank's stages for one micro-batch: the compiled forward
+        and backward graphs, node by node (no communication), by stage index."""
+        return {index: cost_model.graph_time(graphs["forward"]) + cost_model.graph_time(graphs["backward"])
+                for index, graphs in self.stage_graphs.items()}
+
+    def measure_stages(self, repeats: int = 5) -> dict[int, list[float]]:
+        """Seconds of each of this rank's stages for one micro-batch, forward + backward, run alone
+        on example inputs (no communication), `repeats` times after a warm-up, by stage index.
+        Clears the stages' gradients."""
         times = {}
         for module in self.modules:
             samples = []
@@ -213,8 +220,21 @@ class PipelineStep:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
                 samples.append(time.perf_counter() - start)
             module.zero_grad(set_to_none=True)
-            times[module.stage.index] = statistics.median(samples[1:])
+            times[module.stage.index] = samples[1:]
         return times
+
+
+def check_same_cuts(layout, group: dist.ProcessGroup) -> None:
+    """Every rank of the pipeline must have cut the model at the same places (a cost model
+    calibrated on each rank apart can disagree); compared before any stage talks to another."""
+    mine = [layout.units[c].label for c in layout.plan.cuts]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise RuntimeError(f"Pipeline: pipeline rank {rank} cut the model before {theirs}, this rank before "
+                               f"{mine}; give every rank the same cost model (calibrate on one rank and "
+                               "broadcast the device description) or name the cuts (balance=[module paths]).")
 
 
 def average_gradients(parameters, group: dist.ProcessGroup) -> None:

@@ -1,0 +1,240 @@
+"""The optimized module under Hugging Face `Trainer` and `accelerate`, as a user passes it.
+
+Default `TrainingArguments` (CPU, no reporting; batch and step counts set): columns kept and labels
+found from the optimized module's signature, training and evaluation (`eval_loss`) with the plain
+model's numbers, checkpoints in the plain model's format, resuming with the losses of an
+uninterrupted run. Two ranks under torchrun: gradients equal the single-process full batch.
+
+Run as a script (`torchrun --nproc-per-node 2 tests/test_hf_trainer.py OUT VARIANT...`), this file
+is the ranks' program: each variant trains one step and saves its batch and gradients.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import picofx  # noqa: E402
+from picofx.examples import zoo  # noqa: E402
+from picofx.manager import PASSES  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.utils.generic import find_labels  # noqa: E402
+
+SEQ, VOCAB_SEED, RANKS_TIMEOUT_S = 16, 1, 240
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token rows; `index` is a column no model takes: Trainer must drop it."""
+
+    def __init__(self, rows: int, seed: int, vocab: int):
+        self.ids = zoo.token_batch(vocab, rows, SEQ, seed)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "index": i}
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(zoo.hf_llama_config("tiny"))
+
+
+def example_batch(model, batch: int = 2) -> dict:
+    ids = zoo.token_batch(model.config.vocab_size, batch, SEQ, 0)
+    # Trainer passes the batch's label count to a model whose forward takes **kwargs
+    return {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(float(batch * (SEQ - 1)))}
+
+
+def arguments(output_dir, **overrides) -> TrainingArguments:
+    fields = dict(output_dir=str(output_dir), use_cpu=True, report_to=[], per_device_train_batch_size=2,
+                  per_device_eval_batch_size=2, max_steps=4, logging_steps=1, save_steps=2, eval_strategy="steps",
+                  eval_steps=2, disable_tqdm=True)
+    return TrainingArguments(**{**fields, **overrides})
+
+
+def trainer(model, output_dir, **overrides) -> Trainer:
+    vocab = model.config.vocab_size
+    return Trainer(model=model, args=arguments(output_dir, **overrides),
+                   train_dataset=Tokens(8, VOCAB_SEED, vocab), eval_dataset=Tokens(4, VOCAB_SEED + 1, vocab))
+
+
+def logged(history: list[dict], key: str) -> list[float]:
+    return [entry[key] for entry in history if key in entry]
+
+
+# ---- what Trainer reads from the model ---------------------------------------------------------------
+
+def test_the_optimized_module_reads_like_the_model():
+    model = tiny_model()
+    opt = picofx.optimize(model, example_batch(model), passes=[], backend="eager")
+    assert inspect.signature(opt.forward) == inspect.signature(model.forward)
+    assert isinstance(opt, LlamaForCausalLM) and isinstance(opt, picofx.OptimizedModule)
+    assert find_labels(type(opt)) == ["labels"]
+    assert opt.config is model.config and opt.main_input_name == "input_ids"
+    assert opt.num_parameters(exclude_embeddings=True) == model.num_parameters(exclude_embeddings=True)
+    assert not opt.can_generate() and not opt.syncs_gradients
+    with pytest.raises(NotImplementedError, match="generate with the model"):
+        opt.generate(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"picofx.passes.Checkpoint\(budget=...\)"):
+        opt.gradient_checkpointing_enable()
+    assert list(opt.state_dict()) == list(model.state_dict())
+
+
+def test_a_loss_fn_models_signature_takes_labels():
+    ref = zoo.build("llama-tiny", batch=2, seq=SEQ)
+    opt = picofx.optimize(ref.model, ref.example_inputs, passes=[], loss_fn=ref.loss_fn, backend="eager")
+    params = inspect.signature(opt.forward).parameters
+    assert list(params) == [*inspect.signature(ref.model.forward).parameters, "labels"]
+    assert find_labels(type(opt)) == ["labels"] and opt.main_input_name == "input_ids"
+    assert not isinstance(opt, LlamaForCausalLM)
+    torch.testing.assert_close(opt(**ref.example_inputs), ref.loss_fn(ref.model(ref.example_inputs["input_ids"]),
+                                                                       ref.example_inputs["labels"]))
+
+
+def test_gradient_checkpointing_argument_is_picofxs_checkpoint_pass(tmp_path):
+    model = tiny_model()
+    opt = picofx.optimize(model, example_batch(model), passes=[], backend="eager")
+    with pytest.raises(ValueError, match="picofx plans activation checkpointing"):
+        trainer(opt, tmp_path, gradient_checkpointing=True).train()
+
+
+# ---- training, evaluation, checkpoints ----------------------------------------------------------------
+
+def test_trainer_trains_and_evaluates_like_the_plain_model(tmp_path):
+    plain = trainer(tiny_model(), tmp_path / "plain", save_strategy="no")
+    plain.train()
+    model = tiny_model()
+    opt = picofx.optimize(model, example_batch(model), passes=[], backend="eager")
+    optimized = trainer(opt, tmp_path / "picofx", save_strategy="no")
+    optimized.train()
+    for key in ("loss", "eval_loss", "grad_norm"):
+        expected = logged(plain.state.log_history, key)
+        assert len(expected) >= 2
+        torch.testing.assert_close(logged(optimized.state.log_history, key), expected, rtol=1e-5, atol=1e-6)
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+PASSES_UNDER_TEST = lambda: ["fuse", "precision", picofx.passes.Checkpoint(budget=0.97)]  # noqa: E731
+
+
+def test_save_resume_and_from_pretrained_with_fuse_precision_checkpoint(tmp_path):
+    model = tiny_model()
+    opt = picofx.optimize(model, example_batch(model), passes=PASSES_UNDER_TEST(), backend="eager")
+    assert [r.name for r in opt.report.records] == ["fuse", "precision", "checkpoint"]
+    whole = trainer(opt, tmp_path / "run")
+    whole.train()
+    history = whole.state.log_history
+    assert len(logged(history, "eval_loss")) == 2 and len(logged(history, "loss")) == 4
+
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4")
+    assert saved.state_dict().keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(saved.state_dict()[name], value, rtol=0, atol=0)
+
+    fresh = tiny_model(seed=1)  # other weights: everything must come from the checkpoint
+    resumed_opt = picofx.optimize(fresh, example_batch(fresh), passes=PASSES_UNDER_TEST(), backend="eager")
+    resumed = trainer(resumed_opt, tmp_path / "run")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    again = resumed.state.log_history  # steps 1-2 restored from checkpoint-2's state, 3-4 trained again
+    assert [e["step"] for e in again if "loss" in e] == [1, 2, 3, 4]
+    torch.testing.assert_close(logged(again, "loss"), logged(history, "loss"), rtol=1e-6, atol=0)
+    torch.testing.assert_close(logged(again, "eval_loss"), logged(history, "eval_loss"), rtol=1e-6, atol=0)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_trainer_with_inductor(tmp_path):
+    plain = trainer(tiny_model(), tmp_path / "plain", max_steps=2, eval_strategy="no", save_strategy="no")
+    plain.train()
+    model = tiny_model()
+    opt = picofx.optimize(model, example_batch(model), passes=["fuse"], backend="inductor")
+    optimized = trainer(opt, tmp_path / "picofx", max_steps=2, eval_strategy="no", save_strategy="no")
+    optimized.train()
+    torch.testing.assert_close(logged(optimized.state.log_history, "loss"),
+                               logged(plain.state.log_history, "loss"), rtol=1e-4, atol=1e-5)
+
+
+# ---- data parallel: two ranks under torchrun -------------------------------------------------------------
+
+def variants() -> list[str]:
+    return ["ddp", "overlap"] if "overlap" in PASSES else ["ddp"]
+
+
+def test_two_ranks_under_torchrun_have_the_full_batch_gradients(tmp_path):
+    names = variants()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(tmp_path), *names]
+    ranks = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, text=True)
+    try:
+        output, _ = ranks.communicate(timeout=RANKS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(ranks.pid, signal.SIGKILL)  # torchrun and the ranks it started: their own session
+        output, _ = ranks.communicate()
+        pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT_S}s:\n{output[-4000:]}")
+    assert ranks.returncode == 0, output[-4000:]
+    for name in names:
+        result = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in range(2)]
+        assert result[0]["wrapped"] == ("DistributedDataParallel" if name == "ddp" else "OptimizedLlamaForCausalLM")
+        ids = torch.cat([r["input_ids"] for r in result])  # (4, SEQ): the step's global batch
+        reference = tiny_model()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # Trainer's default max_grad_norm
+        for param_name, param in reference.named_parameters():
+            for r in result:
+                torch.testing.assert_close(r["grads"][param_name], param.grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=param_name, v=name: f"{v} {n}: {m}")
+
+
+class RecordStep(TrainerCallback):
+    """Keeps the gradients Trainer is about to step with."""
+
+    def __init__(self):
+        self.grads = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def rank_main(out_dir: str, names: list[str]) -> None:
+    import torch.distributed as dist
+
+    for name in names:
+        # TrainingArguments sets up the process group, which the overlap pass needs at optimize
+        args = arguments(out_dir, max_steps=1, save_strategy="no", eval_strategy="no", ddp_timeout=120)
+        model = tiny_model()
+        passes = [picofx.passes.Overlap()] if name == "overlap" else []
+        opt = picofx.optimize(model, example_batch(model), passes=passes, backend="eager")
+        batches, record = [], RecordStep()
+
+        def collate(rows, batches=batches):
+            batch = transformers.default_data_collator(rows)
+            batches.append(batch["input_ids"])
+            return batch
+
+        run = Trainer(model=opt, args=args, train_dataset=Tokens(8, VOCAB_SEED, model.config.vocab_size),
+                      data_collator=collate, callbacks=[record])
+        run.train()
+        torch.save({"input_ids": batches[0], "grads": record.grads, "wrapped": type(run.model_wrapped).__name__},
+                   Path(out_dir) / f"{name}-rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # a rank can hang in interpreter shutdown after the group is gone
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1], sys.argv[2:])

@@ -37,7 +37,9 @@ from picofx.manager.pass_manager import copy_graph
 
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 BACKWARD_PER_FORWARD = 2.0  # a matmul's backward is two matmuls of its size; pointwise backward reads and writes about twice
-ADAMW_STATE_PER_PARAMETER_BYTE = 4.0  # parameter + gradient + two fp32 moments, for fp32 parameters
+# AdamW training keeps 16 bytes per parameter: fp32 parameter, gradient and two moments; or, in
+# mixed precision, bf16 parameter and gradient + fp32 master copy and two moments.
+TRAINING_BYTES_PER_PARAMETER = 16
 KEY = "picofx_value"  # node.meta: the captured node a value stands for, across split_module
 
 
@@ -118,7 +120,7 @@ class Pipeline:
         units, starts, main = chain_units(work, ctx.cost_model or CostModel(ctx.device), self.balance)
         link = Link(ctx.cost_model.device.link_bandwidth, ctx.cost_model.device.link_latency)
         plan_args = dict(schedule=self.schedule, microbatches=self.microbatches, virtual=self.virtual, link=link,
-                         state_per_parameter_byte=ADAMW_STATE_PER_PARAMETER_BYTE)
+                         state_per_parameter_byte=state_per_parameter_byte(ctx.model))
         if self.balance == "cost":
             plan = balanced_cuts(units, self.total_stages, capacity=ctx.cost_model.device.memory_capacity,
                                  **plan_args)
@@ -138,6 +140,12 @@ class Pipeline:
         return PassResult(changed=True, graphs=graphs, notes={
             "stages": self.total_stages, "cuts": " | ".join(units[c].label for c in plan.cuts),
             "slowest_stage_ms": slowest.time * 1e3, "step_ms": plan.step_time * 1e3, "bubble": plan.bubble})
+
+
+def state_per_parameter_byte(model) -> float:
+    """Bytes a stage keeps per byte of its parameters while training with AdamW."""
+    first = next(model.parameters(), None)
+    return TRAINING_BYTES_PER_PARAMETER / (first.element_size() if first is not None else 4)
 
 
 def batch_size(args: tuple, kwargs: dict) -> int:

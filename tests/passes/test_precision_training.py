@@ -1,5 +1,6 @@
 """Pass `precision` in training: backward casts, master weights, gradients and losses against fp32
 and torch.autocast, fp16 loss scaling, composition with `fuse`, Inductor."""
+import collections
 import copy
 
 import pytest
@@ -113,6 +114,11 @@ def test_composes_with_fuse():
     gm = opt.graph_module
     fused = [n for n in gm.graph.nodes if (op_name(n.target) or "").startswith("picofx.")]
     assert fused, "fuse rewrote nothing"
+    # Every block still fused after precision: the first norm alone, then each norm after a residual add.
+    layers = len(z.model.decoder_layers)
+    assert collections.Counter(op_name(n.target) for n in fused) == {
+        "picofx.rms_norm": 1, "picofx.add_rms_norm": 2 * layers, "picofx.rope": layers, "picofx.silu_mul": layers,
+        "picofx.linear_cross_entropy": 1}
     for node in calls(gm, "matmul", "attention", "fused"):
         assert {dtype(a) for a in float_inputs(node)} == {BF16}, node.format_node()
     loss_node = next(n for n in fused if op_name(n.target) == "picofx.linear_cross_entropy")

@@ -140,8 +140,14 @@ class PipelineStep:
             module = StageModule(model, gm, signature.constants)
             self.graph_of[module.stage.index] = gm
             inputs, carried = self._example_inputs(module, gm)
+            # Passes that name the graph's inputs (overlap) read this stage's; data-parallel
+            # passes without a group of their own use this pipeline's data-parallel group.
+            options_here = {**ctx.options, "input_names": [None if isinstance(s, str) or s.kind != "parameter"
+                                                           else s.target for s in module.stage.inputs]}
+            if self.groups.dp is not None:
+                options_here["process_group"] = self.groups.dp
             stage_ctx = Context(model=model, example_inputs=inputs, device=ctx.device, backend=ctx.backend,
-                                options=ctx.options, cost_model=ctx.cost_model)
+                                options=options_here, cost_model=ctx.cost_model)
             manager.announce(f"stage{module.stage.index}", gm, stage_ctx)
             run, compiled = compile_graph(gm, inputs, manager, stage_ctx)
             object.__setattr__(module, "run", run)
@@ -163,6 +169,9 @@ class PipelineStep:
                                        loss_fn=lambda loss, _target: loss * scale, scale_grads=False)
         self.holds_first = any(s.is_first for s in self.stages)
         self.holds_last = any(s.is_last for s in self.stages)
+        # Gradients averaged over data-parallel replicas inside each backward by a pass (overlap), or
+        # here after the schedule, in one all-reduce.
+        self.averages_in_graph = any(getattr(p, "communicates", False) for p in manager.passes)
         self.last_rank = dist.get_global_rank(self.groups.pp, (options.total_stages - 1) % self.groups.ranks)
 
     def _example_inputs(self, module: StageModule, gm: fx.GraphModule) -> tuple[list, list]:
@@ -195,7 +204,7 @@ class PipelineStep:
         self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.groups.pp)
-        if self.groups.dp is not None:
+        if self.groups.dp is not None and not self.averages_in_graph:
             average_gradients(self.module.parameters(), self.groups.dp)
         return loss
 

@@ -213,6 +213,17 @@ def test_errors_reach_every_rank_before_or_instead_of_a_hang(tmp_path):
     assert time.monotonic() - start < 200
 
 
+def test_two_stages_times_two_replicas_average_each_stage_over_its_replicas(tmp_path):
+    results = run_ranks("dp_pp", 4, tmp_path)
+    for case in results[0]:
+        for rank, r in enumerate(results):
+            assert r[case]["loss_error"] is None, f"{case} rank {rank}: {r[case]['loss_error']}"
+            assert r[case]["grad_errors"] == [], f"{case} rank {rank}: {r[case]['grad_errors'][:3]}"
+        # ranks (0, 1) and (2, 3) are the pipelines; 0 and 2 hold the same stage
+        assert results[0][case]["parameters"] == results[2][case]["parameters"]
+        assert set(results[0][case]["parameters"]).isdisjoint(results[1][case]["parameters"])
+
+
 @pytest.mark.slow
 def test_inductor_stages_equal_the_full_batch(tmp_path):
     results = run_ranks("inductor", 2, tmp_path, deadline=500)
@@ -238,12 +249,20 @@ def _reference_after_sgd():
     return zoo.model
 
 
-def _run_case(make, schedule, virtual, backend="eager"):
+def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None):
+    """Pipelined step against the single-process full batch; with `replica` = (index, count) this
+    rank's pipeline trains that share of the batch and its loss is compared with that share's."""
     zoo, reference = make(), make()
-    opt = picofx.optimize(zoo.model, zoo.example_inputs, backend=backend, loss_fn=zoo.loss_fn, passes=[
-        Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual)])
-    loss = opt.forward_backward(**zoo.example_inputs)
+    batch = zoo.example_inputs
+    if replica is not None:
+        index, count = replica
+        batch = {k: v.chunk(count)[index] for k, v in batch.items()}
+    opt = picofx.optimize(zoo.model, batch, backend=backend, loss_fn=zoo.loss_fn, passes=[
+        Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual, group=group)])
+    loss = opt.forward_backward(**batch)
     ref_loss, ref_grads = _reference_grads(reference)
+    if replica is not None:
+        ref_loss, _ = _reference_grads(dataclasses.replace(make(), example_inputs=batch))
     result = {"loss_error": None, "grad_errors": [], "parameters": sorted(n for n, _ in opt.named_parameters()),
               "state_dict_keys": sorted(opt.state_dict())}
     try:
@@ -301,6 +320,17 @@ def scenario_errors(rank: int, out: Path) -> dict:
     if rank == 1:  # this rank fails before sending anything; rank 0 must not wait forever
         batch = {k: torch.cat([v, v[:2]]) for k, v in batch.items()}
     results["failing_rank"] = _error_text(lambda: opt.forward_backward(**batch))
+    return results
+
+
+def scenario_dp_pp(rank: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica = (mesh.get_local_rank("dp"), 2)
+    make = lambda: build("llama-tiny", batch=8, seq=16)  # noqa: E731
+    results = {}
+    _, results["1F1B"] = _run_case(make, "1F1B", 1, group=mesh, replica=replica)
     return results
 
 

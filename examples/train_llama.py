@@ -6,12 +6,15 @@ then a summary (tokens/s over the run, MFU) and picofx's report.
 
     python examples/train_llama.py                          # CPU, fuse + Inductor, 200 steps
     python examples/train_llama.py --backend eager --steps 50 --passes
+    torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
+    torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
+import datetime
 import pathlib
 import sysconfig
 import time
@@ -124,6 +127,10 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=25, help="steps between loss and tokens/s lines")
     p.add_argument("--dump-dir", help="write every graph picofx produced to this directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (pass pipeline; run under torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (run under torchrun)")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step and replica under --pp")
     args = p.parse_args(argv)
     if not fits(args.size, args.batch, args.seq, args.device):
         config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
@@ -133,20 +140,55 @@ def parse_args(argv=None):
     return args
 
 
+def parallel_passes(args) -> list:
+    """--pp and --dp: a process group (torchrun's), and the passes that use it."""
+    if args.pp == 1 and args.dp == 1:
+        return []
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(minutes=5))
+    if args.pp == 1:
+        return ["overlap"]
+    mesh = init_device_mesh(args.device.split(":")[0], (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+    return [picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+                                   virtual=2 if "Interleaved" in args.schedule else 1, group=mesh)]
+
+
+def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
+    """Clip by the norm of the whole model's gradients. Pipelined (`replicas` given), each rank holds
+    one stage's: their squares are summed over all ranks, less the replicas' equal copies."""
+    parameters = list(parameters)
+    if replicas is None:
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    square = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(square)
+    scale = min(1.0, max_norm / ((square / replicas).sqrt().item() + 1e-6))
+    for g in grads:
+        g.mul_(scale)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    extra_passes = parallel_passes(args)
     torch.manual_seed(args.seed)
     config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=max(args.seq, 128))
     model = Llama(config).to(args.device)
-    batches = Batches(stdlib_corpus(max_bytes=4_000_000), args.batch, args.seq, args.seed)
+    replica = torch.distributed.get_rank() // args.pp if extra_passes else 0  # ranks of one pipeline share batches
+    batches = Batches(stdlib_corpus(max_bytes=4_000_000), args.batch, args.seq, args.seed + replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
 
     start = time.perf_counter()
-    opt_model = picofx.optimize(model, first, passes=args.passes, backend=args.backend, loss_fn=causal_lm_loss,
-                                dump_dir=args.dump_dir)
+    opt_model = picofx.optimize(model, first, passes=[*args.passes, *extra_passes], backend=args.backend,
+                                loss_fn=causal_lm_loss, dump_dir=args.dump_dir)
     print(f"picofx: captured and compiled in {time.perf_counter() - start:.1f}s "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, passes={args.passes})")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
     history, interval_loss, interval_tokens, interval_start = [], 0.0, 0, time.perf_counter()
@@ -154,9 +196,8 @@ def main(argv=None) -> dict:
     progress = tqdm(range(args.steps), desc="train", unit="step")
     for step in progress:
         batch = first if step == 0 else {k: v.to(args.device) for k, v in batches.sample().items()}
-        loss = opt_model(**batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss = opt_model.forward_backward(**batch)
+        clip_gradients(opt_model.parameters(), 1.0, args.dp if args.pp > 1 else None)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -175,8 +216,8 @@ def main(argv=None) -> dict:
 
     with torch.no_grad():
         model.eval()
-        val = batches.sample("val")
-        val_loss = causal_lm_loss(model(val["input_ids"]), val["labels"]).item()
+        val = batches.sample("val")  # pipelined, a rank trains one stage: the whole model is not up to date here
+        val_loss = causal_lm_loss(model(val["input_ids"]), val["labels"]).item() if args.pp == 1 else float("nan")
     run_seconds = time.perf_counter() - run_start
     tokens_per_s = run_tokens / run_seconds
     report = opt_model.report

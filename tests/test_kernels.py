@@ -201,6 +201,7 @@ def test_inductor_decompositions_cover_the_pointwise_ops():
     decompositions = inductor_decompositions()
     assert set(decompositions) == {ops.rms_norm.default, ops.add_rms_norm.default, ops.rms_norm_backward.default,
                                    ops.silu_mul.default, ops.silu_mul_backward.default,
+                                   ops.gelu_mul.default, ops.gelu_mul_backward.default,
                                    ops.rope.default, ops.rope_backward.default}
 
 

@@ -6,6 +6,7 @@ implementation (CPU, and CUDA without triton) and a Triton one for CUDA:
 
     rms_norm, add_rms_norm, rms_norm_backward          rms_norm.py     / triton_rms_norm.py
     silu_mul, silu_mul_backward                        swiglu.py       / triton_swiglu.py
+    gelu_mul, gelu_mul_backward                        swiglu.py       (no Triton kernel)
     rope, rope_backward                                rope.py         / triton_rope.py
     linear_cross_entropy                               linear_cross_entropy.py / triton_cross_entropy.py
 
@@ -16,7 +17,8 @@ import torch
 from picofx.kernels.linear_cross_entropy import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from picofx.kernels.rms_norm import add_rms_norm_reference, rms_norm_backward_reference, rms_norm_reference
 from picofx.kernels.rope import rope_backward_reference, rope_reference
-from picofx.kernels.swiglu import silu_mul_backward_reference, silu_mul_reference
+from picofx.kernels.swiglu import (gelu_mul_backward_reference, gelu_mul_reference, silu_mul_backward_reference,
+                                  silu_mul_reference)
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "inductor_decompositions", "linear_cross_entropy"]
 
@@ -36,6 +38,8 @@ def inductor_decompositions() -> dict:
         ops.rms_norm_backward.default: rms_norm_backward_reference,
         ops.silu_mul.default: silu_mul_reference,
         ops.silu_mul_backward.default: silu_mul_backward_reference,
+        ops.gelu_mul.default: gelu_mul_reference,
+        ops.gelu_mul_backward.default: gelu_mul_backward_reference,
         ops.rope.default: rope_reference,
         ops.rope_backward.default: rope_backward_reference,
     }

@@ -2,12 +2,15 @@
 
     picofx::linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor labels,
                                  int ignore_index=-100, str reduction="mean", bool upcast=True,
-                                 int chunk_size=2048, bool compute_grad=True)
+                                 int chunk_size=2048, bool compute_grad=True, float scale=1.0,
+                                 float softcap=0.0)
         -> (Tensor loss, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)
 
-    loss equals F.cross_entropy(logits.float() if upcast else logits, labels.flatten(),
+    loss equals F.cross_entropy(scores.float() if upcast else scores, labels.flatten(),
     ignore_index=ignore_index, reduction=reduction) with logits = F.linear(x.flatten(0, -2),
-    weight, bias): x (..., C), weight (V, C), bias (V,) or None, labels (...) int64 with
+    weight, bias) and scores = logits / scale, soft-capped to tanh(scores / softcap) * softcap
+    when softcap > 0 (Granite divides its logits by a scale; Gemma 2 soft-caps them; the two
+    are computed in fp32): x (..., C), weight (V, C), bias (V,) or None, labels (...) int64 with
     x.shape[:-1] == labels.shape. reduction is "mean" (over non-ignored tokens; nan when all
     are ignored, as F.cross_entropy) or "sum". The loss is fp32 with upcast, else in the
     logits' dtype; softmax statistics are fp32 either way.
@@ -23,7 +26,8 @@
 Use `linear_cross_entropy(...)` below for the loss alone: it sets compute_grad from autograd.
 chunk_size trades memory, chunk_size * V logits (plus an fp32 copy on the generic path), for
 speed: every chunk reads and writes the (V, C) grad_weight accumulator once, so chunks much
-smaller than C make the backward matmuls memory-bound.
+smaller than C make the backward matmuls memory-bound. A soft-cap holds one more (n, V) fp32
+buffer per chunk (the derivative of tanh).
 """
 from typing import Optional
 
@@ -80,8 +84,23 @@ def _loss_dtype(x, weight, upcast):
     return torch.float32 if upcast else torch.promote_types(x.dtype, weight.dtype)
 
 
+def _transform(logits: Tensor, scale: float, softcap: float) -> tuple[Tensor, Optional[Tensor]]:
+    """The chunk's scores in fp32 (in the logits' buffer when they are fp32), and the derivative
+    of the scores by the logits: None for the identity, a (n, V) tensor for a soft-cap."""
+    if scale == 1.0 and not softcap:
+        return logits, None
+    scores = logits.float()
+    if scale != 1.0:
+        scores.div_(scale)
+    if not softcap:
+        return scores, None
+    scores.div_(softcap).tanh_()
+    derivative = (1.0 - scores * scores).div_(scale)  # (n, V): d(tanh(z / c) * c)/dz, times 1/scale
+    return scores.mul_(softcap), derivative
+
+
 def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
-                                  chunk_size, compute_grad, chunk_step):
+                                  chunk_size, compute_grad, chunk_step, scale=1.0, softcap=0.0):
     _check_args(x, weight, labels, reduction)
     x2 = x.reshape(-1, x.shape[-1])  # (N, C)
     labels = labels.reshape(-1)  # (N,)
@@ -102,10 +121,14 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
         end = min(start + chunk_size, n_tokens)
         x_chunk = x2[start:end]  # (n, C)
         logits = x_chunk @ weight.T if bias is None else torch.addmm(bias, x_chunk, weight.T)  # (n, V)
-        grad_logits = chunk_step(logits, labels[start:end], loss_per_token[start:end], None,
+        scores, derivative = _transform(logits, scale, softcap)
+        grad_logits = chunk_step(scores, labels[start:end], loss_per_token[start:end], None,
                                  ignore_index, compute_grad)  # (n, V), of the summed losses
         if not compute_grad:
             continue
+        if scale != 1.0 or softcap:  # back through the soft-cap and the scale, to the logits' dtype
+            grad_logits = (grad_logits.mul_(derivative) if derivative is not None
+                           else grad_logits.div_(scale)).to(logits.dtype)
         torch.mm(grad_logits, weight, out=grad_x[start:end])
         if grad_weight.dtype == grad_logits.dtype:
             grad_weight.addmm_(grad_logits.T, x_chunk)
@@ -113,7 +136,7 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
             grad_weight += grad_logits.T @ x_chunk
         if bias is not None:
             grad_bias += grad_logits.sum(0, dtype=grad_bias.dtype)
-        del logits, grad_logits
+        del logits, scores, derivative, grad_logits
     loss = loss_per_token.sum()
     if reduction == "mean":
         loss = loss / n_valid
@@ -132,14 +155,14 @@ def _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reducti
 def linear_cross_entropy_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                             ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
                             chunk_size: int = DEFAULT_CHUNK_SIZE, compute_grad: bool = True,
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            scale: float = 1.0, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
-                                         chunk_size, compute_grad, cross_entropy_chunk)
+                                         chunk_size, compute_grad, cross_entropy_chunk, scale, softcap)
 
 
 @linear_cross_entropy_op.register_fake
 def _(x, weight, bias, labels, ignore_index=-100, reduction="mean", upcast=True,
-      chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True):
+      chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True, scale=1.0, softcap=0.0):
     _check_args(x, weight, labels, reduction)
     loss = x.new_empty((), dtype=_loss_dtype(x, weight, upcast))
     if not compute_grad:
@@ -165,7 +188,7 @@ def _backward(ctx, grad_loss, *unused_grads):
     return (grad_x * grad_loss if needs_x else None,
             grad_weight * grad_loss if needs_weight else None,
             grad_bias * grad_loss if needs_bias else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -186,15 +209,17 @@ def _linear_cross_entropy_flops(x_shape, weight_shape, *args, compute_grad=True,
 if triton_cross_entropy is not None:
     @linear_cross_entropy_op.register_kernel("cuda")
     def _(x, weight, bias, labels, ignore_index=-100, reduction="mean", upcast=True,
-          chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True):
+          chunk_size=DEFAULT_CHUNK_SIZE, compute_grad=True, scale=1.0, softcap=0.0):
+        # The scale and the soft-cap are applied around the kernel, in torch, on the chunk.
         return _linear_cross_entropy_chunked(x, weight, bias, labels, ignore_index, reduction, upcast,
-                                             chunk_size, compute_grad, triton_cross_entropy.cross_entropy_chunk)
+                                             chunk_size, compute_grad, triton_cross_entropy.cross_entropy_chunk,
+                                             scale, softcap)
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, scale: float = 1.0, softcap: float = 0.0) -> Tensor:
     """The loss alone; gradients are computed in the forward only when autograd will want them."""
     compute_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return torch.ops.picofx.linear_cross_entropy(x, weight, bias, labels, ignore_index, reduction, upcast,
-                                                 chunk_size, compute_grad)[0]
+                                                 chunk_size, compute_grad, scale, softcap)[0]

@@ -1,17 +1,19 @@
 """RMSNorm, alone and fused with the residual add before it.
 
-    picofx::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
-        weight * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(x.dtype), with xf = x.float().
+    picofx::rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor
+        (weight + offset) * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(x.dtype), with xf = x.float().
         Statistics in fp32; the output dtype is the promotion of weight's and x's dtypes
-        (an fp32 weight times a bf16 x gives fp32). weight is (C,), x is (..., C).
+        (an fp32 weight times a bf16 x gives fp32). weight is (C,), x is (..., C). offset is 0
+        for LLaMA's norm, 1 for Gemma's, which scales by (1 + weight).
 
-    picofx::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor sum, Tensor normed)
+    picofx::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset=0.0)
+        -> (Tensor sum, Tensor normed)
         sum = x + residual; normed = rms_norm(sum, weight, eps), in one pass over the row.
         x and residual have the same shape.
 
     picofx::rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, float eps, Tensor? grad_sum)
         -> (Tensor grad_x, Tensor grad_weight)
-        The gradient of rms_norm; grad_sum (the gradient flowing into add_rms_norm's `sum`
+        The gradient of rms_norm (weight here is the scale, weight + offset); grad_sum (the gradient flowing into add_rms_norm's `sum`
         output) is added to grad_x in the same pass.
 
 The backward saves x (for add_rms_norm: sum) and weight only: the per-row rstd is recomputed
@@ -30,14 +32,19 @@ except ImportError:  # no triton: CUDA runs the generic code below
     triton_rms_norm = None
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def _scale(weight: Tensor, offset: float) -> Tensor:
+    return weight + offset if offset else weight
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return _scale(weight, offset) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           offset: float = 0.0) -> tuple[Tensor, Tensor]:
     total = x + residual
-    return total, rms_norm_reference(total, weight, eps)
+    return total, rms_norm_reference(total, weight, eps, offset)
 
 
 def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, weight: Tensor, eps: float,
@@ -65,25 +72,25 @@ def _out_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 # ---- picofx::rms_norm -------------------------------------------------------------------
 
 @torch.library.custom_op("picofx::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return rms_norm_reference(x, weight, eps).contiguous()
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    return rms_norm_reference(x, weight, eps, offset).contiguous()
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, offset=0.0):
     return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps, *offset = inputs
     ctx.save_for_backward(x, weight)
-    ctx.eps = eps
+    ctx.eps, ctx.offset = eps, (offset or [0.0])[0]
 
 
 def _rms_norm_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.picofx.rms_norm_backward(grad_out, x, weight, ctx.eps, None)
-    return grad_x, grad_weight, None
+    grad_x, grad_weight = torch.ops.picofx.rms_norm_backward(grad_out, x, _scale(weight, ctx.offset), ctx.eps, None)
+    return grad_x, grad_weight, None, None
 
 
 rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
@@ -92,13 +99,13 @@ rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_con
 # ---- picofx::add_rms_norm ---------------------------------------------------------------
 
 @torch.library.custom_op("picofx::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    total, normed = add_rms_norm_reference(x, residual, weight, eps)
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
+    total, normed = add_rms_norm_reference(x, residual, weight, eps, offset)
     return total.contiguous(), normed.contiguous()
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, offset=0.0):
     torch._check(x.shape == residual.shape, lambda: "add_rms_norm: x and residual must have the same shape")
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     normed_dtype = torch.promote_types(sum_dtype, weight.dtype)
@@ -106,17 +113,18 @@ def _(x, residual, weight, eps):
 
 
 def _add_rms_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, eps = inputs
+    x, residual, weight, eps, *offset = inputs
     total, _ = output
     ctx.save_for_backward(total, weight)
-    ctx.eps = eps
+    ctx.eps, ctx.offset = eps, (offset or [0.0])[0]
     ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
 
 
 def _add_rms_norm_backward(ctx, grad_sum, grad_normed):
     total, weight = ctx.saved_tensors
-    grad_total, grad_weight = torch.ops.picofx.rms_norm_backward(grad_normed, total, weight, ctx.eps, grad_sum)
-    return grad_total.to(ctx.x_dtype), grad_total.to(ctx.residual_dtype), grad_weight, None
+    grad_total, grad_weight = torch.ops.picofx.rms_norm_backward(grad_normed, total, _scale(weight, ctx.offset),
+                                                                 ctx.eps, grad_sum)
+    return grad_total.to(ctx.x_dtype), grad_total.to(ctx.residual_dtype), grad_weight, None, None
 
 
 add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
@@ -137,19 +145,20 @@ def _(grad_out, x, weight, eps, grad_sum=None):
 
 
 # ---- CUDA: Triton when it is installed and the row fits in one block ----------------------
+# The kernels take the scale: with an offset, weight + offset is one (C,) op before them.
 
 if triton_rms_norm is not None:
     @rms_norm.register_kernel("cuda")
-    def _(x, weight, eps):
+    def _(x, weight, eps, offset=0.0):
         if not triton_rms_norm.supports(x):
-            return rms_norm_reference(x, weight, eps).contiguous()
-        return triton_rms_norm.rms_norm(x, weight, eps)
+            return rms_norm_reference(x, weight, eps, offset).contiguous()
+        return triton_rms_norm.rms_norm(x, _scale(weight, offset), eps)
 
     @add_rms_norm.register_kernel("cuda")
-    def _(x, residual, weight, eps):
+    def _(x, residual, weight, eps, offset=0.0):
         if not triton_rms_norm.supports(x):
-            return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps))
-        return triton_rms_norm.add_rms_norm(x, residual, weight, eps)
+            return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps, offset))
+        return triton_rms_norm.add_rms_norm(x, residual, _scale(weight, offset), eps)
 
     @rms_norm_backward.register_kernel("cuda")
     def _(grad_out, x, weight, eps, grad_sum=None):

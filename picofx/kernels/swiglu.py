@@ -1,4 +1,5 @@
-"""The SwiGLU activation: silu(gate) * up, after a merged gate/up projection.
+"""Gated activations after a merged gate/up projection: SwiGLU's silu(gate) * up, and the
+GeLU-tanh variant (Gemma's GeGLU), gelu(gate, approximate="tanh") * up.
 
     picofx::silu_mul(Tensor a, Tensor b) -> Tensor
         F.silu(a) * b. a and b have the same shape; they may be strided views (the two halves
@@ -7,7 +8,12 @@
 
     picofx::silu_mul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor grad_a, Tensor grad_b)
 
-The backward saves a and b only; silu(a) is recomputed.
+    picofx::gelu_mul(Tensor a, Tensor b) -> Tensor
+    picofx::gelu_mul_backward(Tensor grad, Tensor a, Tensor b) -> (Tensor grad_a, Tensor grad_b)
+        The same with F.gelu(a, approximate="tanh") for F.silu(a). It has no Triton kernel: on
+        CUDA it runs the plain-torch code (Inductor fuses it when it compiles the graph).
+
+The backward saves a and b only; the activation is recomputed.
 """
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,16 @@ def silu_mul_reference(a: Tensor, b: Tensor) -> Tensor:
 def silu_mul_backward_reference(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     grad_a = torch.ops.aten.silu_backward(grad.mul(b).to(a.dtype), a)
     grad_b = grad.mul(F.silu(a)).to(b.dtype)
+    return grad_a, grad_b
+
+
+def gelu_mul_reference(a: Tensor, b: Tensor) -> Tensor:
+    return F.gelu(a, approximate="tanh") * b
+
+
+def gelu_mul_backward_reference(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    grad_a = torch.ops.aten.gelu_backward(grad.mul(b).to(a.dtype), a, approximate="tanh")
+    grad_b = grad.mul(F.gelu(a, approximate="tanh")).to(b.dtype)
     return grad_a, grad_b
 
 
@@ -59,6 +75,36 @@ def silu_mul_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tenso
 
 
 @silu_mul_backward.register_fake
+def _(grad, a, b):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+@torch.library.custom_op("picofx::gelu_mul", mutates_args=())
+def gelu_mul(a: Tensor, b: Tensor) -> Tensor:
+    return gelu_mul_reference(a, b).contiguous()
+
+
+@gelu_mul.register_fake
+def _(a, b):
+    torch._check(a.shape == b.shape, lambda: "gelu_mul: a and b must have the same shape")
+    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+
+def _gelu_mul_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return torch.ops.picofx.gelu_mul_backward(grad, a, b)
+
+
+gelu_mul.register_autograd(_gelu_mul_backward, setup_context=_silu_mul_setup_context)
+
+
+@torch.library.custom_op("picofx::gelu_mul_backward", mutates_args=())
+def gelu_mul_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    grad_a, grad_b = gelu_mul_backward_reference(grad, a, b)
+    return grad_a.contiguous(), grad_b.contiguous()
+
+
+@gelu_mul_backward.register_fake
 def _(grad, a, b):
     return a.new_empty(a.shape), b.new_empty(b.shape)
 

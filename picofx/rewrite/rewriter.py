@@ -16,10 +16,11 @@ from picofx.rewrite.matcher import Match, NearMiss, find_matches
 from picofx.rewrite.rules import Rule
 
 
-def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | None]) -> list[str]:
+def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | None]) -> tuple[list[str], bool]:
     """Inline the match's replacement in place of its nodes; `replaced` maps every graph node an
     earlier replacement removed to its new node (a later match may take it as an input).
-    Returns the names of outputs the replacement dropped (graph outputs now None)."""
+    Returns the names of outputs the replacement dropped (graph outputs now None), and whether
+    the graph needs a topological sort (the replacement went after an input that came late)."""
     bindings = {name: _current(value, replaced) for name, value in match.bindings.items()}
     traced = match.replacement
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -52,9 +53,7 @@ def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | Non
     for node in [*reversed(covered), *reversed(inlined)]:  # what nothing uses any more (e.g. unused logits)
         if not node.users:
             graph.erase_node(node)
-    if reorder:
-        stable_topological_sort(graph.owning_module)
-    return dropped
+    return dropped, reorder
 
 
 def _current(value, replaced: dict):
@@ -67,7 +66,13 @@ def rewrite(gm: fx.GraphModule, rule: Rule) -> tuple[list[Match], list[NearMiss]
     """Apply `rule` everywhere it matches: (applied matches, near-misses, dropped output names)."""
     matches, near_misses = find_matches(gm.graph, rule)
     replaced: dict[fx.Node, fx.Node | None] = {}
-    dropped = [name for match in matches for name in replace(gm.graph, match, replaced)]
+    dropped, reorder = [], False
+    for match in matches:
+        names, needs_sort = replace(gm.graph, match, replaced)
+        dropped += names
+        reorder |= needs_sort
+    if reorder:  # once, at the end: the sort copies every node, which the other matches still name
+        stable_topological_sort(gm)
     if matches:
         refresh_values(gm)
     return matches, near_misses, dropped

@@ -7,7 +7,10 @@ loss. Users add rules with `picofx.rules.register_rule`.
 
 Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
-with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason.
+with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
+`unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse_sites: norms, gated
+MLPs, RoPE, attention, loss) with why it was not: a rule's near-miss, a reason no rule may fuse
+it (soft-capped attention), or "no candidate" and what the code there looks like.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from picofx.rewrite import Rule, registered_rules
 # Registration order is the order rules apply in: a rule whose pattern contains another rule's
 # fused op comes after it (add_rms_norm after rms_norm; grouped-query SDPA after attention).
 from picofx.passes import fuse_norms, fuse_projections, fuse_attention, fuse_loss  # noqa: F401, E402  isort: skip
+from picofx.passes.fuse_sites import find_sites  # noqa: E402
 
 
 # In bf16/fp16 a fused kernel rounds once (it computes in fp32 inside) where the unfused ops round
@@ -74,6 +78,23 @@ class Fuse:
                                         "(Fuse(keep_logits=True) keeps them)")
         if self.explain:
             notes["near_misses"] = [asdict(m) for m in near_misses]
+            notes["unfused_sites"] = unfused_sites(gm.graph, near_misses)
         tolerance = tuple(max(t[i] for t in tolerances) for i in range(2)) if tolerances else None
         return PassResult(changed=any(notes[rule.name] for rule in rules), notes=notes,
                           tolerance=tolerance)
+
+
+def unfused_sites(graph: fx.Graph, near_misses: list) -> list[str]:
+    """One line per fusible site left in the graph: where it is, and why it did not fuse."""
+    lines = []
+    for site in find_sites(graph):
+        where = f"{site.kind} at {site.node}" + (f" in {site.module_path}" if site.module_path else "")
+        missed = [m for m in near_misses if site.module_path and m.candidate.endswith(f" in {site.module_path}")]
+        if site.reason is not None:
+            why = f"not fusible: {site.reason}"
+        elif missed:
+            why = "; ".join(f"rule {m.rule} rejected it ({m.check}): {m.reason}" for m in missed)
+        else:
+            why = f"no candidate: {site.looks_like}, and no rule matches it"
+        lines.append(f"{where}: {why}")
+    return lines

@@ -1,4 +1,5 @@
-"""Fusion rules for attention: rotate-half RoPE on q and k as one op; attention written as
+"""Fusion rules for attention: RoPE on q and k as one op (rotate-half, or Meta's complex
+multiplication, which rotates neighbouring pairs: the op's interleaved form); attention written as
 matmul-softmax-matmul as SDPA; grouped-query attention (k and v repeated per query head before
 SDPA) as SDPA with enable_gqa, which reads k and v as they are. The last two compose: eager
 attention after repeat_kv becomes SDPA, then SDPA with enable_gqa."""
@@ -7,6 +8,8 @@ import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.rewrite import Rule, register_rule, scalar, tensor
+
+FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})
 
 
 def rotate_half_by_chunks(x):
@@ -48,6 +51,42 @@ def head_dim_is_even(match):
     return f"the head dim {dim} is odd: the fused op rotates two equal halves" if dim % 2 else None
 
 
+def rotate_complex(x, freqs):
+    """Meta's form: pairs of channels as complex numbers times e^(i angle), computed in fp32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (..., D / 2)
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+
+
+def complex_rope_pattern(q, k, freqs_q, freqs_k):
+    return rotate_complex(q, freqs_q), rotate_complex(k, freqs_k)
+
+
+def complex_rope_replacement(q, k, freqs_q, freqs_k):
+    table = torch.view_as_real(freqs_q)  # (..., D / 2, 2): cos, sin
+    q_out, k_out = torch.ops.picofx.rope(q.float(), k.float(), table[..., 0], table[..., 1], True)
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+VIEWS = (torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+         torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.reshape.default)
+
+
+def _viewed_from(node):
+    """The tensor `node` views, and the chain of views (op and constant arguments) that gives it."""
+    chain = []
+    while getattr(node, "target", None) in VIEWS:
+        chain.append((node.target, tuple(a for a in node.args[1:])))
+        node = node.args[0]
+    return node, tuple(chain)
+
+
+def q_and_k_share_the_table(match):
+    q_table, k_table = (_viewed_from(match.bindings[name]) for name in ("freqs_q", "freqs_k"))
+    if q_table != k_table:
+        return "q and k are rotated by different tables; the fused op rotates both by one"
+    return None
+
+
 def attention_pattern(q, k, v, attn_mask, scale, dropout):
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # (B, H, T, S)
     if attn_mask is not None:
@@ -78,13 +117,26 @@ def repeat_kv_by_interleave(x, n):
     return x.repeat_interleave(n, dim=1)
 
 
+def repeat_kv_before_transpose(x, n):
+    """Meta's form: k and v repeated as (B, T, Hkv, D), then transposed; x is (B, T, Hkv, D)."""
+    batch, length, heads, dim = x.shape
+    repeated = x[:, :, :, None, :].expand(batch, length, heads, n, dim).reshape(batch, length, heads * n, dim)
+    return repeated.transpose(1, 2)
+
+
+def _kv_heads(x, repeat_kv):
+    return x.shape[2] if repeat_kv is repeat_kv_before_transpose else x.shape[1]
+
+
 def grouped_query_attention_pattern(q, k, v, attn_mask, dropout_p, is_causal, scale, repeat_kv):
-    n = q.shape[1] // k.shape[1]  # query heads per key/value head
+    n = q.shape[1] // _kv_heads(k, repeat_kv)  # query heads per key/value head
     return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=attn_mask,
                                           dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 
 def grouped_query_attention_replacement(q, k, v, attn_mask, dropout_p, is_causal, scale, repeat_kv):
+    if repeat_kv is repeat_kv_before_transpose:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=True)
 
@@ -95,6 +147,16 @@ ROPE = register_rule(Rule(
             "rotate_half": rotate_half_by_chunks},
     variants=({"rotate_half": rotate_half_by_chunks}, {"rotate_half": rotate_half_by_slices}),
     checks=(cos_sin_broadcast_to_q_and_k, head_dim_is_even),
+))
+
+COMPLEX_ROPE = register_rule(Rule(
+    name="complex_rope", pattern=complex_rope_pattern, replacement=complex_rope_replacement,
+    inputs={"q": tensor(2, 8, 4, 16), "k": tensor(2, 8, 2, 16), "freqs_q": tensor(1, 8, 1, 8, dtype=torch.complex64),
+            "freqs_k": tensor(1, 8, 1, 8, dtype=torch.complex64)},
+    variants=FLOAT_AND_LOW_PRECISION,
+    checks=(q_and_k_share_the_table,),
+    # torch's complex product and the op's real arithmetic round alike up to FMA contraction.
+    tolerance=(1e-5, 1e-5), tolerance_reason="the complex product may contract a multiply-add where the op does not",
 ))
 
 ATTENTION = register_rule(Rule(
@@ -120,7 +182,8 @@ GROUPED_QUERY_ATTENTION = register_rule(Rule(
     # An explicit mask (Hugging Face's) or is_causal (SDPA's own); repeat_interleave or expand + reshape.
     variants=[{"attn_mask": mask, "is_causal": causal, "repeat_kv": repeat}
               for mask, causal in ((None, True), (None, False), (tensor(2, 1, 8, 8, dtype=torch.bool), False))
-              for repeat in (repeat_kv_by_expand, repeat_kv_by_interleave)],
+              for repeat in (repeat_kv_by_expand, repeat_kv_by_interleave)]
+    + [{"k": tensor(2, 8, 2, 16), "v": tensor(2, 8, 2, 16), "repeat_kv": repeat_kv_before_transpose}],
     # The forward is the same; the backward sums the gradients of the query heads that share a k/v
     # head inside the kernel instead of through repeat's backward: another order.
     tolerance=(1e-5, 1e-5), tolerance_reason="k and v gradients are summed over their query heads in another order",

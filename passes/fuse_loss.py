@@ -3,7 +3,10 @@ materializes the (tokens x vocab) logits, forward or backward.
 
 It matches F.cross_entropy on the projection's output as the seed's training loop writes it
 (labels already shifted) and as Hugging Face's loss does (logits upcast with .float(), labels
-shifted by padding upstream, which the rule leaves alone), mean or sum reduction, any ignore_index.
+shifted by padding upstream, which the rule leaves alone), mean or sum reduction, any ignore_index;
+logits flattened as view(-1, V) (Hugging Face, nanoGPT), view(B * T, -1) (the seed) or flatten(0, 1);
+logits divided by a scale (Granite) or soft-capped as tanh(logits / c) * c (Gemma 2), which the
+fused op computes chunk by chunk too.
 The pattern also returns the logits: when the graph returns them too (Hugging Face's output),
 they become None unless the rule's keep_logits option is set.
 """
@@ -28,19 +31,40 @@ def chunk_size(vocab: int) -> int:
     return int(min(DEFAULT_CHUNK_SIZE, max(MIN_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))))
 
 
-def linear_cross_entropy_pattern(x, weight, bias, labels, ignore_index, reduction, upcast):
-    logits = F.linear(x, weight, bias)  # (..., V)
-    scores = logits.float() if upcast else logits
-    loss = F.cross_entropy(scores.view(-1, scores.size(-1)), labels.view(-1), ignore_index=ignore_index,
-                           reduction=reduction)
+def view_last(scores, labels):
+    return scores.view(-1, scores.size(-1)), labels.view(-1)
+
+
+def view_tokens(scores, labels):  # logits.view(B * T, -1)
+    tokens = scores.shape[0] * scores.shape[1]
+    return scores.view(tokens, -1), labels.view(tokens)
+
+
+def flatten_tokens(scores, labels):
+    return scores.flatten(0, 1), labels.flatten()
+
+
+def transformed(logits, scale, softcap):
+    if scale is not None:
+        logits = logits / scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def linear_cross_entropy_pattern(x, weight, bias, labels, ignore_index, reduction, upcast, scale, softcap, flatten):
+    logits = transformed(F.linear(x, weight, bias), scale, softcap)  # (..., V)
+    scores, flat_labels = flatten(logits.float() if upcast else logits, labels)
+    loss = F.cross_entropy(scores, flat_labels, ignore_index=ignore_index, reduction=reduction)
     return loss, logits
 
 
-def linear_cross_entropy_replacement(x, weight, bias, labels, ignore_index, reduction, upcast, keep_logits=False):
+def linear_cross_entropy_replacement(x, weight, bias, labels, ignore_index, reduction, upcast, scale, softcap,
+                                     flatten, keep_logits=False):
     chunk = chunk_size(weight.shape[0])
     loss = torch.ops.picofx.linear_cross_entropy(x, weight, bias, labels, ignore_index, reduction, upcast,
-                                                 chunk, True)[0]
-    return loss, F.linear(x, weight, bias) if keep_logits else None
+                                                 chunk, True, float(scale or 1.0), float(softcap or 0.0))[0]
+    return loss, transformed(F.linear(x, weight, bias), scale, softcap) if keep_logits else None
 
 
 def labels_are_token_ids(match):
@@ -52,13 +76,19 @@ def labels_are_token_ids(match):
     return None
 
 
+# fp32; bf16 logits upcast for the loss (Hugging Face); bf16 throughout
+UPCASTS = ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False))
+
 LINEAR_CROSS_ENTROPY = register_rule(Rule(
     name="linear_cross_entropy", pattern=linear_cross_entropy_pattern, replacement=linear_cross_entropy_replacement,
     inputs={"x": tensor(2, 8, 16), "weight": tensor(64, 16), "bias": None, "labels": tensor(2, 8, dtype=torch.int64),
-            "ignore_index": scalar(-12345), "reduction": "mean", "upcast": True},
-    variants=[{"dtype": dtype, "upcast": upcast, "reduction": reduction, "bias": bias}
-              for dtype, upcast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False))
-              for reduction in ("mean", "sum") for bias in (None, tensor(64))],
+            "ignore_index": scalar(-12345), "reduction": "mean", "upcast": True, "scale": None, "softcap": None,
+            "flatten": view_last},
+    variants=[*({"dtype": dtype, "upcast": upcast, "reduction": reduction, "bias": bias}
+                for dtype, upcast in UPCASTS for reduction in ("mean", "sum") for bias in (None, tensor(64))),
+              *({"dtype": dtype, "upcast": upcast, **form} for dtype, upcast in UPCASTS[:2]
+                for form in ({"flatten": view_tokens}, {"flatten": flatten_tokens}, {"scale": scalar(3.0625)},
+                             {"softcap": scalar(27.625)}))],
     checks=(labels_are_token_ids,),
     options={"keep_logits": False},
     # Chunked log-sum-exp and gradients computed in the forward round differently from

@@ -1,5 +1,11 @@
-"""Fusion rules for RMSNorm: the norm alone, and the residual add before it fused into it."""
+"""Fusion rules for RMSNorm: the norm alone, and the residual add before it fused into it.
+
+The norm is matched as three forms: written out as LLaMA does (weight * normed.to(dtype)),
+as torch.nn.RMSNorm / F.rms_norm (traced, so the pattern is whatever ATen form capture gives
+it), and Gemma's normed * (1 + weight), which becomes the op's offset.
+"""
 import torch
+import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.rewrite import Rule, register_rule, scalar, tensor
@@ -11,22 +17,36 @@ RMS_NORM_TOLERANCE = (1e-5, 1e-5)
 RMS_NORM_TOLERANCE_REASON = "the fused backward sums in another order than autograd through the unfused ops"
 
 
-def rms_norm_pattern(x, weight, eps):
+def written_out(x, weight, eps, offset):
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_norm_replacement(x, weight, eps):
-    return torch.ops.picofx.rms_norm(x, weight, float(eps))
+def torch_rms_norm(x, weight, eps, offset):
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def add_rms_norm_pattern(x, residual, weight, eps):
+def offset_weight(x, weight, eps, offset):
+    """Gemma: the scale is (1 + weight), applied in fp32 before the cast back."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + offset)).type_as(x)
+
+
+def rms_norm_pattern(x, weight, eps, offset, form):
+    return form(x, weight, eps, offset)
+
+
+def rms_norm_replacement(x, weight, eps, offset, form):
+    return torch.ops.picofx.rms_norm(x, weight, float(eps), float(offset))
+
+
+def add_rms_norm_pattern(x, residual, weight, eps, offset):
     total = x + residual
-    return total, torch.ops.picofx.rms_norm(total, weight, eps)
+    return total, torch.ops.picofx.rms_norm(total, weight, eps, offset)
 
 
-def add_rms_norm_replacement(x, residual, weight, eps):
-    return torch.ops.picofx.add_rms_norm(x, residual, weight, float(eps))
+def add_rms_norm_replacement(x, residual, weight, eps, offset):
+    return torch.ops.picofx.add_rms_norm(x, residual, weight, float(eps), float(offset))
 
 
 def weight_scales_the_last_dim(match):
@@ -56,15 +76,17 @@ def residual_has_the_same_shape(match):
 
 RMS_NORM = register_rule(Rule(
     name="rms_norm", pattern=rms_norm_pattern, replacement=rms_norm_replacement,
-    inputs={"x": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6)},
-    variants=FLOAT_AND_LOW_PRECISION,
+    inputs={"x": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6), "offset": 0.0, "form": written_out},
+    variants=[*({**v, "form": form} for form in (written_out, torch_rms_norm) for v in FLOAT_AND_LOW_PRECISION),
+              {"form": offset_weight, "offset": scalar(0.8125)}],
     checks=(weight_scales_the_last_dim, same_device("x", "weight")),
     tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,
 ))
 
 ADD_RMS_NORM = register_rule(Rule(
     name="add_rms_norm", pattern=add_rms_norm_pattern, replacement=add_rms_norm_replacement,
-    inputs={"x": tensor(2, 8, 16), "residual": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6)},
+    inputs={"x": tensor(2, 8, 16), "residual": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6),
+            "offset": scalar(0.8125)},
     checks=(residual_has_the_same_shape, same_device("x", "residual", "weight")),
     tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,
 ))

@@ -336,4 +336,4 @@ def test_users_register_their_own_rule():
         unregister_rule("gelu_tanh")
     assert "gelu_tanh" not in [r.name for r in registered_rules()]
     gm, _, record = fuse(HandWrittenGELU(), rules=(GELU_TANH,), x=x(2, 8, 32))  # unregistered rules work too
-    assert record.notes == {"gelu_tanh": 1, "near_misses": []}
+    assert record.notes == {"gelu_tanh": 1, "near_misses": [], "unfused_sites": []}

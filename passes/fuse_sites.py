@@ -1,0 +1,181 @@
+"""Where the fuse rules could apply: a census of a graph's fusible sites, by kind, and of the
+fused ops that took their place. The fuse pass uses it to name, with explain=True, every site
+that did not fuse (tools/fusion_coverage.py to measure coverage per model).
+
+Kinds and what counts as one unfused site:
+  norm       an RMSNorm: rsqrt(mean(x**2) + eps), or ATen's own rms_norm ops
+  gated_mlp  act(gate) * up with act silu (or x * sigmoid(x)) or GeLU
+  rope       the rotation of q and k in one module (rotate-half: neg of a slice fed to cat;
+             complex: view_as_complex of a value that depends on a parameter)
+  attention  softmax over scores that a matmul then applies to values, or SDPA over k/v
+             heads repeated for grouped-query attention
+  loss       log_softmax over a projection's output (through views, casts, a scale, a soft-cap)
+A site is fusible unless `reason` says why not (soft-capped attention scores: SDPA has no soft-cap).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from operator import getitem
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+KINDS = ("norm", "gated_mlp", "rope", "attention", "loss")
+# torch.ops.picofx op name -> the kind of site it fuses
+FUSED_OPS = {"rms_norm": "norm", "add_rms_norm": "norm", "silu_mul": "gated_mlp", "gelu_mul": "gated_mlp",
+             "rope": "rope", "linear_cross_entropy": "loss"}
+# ops a value passes through unchanged in meaning: views, copies, casts
+PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                aten._to_copy.default, aten.alias.default, aten.expand.default, aten.contiguous.default,
+                aten.squeeze.dims, aten.unsqueeze.default, aten.permute.default, aten.t.default}
+ROPE_RATIO = 2  # tensors rotated per site: q and k
+
+
+@dataclass(frozen=True)
+class Site:
+    kind: str
+    node: str            # the node that marks the site
+    module_path: str
+    looks_like: str      # what the unfused code is, in ATen terms
+    reason: str | None = None  # why no rule may fuse it; None: fusible
+
+    @property
+    def fusible(self) -> bool:
+        return self.reason is None
+
+
+def _target(node) -> object:
+    return node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
+
+
+def _through(node: fx.Node, extra=()) -> fx.Node:
+    """The node's source through PASS_THROUGH ops (and `extra` unary ops)."""
+    while _target(node) in PASS_THROUGH or _target(node) in extra:
+        node = node.args[0]
+    return node
+
+
+def _is_activation(node) -> bool:
+    t = _target(node)
+    if t in (aten.silu.default, aten.gelu.default):
+        return True
+    if t is aten.mul.Tensor and len(node.args) == 2:
+        a, b = node.args
+        return any(_target(s) is aten.sigmoid.default and s.args[0] is o for s, o in ((a, b), (b, a)))
+    return False
+
+
+def _activation_input(node: fx.Node) -> fx.Node:
+    if _target(node) is aten.mul.Tensor:
+        return node.args[0] if _target(node.args[1]) is aten.sigmoid.default else node.args[1]
+    return node.args[0]
+
+
+def _parameter_dependent(graph: fx.Graph) -> set[fx.Node]:
+    dependent = set()
+    for node in graph.nodes:
+        slot = node.meta.get("picofx_input")
+        if node.op == "placeholder" and slot is not None and slot.kind == "parameter":
+            dependent.add(node)
+        elif node.op == "call_function" and any(a in dependent for a in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _reaches_matmul(node: fx.Node, depth: int = 6) -> bool:
+    if depth == 0:
+        return False
+    for user in node.users:
+        if _target(user) in (aten.bmm.default, aten.matmul.default, aten.mm.default):
+            return True
+        if _target(user) in PASS_THROUGH or _target(user) is aten.dropout.default or user.op == "call_function" \
+                and "dropout" in str(user.target):
+            if _reaches_matmul(user, depth - 1):
+                return True
+    return False
+
+
+def _soft_capped(node: fx.Node, depth: int = 4) -> bool:
+    """tanh among the few ops before `node` (scores soft-capped as tanh(s / c) * c)."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+        if any(_target(a) is aten.tanh.default for a in frontier):
+            return True
+    return False
+
+
+def _repeated_heads(node: fx.Node) -> bool:
+    """k (or v) made of heads repeated: x[:, :, None].expand(...).reshape(...), or repeat_interleave."""
+    source = node
+    while _target(source) in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                              aten.permute.default, aten.alias.default):
+        source = source.args[0]
+    if _target(source) is aten.repeat_interleave.self_int:
+        return True
+    return _target(source) is aten.expand.default and _target(source.args[0]) is aten.unsqueeze.default
+
+
+def find_sites(graph: fx.Graph) -> list[Site]:
+    """The unfused sites of the graph, in graph order."""
+    sites, dependent = [], _parameter_dependent(graph)
+    rotations: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        t, path = _target(node), node.meta.get("module_path", "")
+        if t is None:
+            continue
+        site = lambda kind, looks, reason=None: sites.append(Site(kind, node.name, path, looks, reason))  # noqa: E731
+        if t is aten.rsqrt.default and _target(_through(node.args[0], (aten.add.Tensor, aten.add.Scalar))) \
+                is aten.mean.dim:
+            site("norm", "x * rsqrt(mean(x**2) + eps) * weight, written out")
+        elif t in (getattr(aten, "rms_norm", None) and aten.rms_norm.default,
+                   getattr(aten, "_fused_rms_norm", None) and aten._fused_rms_norm.default):
+            site("norm", f"the norm is {t}")
+        elif t is aten.mul.Tensor and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+            for act, other in (node.args, node.args[::-1]):
+                if _is_activation(act) and other is not _activation_input(act) and not _is_activation(node):
+                    site("gated_mlp", f"{act.target}(gate) * up")
+                    break
+        elif t is aten.neg.default and node in dependent and _target(node.args[0]) in (aten.slice.Tensor, getitem) \
+                and any(_target(u) is aten.cat.default for u in node.users):
+            rotations.setdefault(path, []).append(node)
+        elif t is aten.view_as_complex.default and node in dependent:
+            rotations.setdefault(path, []).append(node)
+        elif t is aten._softmax.default and _reaches_matmul(node):
+            reason = "the scores are soft-capped (tanh): SDPA has no soft-cap" if _soft_capped(node) else None
+            site("attention", "softmax(q @ k^T) @ v, written out", reason)
+        elif t is aten.scaled_dot_product_attention.default and not node.kwargs.get("enable_gqa") \
+                and _repeated_heads(node.args[1]):
+            site("attention", "SDPA over k and v heads repeated to the query heads")
+        elif t is aten._log_softmax.default:
+            source = _through(node.args[0], (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default))
+            if _target(source) is aten.linear.default:
+                site("loss", "cross_entropy(linear(x)) with the logits written out")
+    for path, nodes in rotations.items():
+        for first in nodes[::ROPE_RATIO]:
+            kind = "complex" if _target(first) is aten.view_as_complex.default else "rotate-half"
+            sites.append(Site("rope", first.name, path, f"{kind} RoPE, written out"))
+    return sites
+
+
+def fused_counts(graph: fx.Graph) -> Counter:
+    """Fused ops by the kind of site they replaced (SDPA with grouped-query heads as attention)."""
+    counts = Counter()
+    for node in graph.nodes:
+        packet = getattr(_target(node), "overloadpacket", None)
+        name = getattr(packet, "_qualified_op_name", "")
+        if name.startswith("picofx::") and name[8:] in FUSED_OPS:
+            counts[FUSED_OPS[name[8:]]] += 1
+        elif _target(node) is aten.scaled_dot_product_attention.default and node.kwargs.get("enable_gqa"):
+            counts["attention"] += 1
+    return counts
+
+
+def census(graph: fx.Graph) -> dict[str, dict[str, int]]:
+    """{kind: {"fused": n, "unfused": fusible sites left, "not_fusible": sites no rule may fuse}}."""
+    sites, fused = find_sites(graph), fused_counts(graph)
+    return {kind: {"fused": fused[kind],
+                   "unfused": sum(s.kind == kind and s.fusible for s in sites),
+                   "not_fusible": sum(s.kind == kind and not s.fusible for s in sites)} for kind in KINDS}

@@ -28,8 +28,8 @@ from torch import fx
 
 from picofx.manager import PassResult, Stage, register_pass
 from picofx.passes.precision_casts import insert_casts
-from picofx.passes.precision_rules import (LOW_PRECISION, Rule, is_float_tensor, op_name, parse_dtype,
-                                          resolve_op_names, rule_table, weight_free_nodes)
+from picofx.passes.precision_rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
+                                          parse_dtype, resolve_op_names, rule_table, weight_free_nodes)
 
 # (rtol, atol), norm-wise per tensor, against the fp32 graph on the example inputs: rounding the
 # inputs of every matmul to 8 (bf16) or 11 (fp16) significant bits moves the loss in its 3rd (4th)
@@ -110,6 +110,9 @@ def assign_dtypes(gm: fx.GraphModule, compute: torch.dtype, overrides: dict[str,
             plan[node] = torch.float32
         elif node in weight_free:  # table arithmetic (e.g. RoPE frequencies): as captured, fp32
             rules["rope_tables"] += 1
+            continue
+        elif explicitly_fp32(node):  # the model upcast its input itself: keep it as written
+            rules["explicit_fp32"] += 1
             continue
         else:
             glob = override_for(node.meta.get("module_path", ""), overrides)

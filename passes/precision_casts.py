@@ -5,7 +5,11 @@ to its dtype; the cast of a value to a dtype is made once, before its first user
 by all later users (so a weight is cast once per step, and the backward reuses the forward's
 cast through autograd). Unplanned nodes follow their inputs' new dtypes by ATen type promotion;
 an op that needs equal dtypes (index_put, scatter) gets its inputs cast to their promotion.
-Graph outputs keep the dtypes they were captured with, so the step's results look as before.
+Ops outside ATen and picofx (a library's custom op, such as an MoE grouped matmul, or a user's
+own) are not known to accept other dtypes: their inputs are cast back, at the op's boundary, to
+the dtypes they were captured with, unless the plan names the op. Graph outputs keep the dtypes
+they were captured with, so the step's results look as before. An op that does not accept its
+new input dtypes is reported when the pass runs, naming the node.
 """
 from __future__ import annotations
 
@@ -77,8 +81,16 @@ class CastInserter:
 
     def fake_value(self, node: fx.Node):
         args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (node.args, node.kwargs))
-        with self.mode:
-            return node.target(*args, **kwargs)
+        try:
+            with self.mode:
+                return node.target(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as error:
+            inputs = ", ".join(f"{a.name}: {SHORT_NAMES.get(dtype_of(a), dtype_of(a))}" for a in node.all_input_nodes
+                               if dtype_of(a) is not None)
+            where = node.meta.get("module_path") or "the top level"
+            raise TypeError(f"precision: node {node.name} ({node.target}, in {where}) does not accept its inputs' "
+                            f"new dtypes ({inputs}): {error}. Keep it in fp32 with "
+                            f"Precision(fp32_ops=({op_name(node.target)!r},)) or an override for its module.") from error
 
 
 def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counter:
@@ -87,6 +99,7 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
     inserter = CastInserter(gm)
     output = gm.graph.output_node()
     captured = {n: dtype_of(n) for n in output.all_input_nodes}
+    traced_dtypes = {n: dtype_of(n) for n in gm.graph.nodes}
     retyped: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -103,6 +116,8 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
         if op_name(node.target) in EQUAL_DTYPE_OPS:
             promoted = _promoted(node)
             inserter.cast_inputs(node, lambda d: promoted)
+        elif dtype is None and is_foreign_op(node.target):
+            _cast_back(inserter, node, traced_dtypes)
         before = _dtypes(node.meta.get("val"))
         node.meta["val"] = inserter.fake_value(node)
         if _dtypes(node.meta["val"]) != before:
@@ -112,6 +127,23 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
         output.args = pytree.tree_map_only(
             fx.Node, lambda n: inserter.cast(n, restore[n], output, "output") if n in restore else n, output.args)
     return inserter.counts
+
+
+def is_foreign_op(target) -> bool:
+    """An op from outside ATen, prims and picofx: a library's or a user's custom op."""
+    name = op_name(target)
+    return name is not None and name.split(".")[0] not in ("aten", "prims", "picofx")
+
+
+def _cast_back(inserter: CastInserter, node: fx.Node, traced_dtypes: dict) -> None:
+    """Cast each input whose dtype the pass changed back to the dtype it was traced with."""
+    def replace(arg):
+        traced, now = traced_dtypes.get(arg), dtype_of(arg)
+        if traced is None or now is None or traced == now or traced not in CASTABLE:
+            return arg
+        return inserter.cast(arg, traced, node, "activation")
+
+    node.args, node.kwargs = pytree.tree_map_only(fx.Node, replace, (node.args, node.kwargs))
 
 
 def _promoted(node: fx.Node) -> torch.dtype:

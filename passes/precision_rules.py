@@ -10,6 +10,9 @@ Each rule names a group of ops and the dtype class its nodes get:
                softmax, RoPE tables, losses: reductions and exponentials that bf16's 8-bit
                mantissa ruins.
 
+A node whose floating input the model itself upcast to fp32 (an explicit `.float()` captured as
+a cast from bf16/fp16) is never lowered: the model asked for that op in fp32.
+
 Every other op follows its inputs (ATen type promotion), as under torch.autocast: a residual
 add of an fp32 stream and a bf16 matmul output stays fp32; views and pointwise ops of bf16 values
 stay bf16. Ops are named "namespace.op" and matched on the overload packet.
@@ -56,6 +59,8 @@ RULES = (
     Rule("softmax", "fp32", ("aten._softmax", "aten.softmax", "aten._log_softmax", "aten.log_softmax",
                              "aten.logsumexp", "aten.exp", "aten.log", "aten.log1p", "aten.expm1")),
     Rule("rope_tables", "fp32", ("aten.cos", "aten.sin")),
+    # Complex numbers exist in fp32 and fp64 only (complex RoPE: view_as_complex of q and k).
+    Rule("complex", "fp32", ("aten.view_as_complex", "aten.complex", "aten.polar")),
     Rule("loss", "fp32", ("aten.nll_loss_forward", "aten.nll_loss2d_forward", "aten.cross_entropy_loss",
                           "aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
                           "aten.binary_cross_entropy", "aten.binary_cross_entropy_with_logits",
@@ -105,6 +110,24 @@ def rule_table(fp32_ops: tuple[str, ...]) -> dict[str, Rule]:
     user = Rule(USER_RULE, "fp32", fp32_ops)
     table.update({op: user for op in fp32_ops})
     return table
+
+
+VIEW_OPS = frozenset(("aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.transpose",
+                      "aten.t", "aten.expand", "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select",
+                      "aten.alias", "aten.clone", "aten.contiguous"))
+
+
+def explicitly_fp32(node: fx.Node) -> bool:
+    """Some floating input of `node` is, through views, a cast from bf16/fp16 up to fp32 that the
+    model made (the pass's own casts come later and are not in the captured graph it reads)."""
+    for source in node.all_input_nodes:
+        while op_name(source.target) in VIEW_OPS and source.args:
+            source = source.args[0]
+        if op_name(source.target) == "aten._to_copy" and source.kwargs.get("dtype") == torch.float32:
+            val = source.args[0].meta.get("val") if isinstance(source.args[0], fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dtype in LOW_PRECISION:
+                return True
+    return False
 
 
 def weight_free_nodes(gm: fx.GraphModule) -> set[fx.Node]:

@@ -34,17 +34,26 @@ class _CurrentStderr(logging.StreamHandler):
         pass
 
 
-def notices() -> logging.Logger:
+def _install_notices() -> logging.Logger:
     """The `picofx` logger: INFO lines such as a recompilation, printed to stderr as `picofx: ...`.
-    `logging.getLogger("picofx").setLevel(logging.WARNING)` silences them."""
+    Set up when picofx is imported, so `logging.getLogger("picofx").setLevel(logging.WARNING)`
+    afterwards silences them."""
     log = logging.getLogger("picofx")
     if not log.handlers:
         handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("picofx: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
         log.propagate = False
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
     return log
+
+
+_NOTICES = _install_notices()
+
+
+def notices() -> logging.Logger:
+    return _NOTICES
 
 
 def _is_bytes(name: str, parent: str = "") -> bool:
@@ -59,7 +68,7 @@ def format_value(name: str, value: Any, parent: str = "") -> str:
     return str(value)
 
 
-def format_notes(notes: dict[str, Any]) -> str:
+def note_items(notes: dict[str, Any]) -> list[str]:
     """The scalar notes as `name=value`, bytes in KiB/MiB/GiB. Recomputed nodes that add no FLOPs
     are said to be views and free ops, so the two figures cannot be read as a contradiction."""
     items = []
@@ -70,9 +79,27 @@ def format_notes(notes: dict[str, Any]) -> str:
             continue
         text = f"{key}={format_value(key, value)}"
         if key == "recomputed" and value and notes.get("added_flops") == 0:
-            text += " (views and free ops: 0 FLOPs added)"
+            text += " views/free ops (0 FLOPs)"
         items.append(text)
-    return ", ".join(items)
+    return items
+
+
+def format_notes(notes: dict[str, Any]) -> str:
+    return ", ".join(note_items(notes))
+
+
+def pack(items: list[str], room: int) -> list[str]:
+    """`items` joined by ", " into lines of at most `room` characters, breaking between items
+    (and inside an item only when it alone is too long)."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + len(item) + 3 <= room:
+            lines[-1] += f", {item}"
+        else:
+            if lines:
+                lines[-1] += ","
+            lines += textwrap.wrap(item, room) or [""]
+    return lines or [""]
 
 
 def _near_miss(miss: dict) -> str:
@@ -123,13 +150,14 @@ class Report:
         """The pass table and what the passes explain; lines fit in WIDTH columns unless `wide`."""
         header = ["pass", "stage", "graph", "ms", "nodes", "notes"]
         rows = [header] + self.rows()
+        items = [[]] + [note_items(r.notes) for r in self.records] + [[]]  # per row after the header
         widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
         indent = sum(widths) + 2 * len(widths)
         room = None if wide else max(WIDTH - indent, 30)
         lines = []
-        for row in rows:
+        for i, row in enumerate(rows):
             cells = "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  "
-            notes = textwrap.wrap(row[-1], room) if room and row[-1] else [row[-1]]
+            notes = pack(items[i - 1], room) if room and i else [row[-1]]
             lines += [cells + notes[0]] + [" " * indent + more for more in notes[1:]]
         lines.insert(1, "-" * min(max(len(line.rstrip()) for line in lines), WIDTH if not wide else 10**6))
         if self.recompilations:

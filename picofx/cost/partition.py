@@ -10,6 +10,7 @@ so here they are recomputed like any other op.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import fx
@@ -69,7 +70,9 @@ def inductor_recomputes(joint: fx.GraphModule, num_fwd_outputs: int) -> frozense
     """The forward nodes Inductor's own min-cut partition recomputes in backward (cheap ops it
     fuses into the backward's kernels, so that their inputs are saved instead of them), found
     by running that partitioner on a copy of `joint`."""
-    copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+    with warnings.catch_warnings():  # copying the graph's pytree specs trips torch's LeafSpec deprecation
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning)
+        copied = fx.GraphModule(joint, copy.deepcopy(joint.graph))
     inputs = [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
     _, backward = min_cut_rematerialization_partition(copied, inputs, num_fwd_outputs=num_fwd_outputs)
     forward, by_name = forward_region(joint), {n.name: n for n in joint.graph.nodes}

@@ -219,3 +219,23 @@ def test_an_input_counts_in_inductors_estimate_as_far_as_its_last_readers_index_
     # (Inductor's estimate sized the bench model's saved k and v so, at twice their bytes)
     assert fusion.read_elements[(nodes["clone"], nodes["k_1"])] == 4 * N * 16
     assert fusion.read_elements[(nodes["sum_2"], nodes["table_1"])] == N  # a broadcast's dims do not count
+
+
+def test_the_model_reads_inductors_thresholds_when_asked():
+    from torch._inductor import config
+
+    from picofx.cost.inductor.switches import unvouched
+
+    def f(x, w):
+        h = x @ w
+        return ((h * 2) @ w + (h * 3) @ w,)  # two loops over h: one kernel
+
+    gm, s, nodes = _graph(f, 2)
+    assert inductor_fusion(s)[1].kernel_end
+    with config.patch(max_fusion_size=1):  # a user's config: no two kernels fuse
+        assert not inductor_fusion(s)[1].kernel_end
+        assert unvouched() is None
+    with config.patch(score_fusion_memory_threshold=2 * KiB16):  # h is too small to fuse for
+        assert not inductor_fusion(s)[1].kernel_end
+    with config.patch(aggressive_fusion=True):  # a switch the model does not mirror
+        assert "aggressive_fusion" in unvouched()

@@ -10,7 +10,8 @@ starts from those, frees each after its last use and produces the gradients, whi
 The step's peak is resident + optimizer state + the larger of the two graphs' peaks, each
 from `picofx.cost.liveness` (exact storage liveness over the execution order, views resolved; the
 scratch memory of custom ops and attention kernels from `picofx.cost.inductor.workspace`). Under Inductor the
-order, the buffers and their reuse are those of its generated code (`picofx.cost.inductor.kernel_order`).
+order, the buffers and their reuse are those of its generated code, with Inductor's config as it
+is when asked (`picofx.cost.inductor.model.InductorMemoryModel`).
 `picofx.memory.measure_peak` measures the same quantity.
 """
 from __future__ import annotations
@@ -24,10 +25,9 @@ from torch import fx
 from picofx.capture.annotate import tensor_bytes
 from picofx.cost.units import MiB, format_bytes
 from picofx.cost.device import Device, GiB, device_for
-from picofx.cost.inductor.kernel_order import inductor_fusion
-from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values, timeline
+from picofx.cost.inductor.model import memory_model_for
+from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values
 from picofx.cost.inductor.workspace import workspace_bytes
-
 
 
 def is_alias(node: fx.Node) -> bool:
@@ -106,7 +106,8 @@ class CostModel:
     `out = model(...); out.loss.backward()` does; by default only what the backward takes lives
     on, as with `model(...).loss.backward()` or a loss_fn that returns the loss alone.
     `fuses_pointwise`: the graphs run compiled by Inductor, with its fused kernels, kernel order
-    and buffer reuse (`picofx.cost.inductor.kernel_order`); False counts every value in graph order (eager).
+    and buffer reuse (`picofx.cost.inductor.model.InductorMemoryModel`); False counts every value
+    in graph order (eager).
     `attention_scratch`: count the scratch memory of attention kernels, which on the CPU depends
     on the thread count and is not a polynomial in batch and sequence (`picofx.cost.symbolic` turns
     it off)."""
@@ -118,13 +119,17 @@ class CostModel:
         self.device = device
         self.backward_frees_inputs = backward_frees_inputs
         self.holds_outputs = holds_outputs
-        self.fuses_pointwise = fuses_pointwise
+        self.memory = memory_model_for("inductor" if fuses_pointwise else "eager")
         self.scratch = partial(workspace_bytes, attention=attention_scratch)
 
     @classmethod
     def for_backend(cls, device, backend: str) -> CostModel:
         """The default model for graphs that `backend` ("eager" or "inductor") runs on `device`."""
-        return cls(device, fuses_pointwise=backend == "inductor")
+        return cls(device, fuses_pointwise=memory_model_for(backend).fuses_pointwise)
+
+    @property
+    def fuses_pointwise(self) -> bool:
+        return self.memory.fuses_pointwise
 
     def node_time(self, node: fx.Node) -> float:
         """Seconds: the node is bound by compute or by memory traffic, whichever is slower."""
@@ -158,13 +163,9 @@ class CostModel:
         resident = resident_keys(fw_s)
         taken = {n.name for n in bw_s.inputs}
         held = [n for n in fw_s.outputs if n is not None and n.name not in taken] if self.holds_outputs else []
-        if self.fuses_pointwise:
-            (fw_s, fw_fusion), (bw_s, bw_fusion) = inductor_fusion(fw_s), inductor_fusion(bw_s)
-        else:
-            fw_fusion = bw_fusion = None
-        return (timeline(fw_s, resident, workspace=self.scratch, fusion=fw_fusion),
-                timeline(bw_s, resident, frees_inputs=self.backward_frees_inputs, held=held,
-                         workspace=self.scratch, fusion=bw_fusion))
+        return (self.memory.timeline(fw_s, resident, workspace=self.scratch),
+                self.memory.timeline(bw_s, resident, frees_inputs=self.backward_frees_inputs, held=held,
+                                     workspace=self.scratch))
 
 
 def _schedule(graph) -> Schedule:

@@ -22,12 +22,15 @@ from collections import defaultdict
 from picofx.cost.liveness import Fusion, Storages, live_bytes
 
 
-def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset()) -> None:
+def reuse_buffers(st: Storages, steps, fusion: Fusion, allocates_itself=frozenset(), free_list: bool = True) -> None:
     """Apply both rules to `st`: reused outputs stop being counted and the buffer they take over
-    lives on in their place. `allocates_itself`: the steps that are fallback kernels."""
-    estimate = _PeakEstimate(st, steps, fusion)
+    lives on in their place. `allocates_itself`: the steps that are fallback kernels. In place
+    applies to `fusion.in_place` (none when Inductor's `inplace_buffers` is off); `free_list`:
+    Inductor's `allow_buffer_reuse`."""
+    estimate = _PeakEstimate(st, steps, fusion) if free_list else None
     rewritten = _reuse_dying_inputs(st, steps, fusion)
-    _reuse_freed(st, steps, allocates_itself, rewritten, estimate)
+    if free_list:
+        _reuse_freed(st, steps, allocates_itself, rewritten, estimate)
 
 
 class _PeakEstimate:

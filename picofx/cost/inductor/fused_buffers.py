@@ -7,8 +7,10 @@ pointwise op, a reduction, or a view read only by those, and the graph does not 
 Everything else (matmuls, attention, custom ops, values saved for the backward or returned)
 gets a buffer. Inductor also writes a pointwise value to a buffer when recomputing it in every
 reader would cost too much (`torch._inductor.ir.StorageBox.should_realize_on_reuse`,
-`has_exceeded_max_reads`): it has several readers and loads more than 4 buffers or, on CPU,
-calls exp, log, sigmoid or tanh; or it loads more than 8 buffers (12 on CPU). Such a buffer still
+`has_exceeded_max_reads`): it has several readers and loads more than `realize_reads_threshold`
+buffers (4) or, on CPU, calls exp, log, sigmoid or tanh; or it loads more than
+`realize_acc_reads_threshold` buffers (8; 12 on CPU), thresholds read from Inductor's config
+(`picofx.cost.inductor.switches`). Such a buffer still
 disappears when every reader ends up in its fused kernel (`picofx.cost.inductor.kernel_order`). How the
 kernels that write buffers are fused and ordered, and how their buffers are reused:
 `picofx.cost.inductor.kernel_order`, `picofx.cost.inductor.buffer_reuse`.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from picofx.cost.inductor.switches import InductorSwitches
 from picofx.cost.liveness import Schedule
 
 aten = torch.ops.aten
@@ -77,13 +80,13 @@ def _computed_where_read(node: fx.Node) -> bool:
 
 
 HEAVY_ON_CPU = {aten.exp, aten.log, aten.log10, aten.log1p, aten.log2, aten.sigmoid, aten.tanh}
-REUSED_READS, MAX_READS, MAX_READS_CPU = 4, 8, 12  # torch._inductor.config realize_*_threshold
 
 
 class _Inlined:
     """What the code Inductor inlines for a value loads and calls, through the values it inlines."""
 
-    def __init__(self):
+    def __init__(self, switches: InductorSwitches):
+        self.switches = switches
         self.loads: dict[fx.Node, frozenset] = {}
         self.calls: dict[fx.Node, frozenset] = {}
 
@@ -103,14 +106,16 @@ class _Inlined:
         val = node.meta["val"] if isinstance(node.meta.get("val"), torch.Tensor) else None
         cpu = val is not None and val.device.type == "cpu"
         loads = len(self.loads[node])
-        if loads > (MAX_READS_CPU if cpu else MAX_READS):
+        if loads > self.switches.max_reads(cpu):
             return True
-        return readers > 1 and (loads > REUSED_READS or (cpu and bool(self.calls[node] & HEAVY_ON_CPU)))
+        heavy = cpu and bool(self.calls[node] & HEAVY_ON_CPU)
+        return readers > 1 and (loads > self.switches.realize_reads_threshold or heavy)
 
 
-def unmaterialized(schedule: Schedule) -> set[fx.Node]:
+def unmaterialized(schedule: Schedule, switches: InductorSwitches | None = None) -> set[fx.Node]:
     """The pointwise steps whose values stay inside fused kernels. Readers are the users among
-    the schedule's own steps (a schedule may run nodes of a larger joint graph)."""
+    the schedule's own steps (a schedule may run nodes of a larger joint graph). `switches`:
+    Inductor's thresholds (default: its config now)."""
     steps = set(schedule.steps)
     returned = {n for n in schedule.outputs if n is not None}
 
@@ -121,7 +126,7 @@ def unmaterialized(schedule: Schedule) -> set[fx.Node]:
             return True
         return node.target in VIEWS and all(fusable_reader(u) for u in node.users if u in steps)
 
-    inlined, code = set(), _Inlined()
+    inlined, code = set(), _Inlined(switches or InductorSwitches.current())
     for node in schedule.steps:
         readers = [u for u in node.users if u in steps]
         if _computed_where_read(node) and node not in returned and readers and all(map(fusable_reader, readers)):
@@ -131,7 +136,10 @@ def unmaterialized(schedule: Schedule) -> set[fx.Node]:
     return inlined
 
 
-def in_place_candidates(schedule: Schedule) -> set[fx.Node]:
+def in_place_candidates(schedule: Schedule, switches: InductorSwitches | None = None) -> set[fx.Node]:
     """The pointwise steps: Inductor's kernel for one may write into an input buffer it reads at the
-    same index (ops that move elements, like a transposing copy or a scatter, cannot)."""
+    same index (ops that move elements, like a transposing copy or a scatter, cannot); none when
+    Inductor's `inplace_buffers` is off."""
+    if not (switches or InductorSwitches.current()).inplace_buffers:
+        return set()
     return {node for node in schedule.steps if is_pointwise(node)}

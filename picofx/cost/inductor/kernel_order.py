@@ -11,7 +11,8 @@ recomputed activation and a gradient, say) can raise the peak above the graph or
 rules follow `torch._inductor.scheduler` (`get_possible_fusions`, `can_fuse`,
 `will_fusion_create_cycle`, `are_long_distant_nodes`, `topological_sort_schedule`), with its
 limits on how far apart two readers of a buffer may be, on how far apart (in kernels) two fused
-kernels may start and end, and on how many nodes one kernel may hold.
+kernels may start and end, and on how many nodes one kernel may hold, read from Inductor's config
+(`picofx.cost.inductor.switches`).
 
 Where a kernel stands: Inductor computes a pointwise value when a reader needs it in memory.
 A value with several readers gets its buffer where it is defined; a value only extern kernels
@@ -33,13 +34,10 @@ from picofx.cost.inductor.fused_buffers import (REDUCTIONS, VIEWS, in_place_cand
                                   unmaterialized)
 from picofx.cost.liveness import Fusion, Schedule, storage_bytes, tensor_values
 from picofx.cost.inductor.loop_loads import LoopAccess, output_size
+from picofx.cost.inductor.switches import InductorSwitches
 
 aten = torch.ops.aten
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}  # Inductor lowers them to views
-PAIR_WINDOW = 64  # torch._inductor.config.max_fusion_buffer_group_pairwise_attempts
-MAX_MEMBERS = 64  # torch._inductor.config.max_fusion_size
-MAX_SPAN = 64  # Scheduler.are_long_distant_nodes: kernels farther apart than this do not fuse
-MIN_SHARED_BYTES = 10  # torch._inductor.config.score_fusion_memory_threshold
 
 
 def _iteration_shape(node: fx.Node) -> tuple:
@@ -80,8 +78,11 @@ def loop_access(steps, in_registers, loop_shapes=None) -> LoopAccess:
                       {n for n in transparent if n not in in_registers})
 
 
-def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = None) -> list[list[fx.Node]]:
+def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = None,
+                  switches: InductorSwitches | None = None) -> list[list[fx.Node]]:
     """Groups of steps Inductor runs as one kernel (only groups of two or more), each in step order."""
+    switches = switches or InductorSwitches.current()
+    window = switches.pairwise_attempts
     steps = schedule.steps
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
@@ -105,10 +106,10 @@ def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = 
 
     pairs = set()
     for buffer, nodes in accessors.items():
-        if storage_bytes(buffer) < MIN_SHARED_BYTES:  # Inductor does not fuse for a few shared bytes
+        if storage_bytes(buffer) < switches.score_fusion_memory_threshold:  # too few shared bytes to fuse for
             continue
         for i, a in enumerate(nodes):
-            pairs.update((a, b) for b in nodes[i + 1:i + 1 + PAIR_WINDOW] if a is not b and compatible(a, b, buffer))
+            pairs.update((a, b) for b in nodes[i + 1:i + 1 + window] if a is not b and compatible(a, b, buffer))
     groups = UnionFind()
     members = {node: [node] for node in loops}
     between = _kernels_between(steps, transparent)
@@ -116,10 +117,10 @@ def fused_kernels(schedule: Schedule, in_registers, access: LoopAccess | None = 
     span = {node: (kernel_rank[node], kernel_rank[node]) for node in loops}
     for a, b in sorted(pairs, key=lambda p: (index[p[0]], index[p[1]])):
         ra, rb = groups[a], groups[b]
-        if ra is rb or len(members[ra]) + len(members[rb]) > MAX_MEMBERS:
+        if ra is rb or len(members[ra]) + len(members[rb]) > switches.max_fusion_size:
             continue
         (low_a, high_a), (low_b, high_b) = span[ra], span[rb]
-        if max(abs(low_a - high_b), abs(low_b - high_a)) > MAX_SPAN:
+        if max(abs(low_a - high_b), abs(low_b - high_a)) > switches.long_distance:
             continue
         union = members[ra] + members[rb]
         if between(union):
@@ -159,8 +160,8 @@ def _kernels_between(steps, transparent):
     return between
 
 
-def kernel_order(schedule: Schedule, in_registers,
-                 access: LoopAccess | None = None) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+def kernel_order(schedule: Schedule, in_registers, access: LoopAccess | None = None,
+                 switches: InductorSwitches | None = None) -> tuple[Schedule, dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     """The schedule reordered as Inductor runs it; for each member of a fused kernel the
     kernel's last member (the step where the kernel ends: its inputs live until there); and for
     each step the number of the kernel it runs in, counting kernels in order. Views and inlined
@@ -169,7 +170,7 @@ def kernel_order(schedule: Schedule, in_registers,
     index = {node: k for k, node in enumerate(steps)}
     transparent = _inlined(steps, in_registers)
     unit_of = {node: (node,) for node in steps if node not in transparent}
-    for group in fused_kernels(schedule, in_registers, access):
+    for group in fused_kernels(schedule, in_registers, access, switches):
         for node in group:
             unit_of[node] = tuple(group)
     order, emitted, opened, done = [], set(), set(), set()
@@ -226,15 +227,18 @@ def _kernel_numbers(order, transparent, unit_of) -> dict[fx.Node, int]:
     return numbers
 
 
-def inductor_fusion(schedule: Schedule) -> tuple[Schedule, Fusion]:
-    """The schedule in Inductor's order, and how Inductor's kernels and buffers run it."""
-    in_registers = unmaterialized(schedule)
+def inductor_fusion(schedule: Schedule, switches: InductorSwitches | None = None) -> tuple[Schedule, Fusion]:
+    """The schedule in Inductor's order, and how Inductor's kernels and buffers run it, under
+    `switches` (default: Inductor's config now)."""
+    switches = switches or InductorSwitches.current()
+    in_registers = unmaterialized(schedule, switches)
     schedule, copies, loop_shapes = realized_by_reader(schedule, in_registers)
     access = loop_access(schedule.steps, in_registers, loop_shapes)
-    ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers, access)
+    ordered, kernel_end, kernel_index = kernel_order(schedule, in_registers, access, switches)
     fallbacks = frozenset(n for n in ordered.steps if is_fallback(n))
-    return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered)), kernel_end,
-                           partial(reuse_buffers, allocates_itself=fallbacks), kernel_index,
+    reuse = partial(reuse_buffers, allocates_itself=fallbacks, free_list=switches.allow_buffer_reuse)
+    return ordered, Fusion(frozenset(in_registers), frozenset(in_place_candidates(ordered, switches)), kernel_end,
+                           reuse, kernel_index,
                            _kernel_local(ordered, in_registers, kernel_end), access.elements_read(schedule.inputs),
                            copies)
 

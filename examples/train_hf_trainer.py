@@ -7,7 +7,7 @@ source, byte by byte (256 tokens). `Trainer` runs as it would on the plain model
     python examples/train_hf_trainer.py                                   # CPU, fuse + Inductor
     python examples/train_hf_trainer.py --backend eager --passes fuse precision checkpoint
     torchrun --nproc-per-node 2 examples/train_hf_trainer.py --passes fuse overlap   # data parallel
-    accelerate launch --num_processes 2 --cpu examples/train_hf_trainer.py --passes fuse
+    accelerate launch --multi_gpu --num_processes 2 examples/train_hf_trainer.py   # CPU ranks too (gloo)
 """
 from __future__ import annotations
 

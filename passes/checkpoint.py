@@ -212,10 +212,17 @@ class Checkpoint:
     """budget: bytes (int), "8GiB"/"512MiB"/"1.5GB", or a fraction (float) of the predicted peak
     without checkpointing; None: the device's memory capacity. It covers the whole step:
     parameters, buffers, inputs, gradients, optimizer state (when `optimizer` names one:
-    "adamw", or an optimizer instance), saved activations and transients."""
+    "adamw", or an optimizer instance), saved activations and transients.
+    measure: after compiling, run one real step and measure its peak (`picofx.runtime.measure`);
+    if it exceeds the budget, plan again for a peak below that plan's predicted one by the measured
+    excess (at most twice).
+    The notes' "rounds" list the predicted and measured peak of each plan. `measured_rounds`:
+    (predicted, measured) of the plans before this one, which re-planning fills in."""
 
     budget: int | str | float | None = None
     optimizer: object = None
+    measure: bool = False
+    measured_rounds: tuple = ()
     stage = Stage.JOINT
     plans_partition = True  # its peak is predicted for picofx's partition, used even when it tags nothing
 
@@ -232,20 +239,30 @@ class Checkpoint:
         budget = (cost_model.device.memory_capacity if self.budget is None
                   else parse_budget(self.budget, reference=before.memory.peak))
         notes = {"budget": budget, "peak_before": before.memory.peak}
-        if before.memory.peak <= budget:
+        # each plan measured over the budget: the next one is predicted below it by that excess
+        target = min([budget, *(predicted - (measured - budget) for predicted, measured in self.measured_rounds)])
+        if target < budget:
+            notes["planned_for"] = target
+        if before.memory.peak <= target:
             chosen = before
         else:
             models = [planner.predict(planner.uniform(k)) for k in range(max(len(s.options) for s in planner.segments))]
-            chosen = self._search(planner, models, budget - before.memory.resident, budget)
+            chosen = self._search(planner, models, target - before.memory.resident, target)
         if chosen is None:  # the DP's model missed; look at the least peaks it can reach, then give up
             smallest = self._smallest(planner, models, before.memory.peak - before.memory.resident)
-            chosen = planner.cheapest_within(budget)
+            chosen = planner.cheapest_within(target)
+            if chosen is None and target < budget:  # a re-plan that cannot make up the excess does its best
+                chosen = min((p for p in planner.cache.values() if p.levels), key=lambda p: p.memory.peak,
+                             default=None)
             if chosen is None:
                 raise self._infeasible(smallest, before.memory, budget, _batch_size(gm))
         for node in chosen.recompute:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta[MARK] = True
         recomputed = [n for n in chosen.backward_steps if n in chosen.recompute and n not in planner.base]
+        if self.measure:
+            notes["rounds"] = [*({"predicted": p, "measured": m} for p, m in self.measured_rounds),
+                               {"predicted": chosen.memory.peak}]
         return PassResult(bool(chosen.recompute), {
             **notes, "peak_after": chosen.memory.peak,
             "bytes_saved": before.memory.saved_activations - chosen.memory.saved_activations,
@@ -254,6 +271,17 @@ class Checkpoint:
             "recomputed": len(recomputed), "recomputed_as_inductor_does": len(planner.base),
             "simulations": len(planner.cache),
             "memory": dataclasses.asdict(chosen.memory), "per_layer": per_layer(chosen, planner)})
+
+    def after_measured_step(self, record, measured: int) -> Checkpoint | None:
+        """With `measure`: the peak of a real step under this plan (without the optimizer, whose
+        predicted state is added) goes into the record; the pass to plan again with, if it is
+        over the budget."""
+        notes = record.notes
+        peak = measured + notes["memory"]["optimizer_state"]
+        notes["rounds"][-1]["measured"] = notes["measured_peak"] = peak
+        if peak <= notes["budget"]:
+            return None
+        return dataclasses.replace(self, measured_rounds=(*self.measured_rounds, (notes["peak_after"], peak)))
 
     @staticmethod
     def _search(planner: Planner, models: list, cap: int, budget: int) -> Prediction | None:

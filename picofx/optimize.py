@@ -9,7 +9,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from picofx.errors import InputShapeError
-from picofx.capture.export import Signature, argument_name, capture_call, input_changes, input_key, split_inputs
+from picofx.capture.explain import argument_name, call_arguments
+from picofx.capture.export import Signature, capture_call, input_changes, input_key, split_inputs
 from picofx.cost.model import CostModel
 from picofx.manager.dump import DumpGraphs
 from picofx.manager import Context, PassManager, Stage, resolve_passes
@@ -200,8 +201,8 @@ def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict
     old, old_spec = pytree.tree_flatten_with_path((args0, kwargs0))
     new, new_spec = pytree.tree_flatten_with_path((args, kwargs))
     if old_spec != new_spec:
-        return (f"the call's inputs are structured differently from the captured call "
-                f"({new_spec} vs {old_spec}); call with the same arguments, or optimize with recapture=True.")
+        return (f"the call passes {call_arguments(args, kwargs)}, the graph was captured with "
+                f"{call_arguments(args0, kwargs0)}; call with the same arguments, or optimize with recapture=True.")
     for (path, a), (_, b) in zip(old, new):
         name = argument_name(path)
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):

@@ -123,6 +123,18 @@ def test_a_wrong_input_names_the_argument_and_both_shapes():
         opt(torch.randn(4, 9))
 
 
+def test_a_misspelt_argument_is_named_before_the_capture_and_a_missing_one_after_it():
+    z = zoo.build("llama-tiny")
+    ids, labels = z.example_inputs["input_ids"], z.example_inputs["labels"]
+    with pytest.raises(picofx.CaptureError, match=r"Llama\.forward takes no argument 'input_id' \(it takes "
+                                                  r"input_ids\); did you mean 'input_ids'\?"):
+        picofx.optimize(z.model, {"input_id": ids, "labels": labels}, backend="eager", loss_fn=z.loss_fn)
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager", loss_fn=z.loss_fn, recapture=False)
+    with pytest.raises(picofx.InputShapeError, match="the call passes input_ids, the graph was captured with "
+                                                     "input_ids, labels"):
+        opt(input_ids=ids)
+
+
 def test_loss_fn_for_a_model_that_computes_its_own_loss_says_to_drop_it():
     h, ref = zoo.build("hf-llama-tiny"), zoo.build("llama-tiny")
     with pytest.raises(picofx.CaptureError, match=r"LlamaForCausalLM\.forward takes labels and computes its own "

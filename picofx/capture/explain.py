@@ -3,6 +3,7 @@ user's code and the module that ran), and what to do; also the checks capture ma
 exporting (does the model take labels?) and how an input is named in messages."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import traceback
@@ -84,13 +85,36 @@ def argument_name(path: tuple) -> str:
     return f"{top.key}{rest}" if in_kwargs else f"argument {top.idx}{rest}"
 
 
+def call_arguments(args: tuple, kwargs: dict) -> str:
+    """A call's arguments by name: "argument 0, input_ids, labels"."""
+    return ", ".join([f"argument {i}" for i in range(len(args))] + list(kwargs)) or "no arguments"
+
+
 def accepts_labels(model: nn.Module) -> bool:
     """Whether the model's forward takes a `labels` argument (or any keyword)."""
+    return not unknown_keywords(model, ["labels"])
+
+
+def unknown_keywords(model: nn.Module, names) -> list[str]:
+    """The names the model's forward has no parameter for (none if it takes **kwargs)."""
     try:
-        parameters = inspect.signature(model.forward).parameters.values()
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return True
-    return any(p.name == "labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return []
+    return [name for name in names if name not in parameters]
+
+
+def check_keywords(model: nn.Module, kwargs: dict) -> None:
+    """A keyword the model's forward does not take is named before anything is traced."""
+    unknown = unknown_keywords(model, kwargs)
+    if unknown:
+        known = list(inspect.signature(model.forward).parameters)
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise CaptureError(f"capture: {type(model).__name__}.forward takes no argument {unknown[0]!r} "
+                           f"(it takes {', '.join(known)}){hint}")
 
 
 def _user_frame(error: BaseException) -> str:

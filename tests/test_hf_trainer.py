@@ -10,6 +10,7 @@ is the ranks' program: each variant trains one step and saves its batch and grad
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import signal
@@ -30,13 +31,14 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArg
 from transformers.utils.generic import find_labels  # noqa: E402
 
 SEQ, VOCAB_SEED, RANKS_TIMEOUT_S = 16, 1, 240
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_hf_trainer.py"
 
 
 class Tokens(torch.utils.data.Dataset):
     """Random token rows; `index` is a column no model takes: Trainer must drop it."""
 
-    def __init__(self, rows: int, seed: int, vocab: int):
-        self.ids = zoo.token_batch(vocab, rows, SEQ, seed)
+    def __init__(self, rows: int, seed: int, vocab: int, seq: int = SEQ):
+        self.ids = zoo.token_batch(vocab, rows, seq, seed)
 
     def __len__(self):
         return len(self.ids)
@@ -91,15 +93,33 @@ def test_the_optimized_module_reads_like_the_model():
     assert list(opt.state_dict()) == list(model.state_dict())
 
 
-def test_a_loss_fn_models_signature_takes_labels():
-    ref = zoo.build("llama-tiny", batch=2, seq=SEQ)
-    opt = picofx.optimize(ref.model, ref.example_inputs, passes=[], loss_fn=ref.loss_fn, backend="eager")
+class ShiftedTokens(Tokens):
+    """Rows of SEQ + 1 tokens as a logits model's inputs and next-token labels."""
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:], "index": i}
+
+
+def test_a_loss_fn_model_takes_labels_and_trains_under_trainer(tmp_path):
+    ref = zoo.build("gpt2-tiny", batch=2, seq=SEQ)
+    expected = ref.loss_fn(ref.model(ref.example_inputs["input_ids"]), ref.example_inputs["labels"])
+    # Trainer reads the loss from a dict (or the first element of a tuple), not from a bare tensor
+    opt = picofx.optimize(ref.model, ref.example_inputs, passes=[], backend="eager",
+                          loss_fn=lambda out, labels: {"loss": ref.loss_fn(out, labels)})
     params = inspect.signature(opt.forward).parameters
     assert list(params) == [*inspect.signature(ref.model.forward).parameters, "labels"]
     assert find_labels(type(opt)) == ["labels"] and opt.main_input_name == "input_ids"
-    assert not isinstance(opt, LlamaForCausalLM)
-    torch.testing.assert_close(opt(**ref.example_inputs), ref.loss_fn(ref.model(ref.example_inputs["input_ids"]),
-                                                                       ref.example_inputs["labels"]))
+    assert not isinstance(opt, transformers.PreTrainedModel)
+    torch.testing.assert_close(opt(**ref.example_inputs)["loss"], expected)
+
+    vocab = ref.model.lm_head.out_features
+    # save_strategy="no": Trainer saves a model that is not a PreTrainedModel as a bare safetensors
+    # state dict, which refuses GPT-2's tied embedding and head (so it does for the plain model)
+    run = Trainer(model=opt, args=arguments(tmp_path, max_steps=2, save_strategy="no"),
+                  train_dataset=ShiftedTokens(4, VOCAB_SEED, vocab, SEQ + 1),
+                  eval_dataset=ShiftedTokens(2, VOCAB_SEED + 1, vocab, SEQ + 1))
+    run.train()
+    assert len(logged(run.state.log_history, "loss")) == 2 and len(logged(run.state.log_history, "eval_loss")) == 1
 
 
 def test_gradient_checkpointing_argument_is_picofxs_checkpoint_pass(tmp_path):
@@ -164,6 +184,17 @@ def test_trainer_with_inductor(tmp_path):
     optimized.train()
     torch.testing.assert_close(logged(optimized.state.log_history, "loss"),
                                logged(plain.state.log_history, "loss"), rtol=1e-4, atol=1e-5)
+
+
+def test_the_example_trains_and_evaluates(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_hf_trainer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--backend", "eager", "--steps", "2", "--batch", "2", "--seq", "32", "--passes", "fuse",
+                           "--output-dir", str(tmp_path)])
+    assert len(logged(result["history"], "loss")) == 2 and result["eval_loss"] < 6.0  # log(256) = 5.55 at start
+    assert (tmp_path / "checkpoint-2" / "config.json").is_file()
+    assert "fuse" in capsys.readouterr().out
 
 
 # ---- data parallel: two ranks under torchrun -------------------------------------------------------------

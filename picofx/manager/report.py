@@ -153,12 +153,16 @@ class Report:
         items = [[]] + [note_items(r.notes) for r in self.records] + [[]]  # per row after the header
         widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
         indent = sum(widths) + 2 * len(widths)
-        room = None if wide else max(WIDTH - indent, 30)
+        below = not wide and WIDTH - indent < 50  # too narrow beside the row: the notes go under it
+        room = None if wide else WIDTH - 4 if below else WIDTH - indent
         lines = []
         for i, row in enumerate(rows):
             cells = "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  "
             notes = pack(items[i - 1], room) if room and i else [row[-1]]
-            lines += [cells + notes[0]] + [" " * indent + more for more in notes[1:]]
+            if below and i:
+                lines += [cells] + ["    " + line for line in notes if line]
+            else:
+                lines += [cells + notes[0]] + [" " * indent + more for more in notes[1:]]
         lines.insert(1, "-" * min(max(len(line.rstrip()) for line in lines), WIDTH if not wide else 10**6))
         if self.recompilations:
             lines += ["", f"captured and compiled {self.recompilations + 1} times "

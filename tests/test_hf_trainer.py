@@ -153,6 +153,8 @@ def test_save_resume_and_from_pretrained_with_fuse_precision_checkpoint(tmp_path
     model = tiny_model()
     opt = picofx.optimize(model, example_batch(model), passes=PASSES_UNDER_TEST(), backend="eager")
     assert [r.name for r in opt.report.records] == ["fuse", "precision", "checkpoint"]
+    opt.gradient_checkpointing_enable()  # accepted: the checkpoint pass plans the recomputation
+    assert opt.is_activation_checkpointing
     whole = trainer(opt, tmp_path / "run")
     whole.train()
     history = whole.state.log_history
@@ -200,7 +202,7 @@ def test_the_example_trains_and_evaluates(tmp_path, capsys):
 # ---- data parallel: two ranks under torchrun -------------------------------------------------------------
 
 def variants() -> list[str]:
-    return ["ddp", "overlap"] if "overlap" in PASSES else ["ddp"]
+    return ["ddp", "overlap", "overlap-accumulate"] if "overlap" in PASSES else ["ddp"]
 
 
 def stop(launcher: subprocess.Popen) -> None:

@@ -5,6 +5,7 @@ linear_cross_entropy is tested in test_kernels_linear_cross_entropy.py, the Trit
 test_kernels_triton.py.
 """
 import re
+import warnings
 
 import pytest
 import torch
@@ -246,7 +247,10 @@ def test_decompositions_replace_ops_but_keep_the_custom_backward(decompose):
 
 @pytest.mark.slow
 def test_inductor_generates_code_for_decomposed_ops():
-    from torch._inductor.compile_fx import compile_fx
+    with warnings.catch_warnings():  # its first import loads torch.utils.mkldnn, which uses torch.jit
+        warnings.filterwarnings("ignore", message=r"`torch.jit.script_method` is deprecated",
+                                category=DeprecationWarning)
+        from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.utils import run_and_get_code
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -30,7 +30,6 @@ from picofx.manager import Context
 from picofx.passes import Pipeline
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]
-LINK = Link(bandwidth=1e9, latency=0.0)
 
 
 # ---------------------------------------------------------------- the cut DP, single process

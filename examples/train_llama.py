@@ -81,8 +81,7 @@ def throughput_line(model: Llama, opt_model, tokens_per_s: float, batch: int, se
     peak = spec.flops_per_second(dtype)
     cost = CostModel(spec)
     graph_per_token = sum(cost.graph_flops(g) for g in graphs) / (batch * seq)
-    dtype_name = str(dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16") \
-        .replace("float16", "fp16")
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
     return (f"MFU {100 * palm_per_token * tokens_per_s / peak:.3g}% of its {dtype_name} peak on {spec.name} "
             f"({peak / 1e9:,.0f} GFLOP/s, {spec.source}); {palm_per_token / 1e6:.2f} MFLOP/token by "
             f"6N+12LHT, {graph_per_token / 1e6:.2f} MFLOP/token in the captured graphs")

@@ -242,6 +242,7 @@ def test_two_ranks_under_torchrun_have_the_full_batch_gradients(tmp_path):
     for name in names:
         result = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in range(2)]
         assert result[0]["wrapped"] == ("DistributedDataParallel" if name == "ddp" else "OptimizedLlamaForCausalLM")
+        assert ("a second time" in result[0]["refused"]) == (name == "overlap")
         ids = torch.cat([r["input_ids"] for r in result])  # (4, SEQ): the step's global batch
         reference = tiny_model()
         reference(input_ids=ids, labels=ids).loss.backward()
@@ -285,7 +286,13 @@ def rank_main(out_dir: str, names: list[str]) -> None:
                       data_collator=collate, callbacks=[record])
         run.train()
         steps = args.gradient_accumulation_steps
-        torch.save({"input_ids": torch.cat(batches[:steps]), "grads": record.grads,
+        refused = ""
+        if name == "overlap":  # wrapped by hand, the module refuses a second all-reduce
+            try:
+                torch.nn.parallel.DistributedDataParallel(opt)(**example_batch(model))
+            except RuntimeError as e:
+                refused = str(e)
+        torch.save({"input_ids": torch.cat(batches[:steps]), "grads": record.grads, "refused": refused,
                     "wrapped": type(run.model_wrapped).__name__},
                    Path(out_dir) / f"{name}-rank{dist.get_rank()}.pt")
     dist.destroy_process_group()

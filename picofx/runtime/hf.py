@@ -46,6 +46,8 @@ def optimized_class(base: type, model: nn.Module, loss_fn, passes) -> type:
     signature = call_signature(model, loss_fn)
 
     def forward(self, *args, **kwargs):
+        if self.syncs_gradients:
+            refuse_outer_ddp(self)
         return base.forward(self, *args, **kwargs)
 
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
@@ -56,6 +58,18 @@ def optimized_class(base: type, model: nn.Module, loss_fn, passes) -> type:
                  "picofx_pass_names": tuple(pass_name(p) if not isinstance(p, str) else p for p in passes)}
     bases = (HuggingFaceSurface, base, type(model)) if is_pretrained_model(model) else (HuggingFaceSurface, base)
     return type(name, bases, namespace)
+
+
+def refuse_outer_ddp(module: nn.Module) -> None:
+    """A module that all-reduces its own gradients, called by DistributedDataParallel's forward,
+    would have them all-reduced twice: say so instead."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()  # set while DDP's forward runs its module
+    if active is not None and active.module is module:
+        raise RuntimeError("this optimized module all-reduces its gradients inside the backward (pass 'overlap'); "
+                           "call it directly, not through DistributedDataParallel, which would all-reduce them "
+                           "a second time (or optimize without 'overlap' and keep DDP).")
 
 
 class HuggingFaceSurface:

@@ -255,10 +255,14 @@ def test_train_script_reports_mean_throughput_mfu_by_dtype_and_a_summary(capsys)
     assert "of its fp32 peak" in out and "summary" in out.lower()
 
 
-def test_train_script_default_size_fits_the_device():
+def test_train_script_offers_sizes_that_fit_and_refuses_one_that_does_not(capsys):
     train = load_train_script()
     args = train.parse_args([])
     assert train.fits(args.size, args.batch, args.seq, args.device)
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(["--size", "llama2-7b"])  # about 106 GiB a step against the CPU's 16 GiB
+    assert info.value.code == 2
+    assert re.search(r"--size llama2-7b needs about [\d.]+ GiB per step .* cpu has", capsys.readouterr().err)
 
 
 # ---- 9. picofx dump ----------------------------------------------------------------------------------

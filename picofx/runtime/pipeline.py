@@ -56,7 +56,22 @@ class StageModule(nn.Module):
 
 def register_as(holder: nn.Module, model: nn.Module, target: str, kind: str) -> None:
     """Register the model's parameter or buffer `target` ("layers.0.mlp.weight") on `holder`
-    under the same dotted name, creating empty containers on the way."""
+    under the same dotted name, and a tied parameter under each of its names, creating empty
+    containers on the way."""
+    if kind == "parameter":
+        for name in parameter_names(model, target):
+            _register_one(holder, model, name, kind)
+    else:
+        _register_one(holder, model, target, kind)
+
+
+def parameter_names(model: nn.Module, target: str) -> list[str]:
+    """Every name the model's parameter `target` has (more than one when tied)."""
+    param = model.get_parameter(target)
+    return [name for name, p in model.named_parameters(remove_duplicate=False) if p is param] or [target]
+
+
+def _register_one(holder: nn.Module, model: nn.Module, target: str, kind: str) -> None:
     *path, leaf = target.split(".")
     module, source = holder, model
     for part in path:
@@ -120,16 +135,9 @@ class PipelineStep:
     def __init__(self, graphs: list[fx.GraphModule], model: nn.Module, manager, ctx: Context, report, signature):
         self.layout = graphs[0].meta["picofx_pipeline"]
         options = self.layout.options
-        if self.layout.tied:
-            names = {id(p): [] for p in model.parameters()}
-            for name, p in model.named_parameters(remove_duplicate=False):
-                names[id(p)].append(name)
-            ties = [f"{' = '.join(names[id(model.get_parameter(name))])} read by stages {stages}"
-                    for name, stages in self.layout.tied.items()]
-            raise ValueError(f"Pipeline: a parameter read by more than one stage (tied weights): {'; '.join(ties)}. "
-                             "Untie it (e.g. tie_word_embeddings=False) or cut so that one stage reads it.")
         self.groups = pipeline_groups(options.group, options.stages)
         check_same_cuts(self.layout, self.groups.pp)
+        self.ties = tie_groups(self.layout.tied, options, self.groups, model)
         self.options, self.signature, self.report = options, signature, report
         self.microbatches = options.microbatches
         mine = [g for g in graphs if g.meta["picofx_stage"].index % self.groups.ranks == self.groups.rank]
@@ -204,6 +212,11 @@ class PipelineStep:
         self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.groups.pp)
+        for name, group in self.ties:  # a tied parameter's gradient: the sum of its stages' parts
+            param = self.module.get_parameter(name)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
         if self.groups.dp is not None and not self.averages_in_graph:
             average_gradients(self.module.parameters(), self.groups.dp)
         return loss
@@ -231,6 +244,35 @@ class PipelineStep:
             module.zero_grad(set_to_none=True)
             times[module.stage.index] = samples[1:]
         return times
+
+
+def tie_groups(tied: dict, options, groups: PipelineGroups, model: nn.Module) -> list:
+    """(parameter name, process group of the ranks whose stages read it) for each tied parameter
+    this rank holds; every rank of the world creates every group, in the same order."""
+    if not tied:
+        return []
+    world = dist.get_world_size()
+    if hasattr(options.group, "mesh_dim_names"):
+        mesh = options.group
+        pp_last = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1)
+        pipelines = pp_last.reshape(-1, groups.ranks).tolist()  # each replica's pipeline, in stage order
+    elif options.group is None:
+        pipelines = [list(range(world))]
+    else:
+        ties = [f"{' = '.join(parameter_names(model, name))} read by stages {stages}" for name, stages in tied.items()]
+        raise ValueError(f"Pipeline: a parameter read by more than one stage (tied weights): {'; '.join(ties)}; "
+                         "with a group of your own picofx cannot sum its gradients: pass a DeviceMesh, untie it, "
+                         "or name cuts that keep it in one stage.")
+    me, held = dist.get_rank(), []
+    for name, stages in sorted(tied.items()):
+        for ranks in pipelines:
+            members = sorted({ranks[s % groups.ranks] for s in stages})
+            if len(members) < 2:
+                continue  # the rank's own stages: autograd already sums them
+            group = dist.new_group(members)
+            if me in members:
+                held.append((name, group))
+    return held
 
 
 def check_same_cuts(layout, group: dist.ProcessGroup) -> None:

@@ -130,10 +130,18 @@ def fused_early(x, w):
     return (small.sum() + (b @ w).sum(),)
 
 
+def read_twice(x, w):
+    h, g = x @ w, x @ w.t()
+    v = h * g + x  # loads 3 buffers, read by two kernels: computed in each (4 or fewer), or written once
+    m = v.sin() @ w
+    return ((v.cos() * m) @ w[:, :1],)
+
+
 @pytest.mark.parametrize("f,switch,value", [
     (fused_early, "max_fusion_size", 1),  # no two kernels fuse
     (dies_into, "inplace_buffers", False),
-], ids=["max_fusion_size", "inplace_buffers"])
+    (read_twice, "realize_reads_threshold", 2),
+], ids=["max_fusion_size", "inplace_buffers", "realize_reads_threshold"])
 def test_the_prediction_follows_inductors_config(f, switch, value):
     shapes = [(N, N), (N, N)]
     default_predicted, _, default_measured = peaks(f, *shapes)

@@ -17,6 +17,8 @@ runtime (`picofx.runtime.pipeline`) compiles and runs as `torch.distributed.pipe
 4. `torch.fx.passes.split_module` cuts the graph; each stage graph takes its parameters, buffers
    and constants (the captured inputs' slots) and the values the previous stage sends (user
    inputs a later stage reads travel along), and returns what later stages read (the last: the loss).
+   A parameter read by several stages (tied weights) is an input of each; the layout lists it,
+   and the runtime sums its gradient between them.
 """
 from __future__ import annotations
 
@@ -117,17 +119,19 @@ class Pipeline:
         work = fx.GraphModule(gm, copy_graph(gm.graph))
         work.meta.update(gm.meta)
         loss = keep_loss_only(work)
-        units, starts, main = chain_units(work, ctx.cost_model or CostModel(ctx.device), self.balance)
-        link = Link(ctx.cost_model.device.link_bandwidth, ctx.cost_model.device.link_latency)
+        cost_model = ctx.cost_model or CostModel(ctx.device)
+        units, starts, main = chain_units(work, cost_model, self.balance)
+        device = cost_model.device
+        link = Link(device.link_bandwidth, device.link_latency)
         plan_args = dict(schedule=self.schedule, microbatches=self.microbatches, virtual=self.virtual, link=link,
                          state_per_parameter_byte=state_per_parameter_byte(ctx.model))
         if self.balance == "cost":
-            plan = balanced_cuts(units, self.total_stages, capacity=ctx.cost_model.device.memory_capacity,
+            plan = balanced_cuts(units, self.total_stages, capacity=device.memory_capacity,
                                  **plan_args)
         else:
             bounds = layer_bounds(units, self.total_stages) if self.balance == "layers" else \
                 path_bounds(units, list(self.balance))
-            plan = plan_for(units, bounds, capacity=ctx.cost_model.device.memory_capacity, **plan_args)
+            plan = plan_for(units, bounds, capacity=device.memory_capacity, **plan_args)
         stage_of = {}
         for stage in plan.stages:
             for u in stage.units:

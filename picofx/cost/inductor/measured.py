@@ -9,6 +9,7 @@ kept per graph (code, input layouts and Inductor's config) for the process, at m
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -58,7 +59,9 @@ def measured_peak(schedule: Schedule, resident: set, *, frees_inputs: bool = Tru
     if key in _peaks:
         _peaks.move_to_end(key)
         return _peaks[key]
-    from torch._inductor.compile_fx import compile_fx_inner
+    with warnings.catch_warnings():  # its first import loads torch.utils.mkldnn, which uses torch.jit
+        warnings.filterwarnings("ignore", message=r"`torch.jit.script_method` is deprecated", category=DeprecationWarning)
+        from torch._inductor.compile_fx import compile_fx_inner
 
     with unset_fake_temporarily():
         inputs = [_random_like(v) if isinstance(v, torch.Tensor) else v for v in values]

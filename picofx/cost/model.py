@@ -23,8 +23,8 @@ import torch
 from torch import fx
 
 from picofx.capture.annotate import tensor_bytes
-from picofx.cost.units import MiB, format_bytes
-from picofx.cost.device import Device, GiB, device_for
+from picofx.cost.units import format_bytes
+from picofx.cost.device import Device, device_for
 from picofx.cost.inductor.model import memory_model_for
 from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values
 from picofx.cost.inductor.workspace import workspace_bytes

@@ -186,7 +186,29 @@ def balanced_cuts(units: list[Unit], num_stages: int, *, schedule: str, microbat
     for k in range(num_stages, 0, -1):
         i = start[k][i]
         bounds.append(i)
-    return plan_for(units, bounds[::-1], capacity=capacity, **plan_args)
+    return refine(units, bounds[::-1], capacity, plan_args)
+
+
+def refine(units: list[Unit], bounds: list[int], capacity: int | None, plan_args: dict) -> PipelinePlan:
+    """Move single cuts one unit either way while that lowers the predicted step: the DP balances
+    stages, but the step also pays the other stages once (fill and drain), and with several
+    stages per rank (interleaving) each rank's sum of stages sets the pace."""
+    best = plan_for(units, bounds, capacity=capacity, **plan_args)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(1, len(bounds)):
+            for step in (-1, 1):
+                moved = best.cuts.copy()
+                moved[k - 1] += step
+                trial = [0] + moved
+                if trial != sorted(set(trial)) or trial[-1] >= len(units):
+                    continue
+                plan = plan_for(units, trial, capacity=capacity, **plan_args)
+                fits = capacity is None or all(s.memory * plan.virtual <= capacity for s in plan.stages)
+                if fits and plan.step_time < best.step_time - 1e-12:
+                    best, improved = plan, True
+    return best
 
 
 def even_bounds(n: int, num_stages: int) -> list[int]:

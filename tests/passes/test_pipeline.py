@@ -59,6 +59,17 @@ def test_balanced_cuts_equal_brute_force_min_max():
         assert max(s.compute for s in _plan(_units(times), stages).stages) == best
 
 
+def test_interleaved_cuts_balance_each_ranks_stages_together():
+    # Max-stage balance alone gives [2, 4, 6]: rank 0 runs 2 + 2, rank 1 runs 2 + 6 per micro-batch.
+    units = _units([1, 1, 1, 1, 1, 1, 6])
+    args = dict(schedule="Interleaved1F1B", virtual=2, microbatches=4, link=Link(1e30, 0.0),
+                state_per_parameter_byte=1.0)
+    plan = balanced_cuts(units, 4, **args)
+    best = min(plan_for(units, [0, *cuts], **args).step_time for cuts in itertools.combinations(range(1, 7), 3))
+    assert plan.step_time == pytest.approx(best)
+    assert plan.step_time < plan_for(units, [0, 2, 4, 6], **args).step_time
+
+
 def test_balanced_cuts_keep_each_stage_within_memory():
     # Fastest split is [0,1 | 2,3]; stage 0 would then hold 2 x 100 bytes of parameters, over 150.
     units = _units([1, 1, 1, 1], params=[100, 100, 0, 0])

@@ -2,4 +2,5 @@
 from picofx.passes.precision import Precision  # noqa: F401  (registers "precision")
 from picofx.passes.fuse import Fuse  # noqa: F401  (registers "fuse")
 from picofx.passes.checkpoint import Checkpoint  # noqa: F401  (registers "checkpoint")
+from picofx.passes.overlap import Overlap  # noqa: F401  (registers "overlap")
 from picofx.passes.pipeline import Pipeline  # noqa: F401  (registers "pipeline")

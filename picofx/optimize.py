@@ -20,6 +20,7 @@ from picofx.runtime.compile import compile_graph
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.pipeline import PipelineStep
+from picofx.runtime.distributed import GradientSync, check_layouts, communicates
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
@@ -74,7 +75,9 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     signature = gm.meta["picofx_signature"]
     inputs = graph_inputs(signature, model, args, kwargs)
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend, options=dict(options),
+    input_names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
+    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend,
+                  options={"input_names": input_names, **options},
                   cost_model=cost_model or CostModel.for_backend(device, backend))
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
@@ -100,6 +103,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     else:
         run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
     report.compile_seconds = time.perf_counter() - start
+    check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
     return CompiledStep(signature, run, graphs[0], stage_graphs, report)
 
 
@@ -116,18 +120,20 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_build_options", build_options)
         object.__setattr__(self, "_recapture", recapture)
         object.__setattr__(self, "_steps", {})
+        object.__setattr__(self, "_sync", GradientSync())
         args, kwargs = split_inputs(example_inputs)
         object.__setattr__(self, "_first_call", (args, kwargs))
         self._step_for(args, kwargs)
 
-    def _step_for(self, args: tuple, kwargs: dict) -> CompiledStep:
-        key = (self._model.training, input_key(args, kwargs))
+    def _step_for(self, args: tuple, kwargs: dict, gradient_sync: str = "sync") -> CompiledStep:
+        key = (self._model.training, input_key(args, kwargs), gradient_sync)  # no_sync: a variant (pass overlap)
         step = self._steps.get(key)
         if step is None:
-            if self._steps and not self._recapture:
+            if self._steps and not self._recapture and gradient_sync == "sync":
                 raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
             start = time.perf_counter()
-            step = build_step(self._model, args, kwargs, **self._build_options)
+            options = {**self._build_options["options"], "gradient_sync": gradient_sync}
+            step = build_step(self._model, args, kwargs, **{**self._build_options, "options": options})
             if self._steps:  # a recompilation: one line saying why and what it cost
                 first_mode = next(iter(self._steps))[0]
                 changed = [input_changes(*self._first_call, args, kwargs),
@@ -139,7 +145,12 @@ class OptimizedModule(nn.Module):
         return step
 
     def forward(self, *args, **kwargs):
-        return self._step_for(args, kwargs)(self._model, args, kwargs)
+        step = self._step_for(args, kwargs)
+        mode = self._sync.mode() if communicates(step.graphs) else "sync"
+        if mode != "sync":  # no_sync, or the first synced call after it: a variant of the backward
+            step = self._step_for(args, kwargs, mode)
+            self._sync.before_call(mode, step.graphs, self._model)
+        return step(self._model, args, kwargs)
 
     @property
     def report(self) -> Report:
@@ -154,15 +165,23 @@ class OptimizedModule(nn.Module):
     def graphs(self) -> dict:
         return self._current.graphs
 
-    def forward_backward(self, *args, **kwargs):
-        """One step's forward and backward (gradients accumulate in .grad); returns the loss.
+    def forward_backward(self, *args, **kwargs) -> torch.Tensor:
+        """One training step's forward and backward (gradients land in `.grad`); returns the loss.
+        Data-parallel runs average the gradients over ranks inside the backward (pass `overlap`).
         A pipelined model (pass `pipeline`) runs its schedule and returns the loss on every rank."""
         step = self._step_for(args, kwargs)
         if isinstance(step, PipelineStep):
             return step.forward_backward(self._model, args, kwargs)
-        loss = step(self._model, args, kwargs)
+        out = self(*args, **kwargs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         return loss.detach()
+
+    def no_sync(self):
+        """As DistributedDataParallel.no_sync: backwards inside accumulate each rank's own
+        gradients without communication; the first backward after it all-reduces the accumulated
+        sum (compiles a variant of the step for each, once)."""
+        return self._sync.no_sync()
 
     @property
     def pipeline(self) -> PipelineStep | None:

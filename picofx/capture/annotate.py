@@ -22,6 +22,11 @@ def tensor_bytes(value) -> int:
 
 
 class _AnnotatingInterpreter(fx.Interpreter):
+    def fetch_attr(self, target: str):  # a tensor the graph holds (a pass's buffer): its fake value
+        value = super().fetch_attr(target)
+        mode = detect_fake_mode()
+        return mode.from_tensor(value) if mode is not None and isinstance(value, torch.Tensor) else value
+
     def run_node(self, node: fx.Node):
         if node.op in ("placeholder", "output"):
             return super().run_node(node)

@@ -18,6 +18,16 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class Link:
+    """What a collective sees of a connection between ranks."""
+
+    name: str
+    bandwidth: float  # bytes/s one way per rank
+    latency: float  # s per message (one step of a ring)
+    source: str = "datasheet"
+
+
+@dataclass(frozen=True)
 class Device:
     name: str
     peak_flops: dict  # torch.dtype -> dense FLOP/s
@@ -29,6 +39,17 @@ class Device:
     network_latency: float  # s
     op_overhead: float = 5e-6  # s per op: kernel launch or eager dispatch (typical, not datasheet)
     source: str = "datasheet"
+    link_name: str = "NVLink 4"
+    network_name: str = "InfiniBand NDR 400 Gb/s"
+    link_source: str = "datasheet bandwidth, typical NCCL latency"
+
+    @property
+    def intra_node_link(self) -> Link:
+        return Link(self.link_name, self.link_bandwidth, self.link_latency, self.link_source)
+
+    @property
+    def inter_node_link(self) -> Link:
+        return Link(self.network_name, self.network_bandwidth, self.network_latency, self.link_source)
 
     def flops_per_second(self, dtype: torch.dtype) -> float:
         """Peak for `dtype`; a dtype the entry does not list runs at the fp32 rate."""
@@ -63,7 +84,8 @@ A100 = Device(
                 torch.float16: 312e12},  # A100 dense fp16, datasheet
     memory_bandwidth=2.039e12,  # HBM2e, A100 80GB SXM datasheet
     memory_capacity=80 * GB,
-    link_bandwidth=300e9, link_latency=3e-6, network_bandwidth=25e9, network_latency=10e-6)
+    link_bandwidth=300e9, link_latency=3e-6, network_bandwidth=25e9, network_latency=10e-6,
+    link_name="NVLink 3", network_name="InfiniBand HDR 200 Gb/s")
 
 
 def cpu(cores: int | None = None) -> Device:
@@ -74,8 +96,9 @@ def cpu(cores: int | None = None) -> Device:
     per_core = 2 * 8 * 2 * 2.5e9
     return Device(name=f"CPU ({cores} cores, nominal)", peak_flops={torch.float32: cores * per_core},
                   memory_bandwidth=25.6e9, memory_capacity=16 * GiB,
-                  link_bandwidth=10e9, link_latency=20e-6, network_bandwidth=10e9, network_latency=20e-6,
-                  source="nominal")
+                  link_bandwidth=1e9, link_latency=50e-6, network_bandwidth=1e9, network_latency=50e-6,
+                  source="nominal", link_name="gloo (TCP loopback)", network_name="gloo (TCP)",
+                  link_source="nominal: calibrate(..., group=...) measures it")
 
 
 # GPU entries by a word of the name CUDA reports ("NVIDIA H100 80GB HBM3" -> "h100"); add your own.
@@ -103,10 +126,13 @@ def device_for(device: torch.device | str) -> Device:
 
 
 def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.float32,),
-              matmul_size: int = 1024, copy_bytes: int = 64 * 2**20, repeats: int = 5) -> Device:
+              matmul_size: int = 1024, copy_bytes: int = 64 * 2**20, repeats: int = 5, group=None) -> Device:
     """`base` with peak FLOP/s (per dtype in `dtypes`), memory bandwidth and per-op overhead
     measured on `device`: the best of `repeats` runs of an n x n matmul (2 n^3 FLOPs), of a copy
-    (reads and writes `copy_bytes` each) and of an add of two one-element tensors."""
+    (reads and writes `copy_bytes` each) and of an add of two one-element tensors. With a process
+    `group` (every rank calls it), also the link: `calibrate_link`."""
+    if group is not None:
+        base = dataclasses.replace(base, **calibrate_link(group, device, repeats=repeats))
     device = torch.device(device)
     flops = dict(base.peak_flops)
     for dtype in dtypes:
@@ -122,6 +148,30 @@ def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.fl
     overhead = _best_time(lambda: [torch.add(one, one) for _ in range(100)], device, repeats) / 100
     return dataclasses.replace(base, name=f"{base.name}, calibrated", peak_flops=flops,
                                memory_bandwidth=bandwidth, op_overhead=overhead, source="measured")
+
+
+def calibrate_link(group, device: torch.device | str = "cpu", large_bytes: int = 16 * 2**20, repeats: int = 5) -> dict:
+    """Link bandwidth and latency measured by all-reduces on `group` (every rank calls it): the
+    latency from a 4-byte all-reduce (2(n-1) ring steps), the bandwidth from a `large_bytes` one
+    (2(n-1)/n x bytes cross the link). Each rank takes the slowest rank's times, so all agree."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    world = dist.get_world_size(group)
+    steps = 2 * (world - 1)
+    times = []
+    for nbytes in (4, large_bytes):
+        x = torch.zeros(nbytes // 4, device=device)
+        times.append(_best_time(lambda x=x: dist.all_reduce(x, group=group), device, repeats))
+    times = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    small, large = times.tolist()
+    latency = small / max(steps, 1)
+    bandwidth = steps / world * large_bytes / max(large - small, 1e-9)
+    backend = dist.get_backend(group)
+    return {"link_bandwidth": bandwidth, "link_latency": latency, "network_bandwidth": bandwidth,
+            "network_latency": latency, "link_name": f"{backend}, {world} ranks",
+            "network_name": f"{backend}, {world} ranks", "link_source": "measured"}
 
 
 def _best_time(fn, device: torch.device, repeats: int) -> float:

@@ -140,6 +140,13 @@ class _Partitioner(CustomPartitionerFn):
         return None
 
 
+# Inductor's scheduler otherwise waits for each collective right after issuing it, which undoes
+# the overlap the graph was built with: raise collectives to where their inputs are ready and sink
+# waits to their first reader (the newer overlap scheduler does not run on CPU/gloo).
+COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
+
+
 def inductor_decompositions(device: torch.device) -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
@@ -170,6 +177,8 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
 
             hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
+            if any(getattr(p, "communicates", False) for p in manager.passes):
+                hooks.update(COMM_OVERLAP)
             with inductor_config.patch(hooks):
                 fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))
         else:

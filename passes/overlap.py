@@ -1,0 +1,170 @@
+"""overlap: bucketed gradient all-reduce inside the backward graph, overlapping the backward.
+
+The backward graph's gradient outputs are grouped into buckets in the order the backward
+produces them. Per bucket, right after its last gradient:
+
+    flat = cat([g.reshape(-1) for g in bucket])      # (bucket numel,)
+    flat = flat.to(bf16)                              # compress="bf16" only
+    work = _c10d_functional.all_reduce(flat, "sum", group_name)    # issued, not waited for
+
+and just before the graph returns (as late as the gradients' consumers allow):
+
+    flat = wait_tensor(work).to(grad dtype) / world   # gloo has no "avg": sum, then divide
+    grads = [piece.view(shape) for piece in split(flat, numels)]
+
+so the all-reduce of one bucket runs while the backward computes the next. Under no_sync
+(`ctx.options["gradient_sync"] == "local"`) the pass adds nothing; after a no_sync phase
+("sync_accumulated") each bucket adds the gradients accumulated so far (an attribute of the
+graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulated `.grad`.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from picofx.cost.comm import Gradient, fixed_bounds, link_for, plan_buckets, schedule
+from picofx.cost.units import parse_budget
+from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.runtime.distributed import OVERLAP_META, BucketLayout, LayoutEntry, resolve_group
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+COMPRESSED = {"bf16": torch.bfloat16}
+
+
+def gradients_in_order(gm: fx.GraphModule, input_names) -> list[tuple[int, fx.Node, str]]:
+    """(output position, node, parameter name) of each tensor gradient output, in the order the
+    backward produces them (the position of the node that computes it)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    outputs = gm.graph.output_node().args[0]
+    grads = []
+    for pos, node in enumerate(outputs):
+        if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+            name = input_names[pos] if input_names and pos < len(input_names) else f"input_{pos}"
+            grads.append((pos, node, name))
+    return sorted(grads, key=lambda g: (order[g[1]], g[0]))
+
+
+def ready_times(gm: fx.GraphModule, nodes: list[fx.Node], cost_model) -> tuple[list[float], float]:
+    """Predicted seconds after the backward starts at which each node's value exists, and the
+    backward's total, from the cost model's per-node time."""
+    elapsed, at = 0.0, {}
+    for node in gm.graph.nodes:
+        elapsed += cost_model.node_time(node) if cost_model is not None else 0.0
+        at[node] = elapsed
+    return [at[n] for n in nodes], elapsed
+
+
+def dtype_runs(grads: list[tuple[int, fx.Node, str]]) -> list[int]:
+    """Indices after which the gradient dtype changes: buckets never mix dtypes."""
+    dtypes = [g[1].meta["val"].dtype for g in grads]
+    return [i for i in range(len(dtypes) - 1) if dtypes[i] != dtypes[i + 1]]
+
+
+@register_pass("overlap", Stage.PARTITIONED)
+@dataclass(frozen=True)
+class Overlap:
+    """bucket: "auto" (from the cost model), bytes, or a size string ("25MiB"); first_bucket: the
+    first bucket's size, small so communication starts early; compress: None or "bf16" (all-reduce
+    in bf16, gradients back in their own dtype); group: a process group (None: the one in
+    ctx.options["process_group"], else torch.distributed's default group)."""
+
+    bucket: int | str = "auto"
+    first_bucket: int | str = "1MiB"
+    compress: str | None = None
+    group: Any = None
+    stage = Stage.PARTITIONED
+    communicates = True  # the runtime compiles it with comm/compute reordering and checks layouts
+
+    def __post_init__(self):
+        if self.compress not in (None, *COMPRESSED):
+            raise ValueError(f"Overlap(compress={self.compress!r}): use None or one of {sorted(COMPRESSED)}")
+        if self.bucket != "auto":
+            parse_budget(self.bucket)
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if ctx.graph_role != "backward":
+            return PassResult(False, {})
+        mode = ctx.options.get("gradient_sync", "sync")
+        if mode == "local":
+            return PassResult(False, {"gradient_sync": "local (no_sync): no all-reduce"})
+        group = resolve_group(self.group if self.group is not None else ctx.options.get("process_group"))
+        world = dist.get_world_size(group)
+        grads = gradients_in_order(gm, ctx.options.get("input_names"))
+        if not grads:
+            return PassResult(False, {"buckets": 0})
+        plan = self.plan(gm, grads, ctx, world)
+        layout = self.rewrite(gm, grads, plan, group, world, accumulate=mode == "sync_accumulated")
+        gm.meta[OVERLAP_META] = layout
+        return PassResult(True, {**plan.notes(), "compress": self.compress, "gradient_sync": mode})
+
+    def plan(self, gm, grads, ctx: Context, world: int):
+        """Bucket bounds (auto: from the cost model) and their predicted timing."""
+        nbytes = [g[1].meta["val"].numel() * g[1].meta["val"].element_size() for g in grads]
+        ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
+        scale = 0.5 if self.compress == "bf16" else 1.0  # bytes on the wire per fp32 gradient byte
+        items = [Gradient(g[2], int(b * scale), t) for g, b, t in zip(grads, nbytes, ready)]
+        device = ctx.cost_model.device if ctx.cost_model is not None else None
+        link = link_for(device, world) if device is not None else None
+        first = int(parse_budget(self.first_bucket) * scale)
+        if self.bucket == "auto" and link is not None:
+            bounds = list(plan_buckets(items, total, world, link, first).buckets)
+            bounds = [b.last for b in bounds]
+        else:
+            size = parse_budget("25MiB" if self.bucket == "auto" else self.bucket)
+            bounds = fixed_bounds(items, int(size * scale), first)
+        bounds = sorted(set(bounds) | set(dtype_runs(grads)))
+        if link is None:
+            from picofx.cost.device import Link
+            link = Link("unknown", float("inf"), 0.0, "none")
+        return schedule(items, bounds, total, world, link)
+
+    def rewrite(self, gm, grads, plan, group, world: int, accumulate: bool) -> BucketLayout:
+        graph = gm.graph
+        output = graph.output_node()
+        outputs = list(output.args[0])
+        entries, pending_names, works = [], [], []
+        for k, bucket in enumerate(plan.buckets):
+            members = grads[bucket.first:bucket.last + 1]  # in production order: the last one is made last
+            dtype = members[0][1].meta["val"].dtype
+            with graph.inserting_before(members[-1][1].next):  # right after the bucket's last gradient
+                flats = [graph.call_function(aten.reshape.default, (node, [-1])) for _, node, _ in members]
+                flat = graph.call_function(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
+                if accumulate:
+                    name = f"overlap_pending_{k}"
+                    gm.register_buffer(name, torch.zeros(flat_numel(members), dtype=dtype,
+                                                         device=members[0][1].meta["val"].device), persistent=False)
+                    pending_names.append(name)
+                    flat = graph.call_function(aten.add.Tensor, (flat, graph.get_attr(name)))
+                if self.compress:
+                    flat = graph.call_function(torch.ops.prims.convert_element_type.default,
+                                               (flat, COMPRESSED[self.compress]))
+                work = graph.call_function(c10d.all_reduce.default, (flat, "sum", group.group_name))
+            works.append((work, members, dtype))
+            entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
+                        for _, node, name in members]
+        for work, members, dtype in works:  # waits last: nothing but the outputs reads them
+            with graph.inserting_before(output):
+                flat = graph.call_function(c10d.wait_tensor.default, (work,))
+                if self.compress:
+                    flat = graph.call_function(torch.ops.prims.convert_element_type.default, (flat, dtype))
+                flat = graph.call_function(aten.div.Tensor, (flat, world))
+                numels = [node.meta["val"].numel() for _, node, _ in members]
+                pieces = graph.call_function(aten.split_with_sizes.default, (flat, numels))
+                for i, (pos, node, _) in enumerate(members):
+                    piece = graph.call_function(operator.getitem, (pieces, i))
+                    outputs[pos] = graph.call_function(aten.view.default, (piece, list(node.meta["val"].shape)))
+        output.args = (outputs,)
+        graph.eliminate_dead_code()
+        return BucketLayout(group=group, group_name=group.group_name, world=world, compress=self.compress,
+                            entries=tuple(entries), pending=tuple(pending_names))
+
+
+
+def flat_numel(members) -> int:
+    return sum(node.meta["val"].numel() for _, node, _ in members)

@@ -1,0 +1,135 @@
+"""Communication cost: ring all-reduce time on a link, and gradient buckets planned to hide it.
+
+A data-parallel backward produces gradients one after another; each bucket of gradients is
+all-reduced once its last gradient exists, while the rest of the backward still computes. The
+bucket's communication is hidden if it finishes before the backward does; what runs past the
+backward's end is exposed. Collectives run one at a time on the link, in bucket order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picofx.cost.device import Device, Link
+
+
+def ring_all_reduce_seconds(nbytes: int, world: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` per rank over `world` ranks: 2(n-1) steps (reduce-scatter, then
+    all-gather), each moving nbytes/n over the link and paying its latency once."""
+    if world <= 1 or nbytes == 0:
+        return 0.0
+    steps = 2 * (world - 1)
+    return steps / world * nbytes / link.bandwidth + steps * link.latency
+
+
+def link_for(device: Device, world: int, ranks_per_node: int = 8) -> Link:
+    """The link a ring over `world` ranks is bound by: the node's own link (NVLink, or the CPU
+    entry's gloo link) while all ranks share a node, the network (InfiniBand) once they do not."""
+    return device.intra_node_link if world <= ranks_per_node else device.inter_node_link
+
+
+@dataclass(frozen=True)
+class Gradient:
+    name: str
+    nbytes: int
+    ready: float  # s after the backward starts when the gradient exists
+
+
+@dataclass(frozen=True)
+class Bucket:
+    first: int  # index of its first gradient in production order
+    last: int  # index of its last gradient (inclusive): the all-reduce is issued after it
+    nbytes: int
+    issue: float  # s after the backward starts: when the last gradient exists
+    start: float  # when the link is free for it
+    seconds: float  # predicted all-reduce time
+    exposed: float  # of its time, how much runs past the end of the backward
+
+    @property
+    def finish(self) -> float:
+        return self.start + self.seconds
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: tuple[Bucket, ...]
+    backward_seconds: float
+    link: Link
+    world: int
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(b.seconds for b in self.buckets)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return max((b.finish for b in self.buckets), default=0.0) - self.backward_seconds if self.buckets else 0.0
+
+    def notes(self) -> dict:
+        ms = lambda s: round(s * 1e3, 4)  # noqa: E731
+        return {"buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
+                "predicted_comm_ms": [ms(b.seconds) for b in self.buckets],
+                "predicted_exposed_ms": ms(max(self.exposed_seconds, 0.0)),
+                "predicted_backward_ms": ms(self.backward_seconds), "link": self.link.name, "world": self.world}
+
+
+def schedule(grads: list[Gradient], bounds: list[int], backward_seconds: float, world: int, link: Link) -> BucketPlan:
+    """Time the buckets that end at `bounds` (indices of each bucket's last gradient, ascending)."""
+    buckets, first, link_free = [], 0, 0.0
+    for last in bounds:
+        nbytes = sum(g.nbytes for g in grads[first:last + 1])
+        issue = grads[last].ready
+        start = max(issue, link_free)
+        seconds = ring_all_reduce_seconds(nbytes, world, link)
+        link_free = start + seconds
+        exposed = max(0.0, link_free - max(backward_seconds, start))
+        buckets.append(Bucket(first, last, nbytes, issue, start, seconds, exposed))
+        first = last + 1
+    return BucketPlan(tuple(buckets), backward_seconds, link, world)
+
+
+def fixed_bounds(grads: list[Gradient], bucket_bytes: int, first_bucket_bytes: int) -> list[int]:
+    """Close a bucket once it holds `bucket_bytes` (the first one: `first_bucket_bytes`), as DDP does."""
+    bounds, size, cap = [], 0, first_bucket_bytes
+    for i, g in enumerate(grads):
+        size += g.nbytes
+        if size >= cap:
+            bounds.append(i)
+            size, cap = 0, bucket_bytes
+    if grads and (not bounds or bounds[-1] != len(grads) - 1):
+        bounds.append(len(grads) - 1)
+    return bounds
+
+
+def plan_buckets(grads: list[Gradient], backward_seconds: float, world: int, link: Link,
+                 first_bucket_bytes: int) -> BucketPlan:
+    """Bucket bounds that finish the last all-reduce earliest. The first bucket closes at
+    `first_bucket_bytes` so communication starts early; after it, dynamic programming over where
+    each bucket ends: finish(j) = min over i of max(finish(i), ready(j)) + allreduce(bytes i+1..j).
+    Many small buckets pay the latency often, one big bucket starts late; this balances the two."""
+    if not grads:
+        return schedule(grads, [], backward_seconds, world, link)
+    head = fixed_bounds(grads, 1 << 62, first_bucket_bytes)[0]
+    n = len(grads)
+    prefix = [0]
+    for g in grads:
+        prefix.append(prefix[-1] + g.nbytes)
+    finish = {head: grads[head].ready + ring_all_reduce_seconds(prefix[head + 1], world, link)}
+    came_from = {head: None}
+    for j in range(head + 1, n):
+        best, arg = float("inf"), None
+        for i in range(head, j):
+            t = max(finish[i], grads[j].ready) + ring_all_reduce_seconds(prefix[j + 1] - prefix[i + 1], world, link)
+            if t < best:
+                best, arg = t, i
+        finish[j], came_from[j] = best, arg
+    bounds, j = [], n - 1
+    while j is not None:
+        bounds.append(j)
+        j = came_from[j]
+    return schedule(grads, bounds[::-1], backward_seconds, world, link)
+
+
+def no_overlap(grads: list[Gradient], backward_seconds: float, world: int, link: Link, bucket_bytes: int) -> BucketPlan:
+    """All-reduce after the backward (every bucket issued when the backward ends): all of it exposed."""
+    late = [Gradient(g.name, g.nbytes, backward_seconds) for g in grads]
+    return schedule(late, fixed_bounds(late, bucket_bytes, bucket_bytes), backward_seconds, world, link)

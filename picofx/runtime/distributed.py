@@ -1,0 +1,160 @@
+"""Data-parallel runtime: the process group, the first-step layout check, gradient accumulation.
+
+Timeouts: every collective here and in the compiled step runs on the process group, so a rank
+that dies or stops mid-step surfaces on the others as an error after the group's timeout
+(`torch.distributed.init_process_group(timeout=timedelta(...))`; torch's default is 10 minutes
+for gloo and NCCL). Tests set it to seconds. A rank that raises before a collective (a layout
+mismatch, a capture error) raises the same error on every rank where the cause is shared.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+OVERLAP_META = "picofx_overlap"  # gm.meta key of the backward graph's BucketLayout
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+def resolve_group(group=None):
+    """`group`, or torch.distributed's default group; a clear error when there is none."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedError(
+            "the overlap pass all-reduces gradients over a process group, and there is none: launch with "
+            "torchrun and call torch.distributed.init_process_group() before picofx.optimize "
+            "(or pass Overlap(group=...)).")
+    return group if group is not None else dist.group.WORLD
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    name: str  # parameter name (input_<i> where the graph's inputs are not named)
+    shape: tuple
+    dtype: str
+    bucket: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """What every rank's backward must agree on before it all-reduces."""
+
+    group: Any = field(compare=False)
+    group_name: str
+    world: int
+    compress: str | None
+    entries: tuple[LayoutEntry, ...]
+    pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
+
+    def digest(self) -> str:
+        text = repr((self.world, self.compress, self.entries))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def buckets(self) -> list[list[LayoutEntry]]:
+        out: list[list[LayoutEntry]] = []
+        for e in self.entries:
+            if e.bucket == len(out):
+                out.append([])
+            out[e.bucket].append(e)
+        return out
+
+
+def first_difference(mine: BucketLayout, theirs: BucketLayout, rank: int) -> str:
+    if mine.compress != theirs.compress:
+        return f"compress={mine.compress!r} here, {theirs.compress!r} on rank {rank}"
+    for a, b in zip(mine.entries, theirs.entries):
+        if a != b:
+            return (f"first differing parameter: {a.name} {a.dtype}{list(a.shape)} in bucket {a.bucket} here, "
+                    f"{b.name} {b.dtype}{list(b.shape)} in bucket {b.bucket} on rank {rank}")
+    shorter, longer = sorted((mine, theirs), key=lambda x: len(x.entries))
+    extra = longer.entries[len(shorter.entries)]
+    where = "here" if longer is mine else f"on rank {rank}"
+    return f"first differing parameter: {extra.name} has a gradient {where} only"
+
+
+def check_layout(layout: BucketLayout) -> None:
+    """All ranks gather each other's layout digest; on any mismatch every rank raises, naming the
+    first differing parameter (e.g. one frozen on one rank only, or different passes)."""
+    gathered: list = [None] * layout.world
+    dist.all_gather_object(gathered, (layout.digest(), layout.compress, layout.entries), group=layout.group)
+    me = dist.get_rank(layout.group)
+    for rank, (digest, compress, entries) in enumerate(gathered):
+        if digest != layout.digest():
+            theirs = BucketLayout(None, layout.group_name, layout.world, compress, entries)
+            raise DistributedError(
+                f"rank {me}: the gradient bucket layout differs from rank {rank}'s, so their all-reduces "
+                f"would not match; {first_difference(layout, theirs, rank)}. Every rank must optimize the "
+                f"same model with the same trainable parameters, passes and cost model.")
+
+
+def check_layouts(graphs: dict) -> None:
+    """Check the layout of every graph an overlap pass rewrote (none: nothing to do)."""
+    for gm in graphs.values():
+        layout = gm.meta.get(OVERLAP_META)
+        if layout is not None:
+            check_layout(layout)
+
+
+def communicates(graphs: dict) -> bool:
+    return any(OVERLAP_META in gm.meta for gm in graphs.values())
+
+
+class GradientSync:
+    """DDP's gradient accumulation for a compiled step. Under `no_sync()` the backward runs a
+    variant without all-reduce and autograd accumulates each rank's own gradients in `.grad`.
+    The first call after it runs a third variant: it moves the accumulated `.grad` into the
+    graph's pending buffers (and sets `.grad` to None), and each bucket all-reduces
+    pending + this backward's gradients, so `.grad` ends as the average over ranks of the sum
+    over micro-batches: DDP's result, with one all-reduce per bucket."""
+
+    def __init__(self):
+        self.enabled = True
+        self.accumulated = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def mode(self) -> str:
+        if not self.enabled:
+            return "local"
+        return "sync_accumulated" if self.accumulated else "sync"
+
+    def before_call(self, mode: str, graphs: dict, model: nn.Module) -> None:
+        if mode == "local":
+            self.accumulated = True
+        elif mode == "sync_accumulated":
+            for gm in graphs.values():
+                layout = gm.meta.get(OVERLAP_META)
+                if layout is not None:
+                    load_pending(layout, gm, model)
+            self.accumulated = False
+
+
+@torch.no_grad()
+def load_pending(layout: BucketLayout, gm: fx.GraphModule, model: nn.Module) -> None:
+    """Copy each parameter's accumulated `.grad` into its bucket's pending buffer, then clear it:
+    the synced backward adds the buffer to its own gradients before the all-reduce."""
+    for name, entries in zip(layout.pending, layout.buckets()):
+        buffer = getattr(gm, name)
+        offset = 0
+        for e in entries:
+            numel = int(torch.Size(e.shape).numel())
+            param = model.get_parameter(e.name)
+            if param.grad is None:
+                buffer[offset:offset + numel].zero_()
+            else:
+                buffer[offset:offset + numel].copy_(param.grad.reshape(-1))
+                param.grad = None
+            offset += numel

@@ -85,12 +85,7 @@ class CastInserter:
             with self.mode:
                 return node.target(*args, **kwargs)
         except (RuntimeError, TypeError, ValueError) as error:
-            inputs = ", ".join(f"{a.name}: {SHORT_NAMES.get(dtype_of(a), dtype_of(a))}" for a in node.all_input_nodes
-                               if dtype_of(a) is not None)
-            where = node.meta.get("module_path") or "the top level"
-            raise TypeError(f"precision: node {node.name} ({node.target}, in {where}) does not accept its inputs' "
-                            f"new dtypes ({inputs}): {error}. Keep it in fp32 with "
-                            f"Precision(fp32_ops=({op_name(node.target)!r},)) or an override for its module.") from error
+            _raise_rejected(node, error)
 
 
 def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counter:
@@ -122,11 +117,51 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
         node.meta["val"] = inserter.fake_value(node)
         if _dtypes(node.meta["val"]) != before:
             retyped.add(node)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _mixed_by_the_pass(node, traced_dtypes):
+            _check_accepts_dtypes(node)
     restore = {n: d for n, d in captured.items() if d is not None and dtype_of(n) != d}
     if restore:
         output.args = pytree.tree_map_only(
             fx.Node, lambda n: inserter.cast(n, restore[n], output, "output") if n in restore else n, output.args)
     return inserter.counts
+
+
+def _float_input_dtypes(node: fx.Node, dtypes) -> set:
+    return {dtypes(a) for a in node.all_input_nodes if dtypes(a) is not None and dtypes(a).is_floating_point}
+
+
+def _mixed_by_the_pass(node: fx.Node, traced_dtypes: dict) -> bool:
+    """The node now mixes floating dtypes that it did not mix when traced, and is not a pointwise op
+    (those promote by ATen's rules)."""
+    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.pointwise in node.target.tags:
+        return False
+    now = _float_input_dtypes(node, dtype_of)
+    return len(now) > 1 and len(_float_input_dtypes(node, traced_dtypes.get)) == 1
+
+
+def _check_accepts_dtypes(node: fx.Node) -> None:
+    """Run the op once on zeros of its inputs' shapes and new dtypes: fake tensors do not check
+    dtypes for every op (grid_sample, custom ops), and a rejected dtype should fail here, not at
+    the first training step."""
+    def zeros(n):
+        val = n.meta.get("val")
+        return torch.zeros(val.shape, dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+    args, kwargs = pytree.tree_map_only(fx.Node, zeros, (node.args, node.kwargs))
+    try:
+        with torch.no_grad():
+            node.target(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError) as error:
+        _raise_rejected(node, error)
+
+
+def _raise_rejected(node: fx.Node, error: Exception):
+    inputs = ", ".join(f"{a.name}: {SHORT_NAMES.get(dtype_of(a), dtype_of(a))}" for a in node.all_input_nodes
+                       if dtype_of(a) is not None)
+    where = node.meta.get("module_path") or "the top level"
+    raise TypeError(f"precision: node {node.name} ({node.target}, in {where}) does not accept its inputs' "
+                    f"new dtypes ({inputs}): {error}. Keep it in fp32 with "
+                    f"Precision(fp32_ops=({op_name(node.target)!r},)) or an override for its module.") from error
 
 
 def is_foreign_op(target) -> bool:

@@ -1,6 +1,6 @@
 """Benchmark: pipeline stages on 2 CPU ranks for a LLaMA whose vocabulary makes equal layers unbalanced.
 
-    python tools/bench_pipeline.py [--steps 7] [--layers 4] [--vocab 16384] [--json bench_pipeline.json]
+    python tools/bench_pipeline.py [--steps 7] [--layers 4] [--vocab 16384] [--json bench_out/bench_pipeline.json]
 
 The default model's vocabulary is 64 x its hidden size (Llama 3: 128256 / 4096 = 31): the final
 projection and loss cost about as much as three of its four decoder layers, and an equal-layer
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--json", default="bench_pipeline.json")
+    p.add_argument("--json", default="bench_out/bench_pipeline.json")
     p.add_argument("--stage-repeats", type=int, default=7)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -179,6 +179,7 @@ def worker(args) -> None:
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
     if rank == 0:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": vars(args), "ranks": gathered}, indent=1))
     dist.destroy_process_group()
 

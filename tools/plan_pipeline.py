@@ -1,6 +1,6 @@
 """Plan: Llama-2-7B pipelined over 4 and 8 H100s, as picofx's cost model predicts it (no GPU needed).
 
-    python tools/plan_pipeline.py [--seq 4096] [--microbatches 16] [--json plan_pipeline.json]
+    python tools/plan_pipeline.py [--seq 4096] [--microbatches 16] [--json bench_out/plan_pipeline.json]
 
 The model is captured on the meta device in bf16 (one micro-batch of 1 x --seq tokens, loss
 included) and cut by pass `pipeline`'s own analysis: uniform layers (an equal share of decoder
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--gpus", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--json", default="plan_pipeline.json")
+    p.add_argument("--json", default="bench_out/plan_pipeline.json")
     return p.parse_args(argv)
 
 
@@ -82,6 +83,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{gpus:4d}  {schedule:16s} {split[:15]:15s} {plan.step_time:7.3f} {plan.bubble:7.1%} "
                       f"{row['slowest_stage_ms']:10.1f}  " + " ".join(f"{m:.0f}" for m in row["peak_gb_per_gpu"])
                       + ("" if fits else "  (over 80 GB)"))
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"seq": args.seq, "microbatches": args.microbatches, "rows": rows}, f, indent=1)
     return rows

@@ -193,7 +193,7 @@ class PipelineStep:
 
     @property
     def graph_module(self) -> fx.GraphModule:
-        return self.modules[0]
+        return self.graph_of[min(self.graph_of)]
 
     def __call__(self, model, args, kwargs):
         raise RuntimeError("this model is pipelined: use opt.forward_backward(**batch), which runs the schedule's "
@@ -206,11 +206,12 @@ class PipelineStep:
         if batch % self.microbatches:
             raise ValueError(f"Pipeline: {self.microbatches} micro-batches do not divide the batch of {batch}.")
         losses: list[torch.Tensor] = []
-        target = torch.zeros(batch, 1)  # the loss is computed inside the last stage; the schedule wants a target
+        target = torch.zeros(batch, 1, device=user[0].device)  # the last stage computes the loss; the schedule wants one
         step_args = user if self.holds_first else []
         step_kwargs = {"target": target, "losses": losses} if self.holds_last else {}
         self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
-        loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if self.holds_last else \
+            torch.zeros((), device=user[0].device)
         dist.broadcast(loss, src=self.last_rank, group=self.groups.pp)
         for name, group in self.ties:  # a tied parameter's gradient: the sum of its stages' parts
             param = self.module.get_parameter(name)

@@ -228,6 +228,8 @@ def test_errors_reach_every_rank_before_or_instead_of_a_hang_and_tied_weights_su
 
 def test_two_stages_times_two_replicas_average_each_stage_over_its_replicas(tmp_path):
     results = run_ranks("dp_pp", 4, tmp_path)
+    for r in results:
+        assert "leave overlap out" in r.pop("overlap_refused", "leave overlap out")
     for case in results[0]:
         for rank, r in enumerate(results):
             assert r[case]["loss_error"] is None, f"{case} rank {rank}: {r[case]['loss_error']}"
@@ -262,7 +264,7 @@ def _reference_after_sgd():
     return zoo.model
 
 
-def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None):
+def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None, extra=()):
     """Pipelined step against the single-process full batch; with `replica` = (index, count) this
     rank's pipeline trains that share of the batch and its loss is compared with that share's."""
     zoo, reference = make(), make()
@@ -271,7 +273,7 @@ def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None
         index, count = replica
         batch = {k: v.chunk(count)[index] for k, v in batch.items()}
     opt = picofx.optimize(zoo.model, batch, backend=backend, loss_fn=zoo.loss_fn, passes=[
-        Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual, group=group)])
+        *extra, Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual, group=group)])
     loss = opt.forward_backward(**batch)
     ref_loss, ref_grads = _reference_grads(reference)
     if replica is not None:
@@ -337,11 +339,18 @@ def scenario_errors(rank: int, out: Path) -> dict:
 def scenario_dp_pp(rank: int, out: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from picofx.manager import PASSES
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     replica = (mesh.get_local_rank("dp"), 2)
     make = lambda: build("llama-tiny", batch=8, seq=16)  # noqa: E731
     results = {}
     _, results["1F1B"] = _run_case(make, "1F1B", 1, group=mesh, replica=replica)
+    if "overlap" in PASSES:  # with overlap: refused, or right
+        try:
+            _, results["1F1B+overlap"] = _run_case(make, "1F1B", 1, group=mesh, replica=replica, extra=["overlap"])
+        except ValueError as e:
+            results["overlap_refused"] = str(e)
     return results
 
 

@@ -57,20 +57,29 @@ def _through(node: fx.Node, extra=()) -> fx.Node:
     return node
 
 
+def _uncast(node):
+    while _target(node) is aten._to_copy.default:
+        node = node.args[0]
+    return node
+
+
 def _is_activation(node) -> bool:
+    """silu, gelu, or x * sigmoid(x), maybe computed in fp32 between casts (bf16 models)."""
+    node = _uncast(node)
     t = _target(node)
     if t in (aten.silu.default, aten.gelu.default):
         return True
     if t is aten.mul.Tensor and len(node.args) == 2:
         a, b = node.args
-        return any(_target(s) is aten.sigmoid.default and s.args[0] is o for s, o in ((a, b), (b, a)))
+        return any(_target(s) is aten.sigmoid.default and _uncast(s.args[0]) is _uncast(o) for s, o in ((a, b), (b, a)))
     return False
 
 
 def _activation_input(node: fx.Node) -> fx.Node:
+    node = _uncast(node)
     if _target(node) is aten.mul.Tensor:
-        return node.args[0] if _target(node.args[1]) is aten.sigmoid.default else node.args[1]
-    return node.args[0]
+        return _uncast(node.args[0] if _target(node.args[1]) is aten.sigmoid.default else node.args[1])
+    return _uncast(node.args[0])
 
 
 def _parameter_dependent(graph: fx.Graph) -> set[fx.Node]:
@@ -135,7 +144,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
             site("norm", f"the norm is {t}")
         elif t is aten.mul.Tensor and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
             for act, other in (node.args, node.args[::-1]):
-                if _is_activation(act) and other is not _activation_input(act) and not _is_activation(node):
+                if _is_activation(act) and _uncast(other) is not _activation_input(act) and not _is_activation(node):
                     site("gated_mlp", f"{act.target}(gate) * up")
                     break
         elif t is aten.neg.default and node in dependent and _target(node.args[0]) in (aten.slice.Tensor, getitem) \

@@ -20,6 +20,7 @@ from picofx.passes.checkpoint import Checkpoint
 from picofx.passes.fuse import Fuse
 from picofx.passes.fuse_sites import KINDS, census
 from picofx.passes.precision import TOLERANCE, Precision
+from picofx.testing import captured, run_pass
 
 # The fused ops each model should end with, by kind (fuse_sites.KINDS order: norm, gated_mlp,
 # rope, attention, loss), 2 layers each. Qwen3 and OLMo2 add q/k norms (4 more), Gemma 2 adds
@@ -130,6 +131,18 @@ def test_checkpoint_with_fuse_and_precision_trains_like_eager(name):
     opt = assert_matches_eager(name, passes, BF16, normwise=True)
     notes = next(r.notes for r in opt.report.records if r.name == "checkpoint")
     assert notes["recomputed"] > 0 and notes["peak_after"] <= notes["budget"] < notes["peak_before"]
+
+
+@pytest.mark.parametrize("name", ["hf-phi3", "hf-gemma", "hf-granite"])
+def test_bf16_models_fuse_every_site_too(name):
+    """In a bf16 model silu, norms and the loss compute in fp32 between casts: other patterns."""
+    zoo_model = real_models.build(name)
+    zoo_model.model.to(torch.bfloat16)
+    gm, ctx = captured(zoo_model)
+    run_pass(Fuse(), gm, ctx, verify="invariants")
+    after = census(gm.graph)
+    assert tuple(after[kind]["fused"] for kind in KINDS) == EXPECTED[name]
+    assert all(after[kind]["unfused"] == 0 for kind in KINDS)
 
 
 def test_explain_names_a_reason_for_every_site_left():

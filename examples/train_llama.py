@@ -6,6 +6,7 @@ then a summary (tokens/s over the run, MFU) and picofx's report.
 
     python examples/train_llama.py                          # CPU, fuse + Inductor, 200 steps
     python examples/train_llama.py --backend eager --steps 50 --passes
+    torchrun --nproc-per-node 2 examples/train_llama.py --dp 2                # 2 replicas, pass overlap
     torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas
 """
@@ -179,20 +180,22 @@ def main(argv=None) -> dict:
     config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=max(args.seq, 128))
     model = Llama(config).to(args.device)
     replica = torch.distributed.get_rank() // args.pp if extra_passes else 0  # ranks of one pipeline share batches
+    speaks = not extra_passes or torch.distributed.get_rank() == 0  # under torchrun rank 0 prints
+    say = print if speaks else (lambda *_, **__: None)
     batches = Batches(stdlib_corpus(max_bytes=4_000_000), args.batch, args.seq, args.seed + replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
 
     start = time.perf_counter()
     opt_model = picofx.optimize(model, first, passes=[*args.passes, *extra_passes], backend=args.backend,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir)
-    print(f"picofx: captured and compiled in {time.perf_counter() - start:.1f}s "
+    say(f"picofx: captured and compiled in {time.perf_counter() - start:.1f}s "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, passes={args.passes})")
     optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
 
     history, interval_loss, interval_tokens, interval_start = [], 0.0, 0, time.perf_counter()
     run_start, run_tokens = interval_start, 0
-    progress = tqdm(range(args.steps), desc="train", unit="step")
+    progress = tqdm(range(args.steps), desc="train", unit="step", disable=not speaks)
     for step in progress:
         batch = first if step == 0 else {k: v.to(args.device) for k, v in batches.sample().items()}
         loss = opt_model.forward_backward(**batch)
@@ -209,7 +212,8 @@ def main(argv=None) -> dict:
             entry = {"step": step + 1, "loss": interval_loss / steps_in_interval,
                      "tokens_per_s": interval_tokens / seconds}
             history.append(entry)
-            progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
+            if speaks:
+                progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
             progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval_loss, interval_tokens, interval_start = 0.0, 0, time.perf_counter()
 
@@ -220,15 +224,19 @@ def main(argv=None) -> dict:
     run_seconds = time.perf_counter() - run_start
     tokens_per_s = run_tokens / run_seconds
     report = opt_model.report
-    print(f"\nsummary: {args.size}, {args.steps} steps of {args.batch} x {args.seq} tokens on {args.device}, "
+    say(f"\nsummary: {args.size}, {args.steps} steps of {args.batch} x {args.seq} tokens on {args.device}, "
           f"backend {args.backend}, passes {' '.join(args.passes) or '(none)'}")
-    print(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
-    print(f"  tokens/s: {tokens_per_s:,.0f} over the run ({run_tokens:,} tokens in {run_seconds:.1f}s), "
+    say(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
+    if args.dp > 1:  # replicas step in lockstep on batches of the same size
+        say(f"  tokens/s across {args.dp} data-parallel replicas: {tokens_per_s * args.dp:,.0f}")
+    say(f"  tokens/s: {tokens_per_s:,.0f} over the run ({run_tokens:,} tokens in {run_seconds:.1f}s), "
           f"{history[-1]['tokens_per_s']:,.0f} in the last interval")
-    print("  " + throughput_line(model, opt_model, tokens_per_s, args.batch, args.seq, args.device))
-    print(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
+    say("  " + throughput_line(model, opt_model, tokens_per_s, args.batch, args.seq, args.device))
+    say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
           f"{report.recompilations} recompilations")
-    print("\n" + report.table())
+    say("\n" + report.table())
+    if extra_passes:
+        torch.distributed.destroy_process_group()
     return {"history": history, "val_loss": val_loss, "tokens_per_s": tokens_per_s}
 
 

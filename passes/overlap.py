@@ -55,7 +55,7 @@ def ready_times(gm: fx.GraphModule, nodes: list[fx.Node], cost_model) -> tuple[l
     backward's total, from the cost model's per-node time."""
     elapsed, at = 0.0, {}
     for node in gm.graph.nodes:
-        elapsed += cost_model.node_time(node) if cost_model is not None else 0.0
+        elapsed += cost_model.node_time(node)
         at[node] = elapsed
     return [at[n] for n in nodes], elapsed
 
@@ -104,24 +104,18 @@ class Overlap:
         return PassResult(True, {**plan.notes(), "compress": self.compress, "gradient_sync": mode})
 
     def plan(self, gm, grads, ctx: Context, world: int):
-        """Bucket bounds (auto: from the cost model) and their predicted timing."""
-        nbytes = [g[1].meta["val"].numel() * g[1].meta["val"].element_size() for g in grads]
+        """Bucket bounds (auto: from the cost model) and their predicted timing, in bytes on the wire."""
+        wire = [g[1].meta["val"].numel() * (COMPRESSED[self.compress].itemsize if self.compress
+                                             else g[1].meta["val"].element_size()) for g in grads]
         ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
-        scale = 0.5 if self.compress == "bf16" else 1.0  # bytes on the wire per fp32 gradient byte
-        items = [Gradient(g[2], int(b * scale), t) for g, b, t in zip(grads, nbytes, ready)]
-        device = ctx.cost_model.device if ctx.cost_model is not None else None
-        link = link_for(device, world) if device is not None else None
-        first = int(parse_budget(self.first_bucket) * scale)
-        if self.bucket == "auto" and link is not None:
-            bounds = list(plan_buckets(items, total, world, link, first).buckets)
-            bounds = [b.last for b in bounds]
+        items = [Gradient(g[2], b, t) for g, b, t in zip(grads, wire, ready)]
+        link = link_for(ctx.cost_model.device, world)
+        first = parse_budget(self.first_bucket)
+        if self.bucket == "auto":
+            bounds = [b.last for b in plan_buckets(items, total, world, link, first).buckets]
         else:
-            size = parse_budget("25MiB" if self.bucket == "auto" else self.bucket)
-            bounds = fixed_bounds(items, int(size * scale), first)
+            bounds = fixed_bounds(items, parse_budget(self.bucket), first)
         bounds = sorted(set(bounds) | set(dtype_runs(grads)))
-        if link is None:
-            from picofx.cost.device import Link
-            link = Link("unknown", float("inf"), 0.0, "none")
         return schedule(items, bounds, total, world, link)
 
     def rewrite(self, gm, grads, plan, group, world: int, accumulate: bool) -> BucketLayout:

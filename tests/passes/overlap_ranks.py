@@ -126,7 +126,7 @@ def hf_llama_checks(rank: int, world: int, batch: int) -> dict:
 def precision_checkpoint_checks(rank: int, world: int, batch: int) -> dict:
     """fuse + precision + checkpoint + Overlap: the averaged gradients of the same optimized step."""
     z = zoo.build("llama-tiny", batch=batch)
-    passes = ["fuse", "precision", Checkpoint(budget=0.8), Overlap(**SMALL_BUCKETS)]
+    passes = ["fuse", "precision", Checkpoint(budget=0.9), Overlap(**SMALL_BUCKETS)]
     opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), passes, backend="eager", loss_fn=z.loss_fn)
     return {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": grads(z.model),
             "passes": [r.name for r in opt.report.records]}

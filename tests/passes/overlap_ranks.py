@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import picofx
+from picofx.cost.device import calibrate_link
 from picofx.examples import zoo
 from picofx.passes import Checkpoint, Overlap
 from picofx.testing import op_counts
@@ -111,7 +112,8 @@ def bf16_against_ddp(rank: int, world: int, batch: int) -> dict:
 
 
 def hf_llama_checks(rank: int, world: int, batch: int) -> dict:
-    """Overlap on Hugging Face Llama with fuse, and after recapture on a new sequence length."""
+    """Overlap on Hugging Face Llama with fuse, after recapture on a new sequence length; the
+    gloo link as calibrate measures it."""
     z = zoo.build("hf-llama-tiny", batch=batch)
     opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), ["fuse", Overlap(**SMALL_BUCKETS)],
                           backend="eager")
@@ -120,6 +122,7 @@ def hf_llama_checks(rank: int, world: int, batch: int) -> dict:
     shorter = {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()}
     out["recaptured_loss"] = opt.forward_backward(**shard(shorter, rank, world))
     out["recaptured_grads"] = grads(z.model)
+    out["link"] = calibrate_link(dist.group.WORLD, large_bytes=4 << 20, repeats=3)
     return out
 
 
@@ -141,12 +144,18 @@ def mismatched_layout(rank: int, world: int) -> None:
 
 
 def inductor_checks(rank: int, world: int, batch: int) -> dict:
-    """Overlap under Inductor: gradients, and the generated backward's order of issue, compute and wait."""
+    """Overlap under Inductor: gradients, the generated backward's order of issue, compute and
+    wait, and no_sync accumulation."""
     from torch._inductor.utils import run_and_get_code
 
     z = zoo.build("llama-tiny", batch=batch)
     local = shard(z.example_inputs, rank, world)
     opt, code = run_and_get_code(lambda: picofx.optimize(z.model, local, [Overlap(**SMALL_BUCKETS)],
                                                          backend="inductor", loss_fn=z.loss_fn))
-    return {"loss": opt.forward_backward(**local), "grads": grads(z.model), "code": code,
-            "world": dist.get_world_size()}
+    out = {"loss": opt.forward_backward(**local), "grads": grads(z.model), "code": code}
+    clear(z.model)  # no_sync's variants compiled by Inductor: the pending buffers are graph constants there
+    with opt.no_sync():
+        opt.forward_backward(**local)
+    opt.forward_backward(**shard(later_batch(z.example_inputs, 3), rank, world))
+    out["accumulated"] = grads(z.model)
+    return out

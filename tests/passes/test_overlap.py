@@ -122,6 +122,9 @@ def test_hf_llama_and_recapture_match_full_batch():
     for r in ranks:
         assert_grads(r["grads"], expected, **GRAD)
         assert_grads(r["recaptured_grads"], short_expected, **GRAD)
+    assert ranks[0]["link"] == ranks[1]["link"]  # every rank plans with the same measured link
+    assert ranks[0]["link"]["link_bandwidth"] > 0 and ranks[0]["link"]["link_latency"] > 0
+    assert ranks[0]["link"]["link_source"] == "measured"
 
 
 def test_with_precision_and_checkpoint():
@@ -155,9 +158,11 @@ def test_inductor_matches_full_batch_and_keeps_waits_late():
     z = zoo.build("llama-tiny", batch=BATCH)
     ranks = run_ranks(overlap_ranks.inductor_checks, 2, BATCH, timeout=560, collective_timeout=300)
     loss, expected = full_batch("llama-tiny", z.example_inputs)
+    _, second = full_batch("llama-tiny", overlap_ranks.later_batch(z.example_inputs, 3))
     assert_mean_loss(ranks, "loss", loss)
     for r in ranks:
         assert_grads(r["grads"], expected, **GRAD)
+        assert_grads(r["accumulated"], {n: expected[n] + second[n] for n in expected}, **GRAD)
     backward = next(c for c in ranks[0]["code"] if "all_reduce_" in c or "all_reduce(" in c)
     lines = backward[backward.index("def call("):].splitlines()
     issue = [i for i, line in enumerate(lines) if re.search(r"_c10d_functional\.all_reduce_?\.default", line)]

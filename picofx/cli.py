@@ -17,6 +17,7 @@ from picofx.errors import CaptureError, InputShapeError, PassError, Verification
 from picofx.manager import PASSES
 from picofx.manager.dump import DumpGraphs, graph_dot, graph_text
 from picofx.optimize import optimize
+from picofx.runtime.distributed import single_process_group
 
 FORMATS = {"text": "one row per node (name, op, target, shape, dtype, FLOPs, bytes, module), the pass table, "
                    "and the nodes each pass added and removed",
@@ -97,6 +98,8 @@ def _changes(report) -> str:
 def dump(args) -> None:
     passes = build_passes(args)  # usage mistakes first: before the model is built
     model, example_inputs, loss_fn = load_model(args.model)
+    if any(getattr(p, "communicates", False) for p in passes):  # overlap: show its graphs on a one-rank group
+        single_process_group()
     instruments = [DumpGraphs(args.output, formats=("txt",) if args.format == "text" else ("dot",))] \
         if args.output else []
     opt = optimize(model, example_inputs, passes=passes, backend=args.backend, loss_fn=loss_fn,

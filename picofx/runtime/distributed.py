@@ -158,3 +158,10 @@ def load_pending(layout: BucketLayout, gm: fx.GraphModule, model: nn.Module) -> 
                 buffer[offset:offset + numel].copy_(param.grad.reshape(-1))
                 param.grad = None
             offset += numel
+
+
+def single_process_group() -> None:
+    """A one-rank gloo group where none exists, so that a tool run as one process (`picofx dump`)
+    can show the graphs of a pass that all-reduces."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

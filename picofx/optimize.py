@@ -126,18 +126,19 @@ class OptimizedModule(nn.Module):
         self._step_for(args, kwargs)
 
     def _step_for(self, args: tuple, kwargs: dict, gradient_sync: str = "sync") -> CompiledStep:
-        key = (self._model.training, input_key(args, kwargs), gradient_sync)  # no_sync: a variant (pass overlap)
+        key = (self._model.training, input_key(args, kwargs), gradient_sync)
         step = self._steps.get(key)
         if step is None:
             if self._steps and not self._recapture and gradient_sync == "sync":
                 raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
-            start = time.perf_counter()
             options = {**self._build_options["options"], "gradient_sync": gradient_sync}
+            start = time.perf_counter()
             step = build_step(self._model, args, kwargs, **{**self._build_options, "options": options})
             if self._steps:  # a recompilation: one line saying why and what it cost
                 first_mode = next(iter(self._steps))[0]
                 changed = [input_changes(*self._first_call, args, kwargs),
-                           ("train" if key[0] else "eval") + " mode" if key[0] != first_mode else ""]
+                           ("train" if key[0] else "eval") + " mode" if key[0] != first_mode else "",
+                           f"gradient sync {gradient_sync}" if gradient_sync != "sync" else ""]
                 notices().info(f"{'; '.join(c for c in changed if c) or 'new call'}: captured and compiled "
                                f"again in {time.perf_counter() - start:.1f}s (recompilation {len(self._steps)})")
             self._steps[key] = step
@@ -151,19 +152,6 @@ class OptimizedModule(nn.Module):
             step = self._step_for(args, kwargs, mode)
             self._sync.before_call(mode, step.graphs, self._model)
         return step(self._model, args, kwargs)
-
-    @property
-    def report(self) -> Report:
-        self._current.report.recompilations = len(self._steps) - 1
-        return self._current.report
-
-    @property
-    def graph_module(self) -> fx.GraphModule:
-        return self._current.graph_module
-
-    @property
-    def graphs(self) -> dict:
-        return self._current.graphs
 
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """One training step's forward and backward (gradients land in `.grad`); returns the loss.
@@ -182,6 +170,19 @@ class OptimizedModule(nn.Module):
         gradients without communication; the first backward after it all-reduces the accumulated
         sum (compiles a variant of the step for each, once)."""
         return self._sync.no_sync()
+
+    @property
+    def report(self) -> Report:
+        self._current.report.recompilations = len(self._steps) - 1
+        return self._current.report
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._current.graph_module
+
+    @property
+    def graphs(self) -> dict:
+        return self._current.graphs
 
     @property
     def pipeline(self) -> PipelineStep | None:

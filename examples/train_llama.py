@@ -8,7 +8,7 @@ then a summary (tokens/s over the run, MFU) and picofx's report.
     python examples/train_llama.py --backend eager --steps 50 --passes
     torchrun --nproc-per-node 2 examples/train_llama.py --dp 2                # 2 replicas, pass overlap
     torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
-    torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas
+    torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
 """
 from __future__ import annotations
 
@@ -152,8 +152,9 @@ def parallel_passes(args) -> list:
     if args.pp == 1:
         return ["overlap"]
     mesh = init_device_mesh(args.device.split(":")[0], (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
-    return [picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                   virtual=2 if "Interleaved" in args.schedule else 1, group=mesh)]
+    pipeline = picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+                                      virtual=2 if "Interleaved" in args.schedule else 1, group=mesh)
+    return [pipeline, *(["overlap"] if args.dp > 1 else [])]  # each stage's grads averaged in its backward
 
 
 def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:

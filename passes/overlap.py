@@ -38,15 +38,18 @@ COMPRESSED = {"bf16": torch.bfloat16}
 
 
 def gradients_in_order(gm: fx.GraphModule, input_names) -> list[tuple[int, fx.Node, str]]:
-    """(output position, node, parameter name) of each tensor gradient output, in the order the
-    backward produces them (the position of the node that computes it)."""
+    """(output position, node, parameter name) of each parameter's tensor gradient output, in the
+    order the backward produces them (the position of the node that computes it). Where the inputs
+    are named, an input that is no parameter (a pipeline stage's activations, a float input) has
+    no name, and its gradient is left alone, as DistributedDataParallel leaves it."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     outputs = gm.graph.output_node().args[0]
     grads = []
     for pos, node in enumerate(outputs):
         if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-            name = input_names[pos] if input_names and pos < len(input_names) else f"input_{pos}"
-            grads.append((pos, node, name))
+            name = input_names[pos] if input_names is not None and pos < len(input_names) else f"input_{pos}"
+            if name is not None:
+                grads.append((pos, node, name))
     return sorted(grads, key=lambda g: (order[g[1]], g[0]))
 
 

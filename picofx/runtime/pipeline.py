@@ -169,7 +169,6 @@ class PipelineStep:
                 if slot.kind in ("parameter", "buffer"):
                     register_as(self.module, model, slot.target, slot.kind)
         report.compile_seconds = time.perf_counter() - start
-        refuse_activation_all_reduce(self.stage_graphs)
         report.sections["pipeline"] = self.layout.table()
         scale = 1.0 / self.microbatches
         schedule_class = get_schedule_class(options.schedule)
@@ -275,22 +274,6 @@ def tie_groups(tied: dict, options, groups: PipelineGroups, model: nn.Module) ->
             if me in members:
                 held.append((name, group))
     return held
-
-
-def refuse_activation_all_reduce(stage_graphs: dict) -> None:
-    """A pass that all-reduces the backward's gradient outputs (overlap) must leave out those of a
-    stage's inputs that are activations: they go to the previous stage and differ between
-    replicas. Its bucket layout names each gradient's parameter; None is an activation. Every
-    rank learns whether any stage does it (a collective), so all refuse together."""
-    bad = [index for index, graphs in stage_graphs.items() if graphs.get("backward") is not None and any(
-        entry.name is None for entry in getattr(graphs["backward"].meta.get("picofx_overlap"), "entries", ()))]
-    flag = torch.tensor([min(bad) if bad else -1])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() >= 0:
-        raise ValueError(f"Pipeline: stage {flag.item()}'s backward all-reduces the gradients of its activation "
-                         "inputs (pass overlap buckets every gradient output), which would average what it sends "
-                         "to the previous stage across replicas; leave overlap out: a pipeline on a ('dp', 'pp') "
-                         "mesh averages each stage's parameter gradients over its replicas itself.")
 
 
 def check_same_cuts(layout, group: dist.ProcessGroup) -> None:

@@ -27,17 +27,8 @@ def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: di
     """The graph's placeholders' values for a call: the model's own parameters and buffers, and the
     call's tensors made contiguous (compiled code is specialised on the captured strides)."""
     user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    values = []
-    for slot in signature.inputs:
-        if slot.kind == "parameter":
-            values.append(model.get_parameter(slot.target))
-        elif slot.kind == "buffer":
-            values.append(model.get_buffer(slot.target))
-        elif slot.kind == "constant":
-            values.append(signature.constants[slot.target])
-        else:
-            values.append(user[int(slot.target)])
-    return values
+    return [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
+            for slot in signature.inputs]
 
 
 @dataclass

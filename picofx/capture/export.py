@@ -40,6 +40,14 @@ class InputSlot:
     kind: str  # "parameter", "buffer", "constant" or "user"
     target: str  # the model's parameter/buffer name, the constant's name, or the user input's index
 
+    def resident_value(self, module: nn.Module, constants: dict):
+        """The value of a slot that is no user input: `module`'s own parameter or buffer, or the constant."""
+        if self.kind == "parameter":
+            return module.get_parameter(self.target)
+        if self.kind == "buffer":
+            return module.get_buffer(self.target)
+        return constants[self.target]
+
 
 @dataclass
 class Signature:

@@ -39,15 +39,7 @@ class StageModule(nn.Module):
         object.__setattr__(self, "run", None)
 
     def resident_values(self) -> list:
-        values = []
-        for slot in self.resident:
-            if slot.kind == "parameter":
-                values.append(self.get_parameter(slot.target))
-            elif slot.kind == "buffer":
-                values.append(self.get_buffer(slot.target))
-            else:
-                values.append(self.constants[slot.target])
-        return values
+        return [slot.resident_value(self, self.constants) for slot in self.resident]
 
     def forward(self, *carried):
         outputs = self.run(self.resident_values() + list(carried))

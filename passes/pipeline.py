@@ -32,7 +32,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from picofx.capture.annotate import tensor_bytes
-from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, Link, Unit, balanced_cuts, plan_for
+from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, Unit, balanced_cuts, plan_for
 from picofx.cost.model import CostModel, is_alias
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.manager.pass_manager import copy_graph
@@ -122,7 +122,7 @@ class Pipeline:
         cost_model = ctx.cost_model or CostModel(ctx.device)
         units, starts, main = chain_units(work, cost_model, self.balance)
         device = cost_model.device
-        link = Link(device.link_bandwidth, device.link_latency)
+        link = device.intra_node_link
         plan_args = dict(schedule=self.schedule, microbatches=self.microbatches, virtual=self.virtual, link=link,
                          state_per_parameter_byte=state_per_parameter_byte(ctx.model))
         if self.balance == "cost":

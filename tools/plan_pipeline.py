@@ -21,7 +21,7 @@ import time
 import torch
 
 from picofx.capture.export import capture
-from picofx.cost.balance import Link, balanced_cuts, plan_for
+from picofx.cost.balance import balanced_cuts, plan_for
 from picofx.cost.device import H100
 from picofx.cost.model import CostModel
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
@@ -55,7 +55,7 @@ def main(argv=None) -> list[dict]:
     units, _, _ = chain_units(gm, CostModel(H100), "layers")
     print(f"captured Llama-2-7B (1 x {args.seq} tokens per micro-batch) in {time.perf_counter() - start:.0f} s: "
           f"{len(units)} places to cut; H100 SXM {H100.memory_capacity / 1e9:.0f} GB, NVLink 4")
-    common = dict(microbatches=args.microbatches, link=Link(H100.link_bandwidth, H100.link_latency),
+    common = dict(microbatches=args.microbatches, link=H100.intra_node_link,
                   state_per_parameter_byte=state_per_parameter_byte(model))
     rows = []
     header = f"{'GPUs':>4s}  {'schedule':16s} {'cuts':15s} {'step s':>7s} {'bubble':>7s} {'slowest ms':>10s}  peak GB per GPU"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from picofx.cost.device import Link
 from picofx.cost.units import format_bytes
 
 # Micro-batches whose activations a rank holds at its peak, by schedule.
@@ -48,12 +49,6 @@ class Unit:
     parameter_bytes: int
     activation_bytes: int     # per micro-batch, until its backward
     boundary_bytes: int = 0   # sent to the next stage if a cut follows this unit
-
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth: float          # bytes/s one way
-    latency: float            # s per message
 
 
 @dataclass

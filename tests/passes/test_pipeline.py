@@ -24,7 +24,8 @@ import torch
 
 import picofx
 from picofx.capture.export import capture
-from picofx.cost.balance import Link, Unit, balanced_cuts, plan_for
+from picofx.cost.balance import Unit, balanced_cuts, plan_for
+from picofx.cost.device import Link
 from picofx.cost.model import CostModel
 from picofx.examples.zoo import build, hf_llama
 from picofx.manager import Context
@@ -40,7 +41,7 @@ def _units(times, params=None):
 
 
 def _plan(units, stages, capacity=None):
-    return balanced_cuts(units, stages, schedule="1F1B", microbatches=stages, link=Link(1e30, 0.0),
+    return balanced_cuts(units, stages, schedule="1F1B", microbatches=stages, link=Link("instant", 1e30, 0.0),
                          state_per_parameter_byte=1.0, capacity=capacity)
 
 
@@ -63,7 +64,7 @@ def test_balanced_cuts_equal_brute_force_min_max():
 def test_interleaved_cuts_balance_each_ranks_stages_together():
     # Max-stage balance alone gives [2, 4, 6]: rank 0 runs 2 + 2, rank 1 runs 2 + 6 per micro-batch.
     units = _units([1, 1, 1, 1, 1, 1, 6])
-    args = dict(schedule="Interleaved1F1B", virtual=2, microbatches=4, link=Link(1e30, 0.0),
+    args = dict(schedule="Interleaved1F1B", virtual=2, microbatches=4, link=Link("instant", 1e30, 0.0),
                 state_per_parameter_byte=1.0)
     plan = balanced_cuts(units, 4, **args)
     best = min(plan_for(units, [0, *cuts], **args).step_time for cuts in itertools.combinations(range(1, 7), 3))
@@ -85,7 +86,7 @@ def test_schedule_cost_is_the_textbook_bubble_for_equal_stages():
     # 4 stages of equal time, 8 micro-batches: on 4 ranks (p=4, v=1) or on 2 ranks (p=2, v=2)
     for schedule, virtual, ranks in [("GPipe", 1, 4), ("1F1B", 1, 4), ("Interleaved1F1B", 2, 2)]:
         plan = plan_for(_units([1.0] * 4), [0, 1, 2, 3], schedule=schedule, microbatches=8, virtual=virtual,
-                        link=Link(1e30, 0.0), state_per_parameter_byte=1.0)
+                        link=Link("instant", 1e30, 0.0), state_per_parameter_byte=1.0)
         assert plan.bubble == pytest.approx((ranks - 1) / (virtual * 8 + ranks - 1))
 
 

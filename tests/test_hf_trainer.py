@@ -125,8 +125,11 @@ def test_a_loss_fn_model_takes_labels_and_trains_under_trainer(tmp_path):
 def test_gradient_checkpointing_argument_is_picofxs_checkpoint_pass(tmp_path):
     model = tiny_model()
     opt = picofx.optimize(model, example_batch(model), passes=[], backend="eager")
+    # transformers 5 renamed the argument (the old name still works, with a FutureWarning)
+    renamed = "activation_checkpointing" in inspect.signature(TrainingArguments).parameters
+    argument = {"activation_checkpointing" if renamed else "gradient_checkpointing": True}
     with pytest.raises(ValueError, match="picofx plans activation checkpointing"):
-        trainer(opt, tmp_path, gradient_checkpointing=True).train()
+        trainer(opt, tmp_path, **argument).train()
 
 
 # ---- training, evaluation, checkpoints ----------------------------------------------------------------

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from picofx.capture.export import KEPT_WHOLE, LossStep
+from picofx.capture.export import KEPT_WHOLE, LossStep, quiet_export
 from picofx.examples.zoo import ZooModel
 from picofx.manager import copy_graph
 from picofx.passes.precision_rules import RULES, op_name
@@ -69,8 +69,9 @@ def autocast_graph(z: ZooModel) -> fx.GraphModule:
     table = torch.export.default_decompositions()
     for op in KEPT_WHOLE:
         del table[op]
-    exported = torch.export.export(Autocast(), (), dict(z.example_inputs), strict=False)
-    return exported.run_decompositions(table).graph_module
+    with quiet_export():
+        exported = torch.export.export(Autocast(), (), dict(z.example_inputs), strict=False)
+        return exported.run_decompositions(table).graph_module
 
 
 class RuleToy(nn.Module):

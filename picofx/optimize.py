@@ -8,19 +8,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from picofx.errors import InputShapeError
 from picofx.capture.explain import argument_name, call_arguments
 from picofx.capture.export import Signature, capture_call, input_changes, input_key, split_inputs
 from picofx.cost.model import CostModel
-from picofx.manager.dump import DumpGraphs
+from picofx.errors import InputShapeError
 from picofx.manager import Context, PassManager, Stage, resolve_passes
-from picofx.manager.pass_manager import copy_graph
+from picofx.manager.dump import DumpGraphs
 from picofx.manager.report import Report, notices
 from picofx.runtime.compile import compile_graph
-from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
-from picofx.runtime.hf import optimized_class
-from picofx.runtime.pipeline import PipelineStep
 from picofx.runtime.distributed import GradientSync, check_layouts, communicates
+from picofx.runtime.hf import optimized_class
+from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
+from picofx.runtime.pipeline import PipelineStep
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
@@ -76,21 +75,12 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         return PipelineStep(graphs, model, manager, ctx, report, signature)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
-        forward = graphs[0]
-        fresh = fx.GraphModule(forward, copy_graph(forward.graph))  # a re-plan compiles a copy of this
-        compiled_once = []
-
-        def compile_once():
-            gm = fx.GraphModule(fresh, copy_graph(fresh.graph)) if compiled_once else forward
-            gm.meta.update(forward.meta)
-            compiled_once.append(True)
-            return compile_graph(gm, inputs, manager, ctx)
-
         def peak_of(compiled):
-            step = CompiledStep(signature, compiled[0], forward, compiled[1], report)
+            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report)
             return measure_step_peak(lambda: step(model, args, kwargs), model, (args, kwargs))
 
-        run, stage_graphs = compile_measured(compile_once, manager, peak_of)
+        run, stage_graphs = compile_measured(graphs[0], lambda gm: compile_graph(gm, inputs, manager, ctx),
+                                             manager, peak_of)
     else:
         run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
     report.compile_seconds = time.perf_counter() - start

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
+from torch import fx, nn
 
 from picofx.cost.memory import measure_peak
-from picofx.manager import PassManager
+from picofx.manager import PassManager, copy_graph
 from picofx.manager.passes import pass_name
 
 MAX_REPLANS = 2
@@ -68,13 +68,18 @@ def measure_step_peak(step: Callable[[], object], model: nn.Module, inputs) -> i
             torch.cuda.set_rng_state_all(rng[1])
 
 
-def compile_measured(compile_once: Callable[[], object], manager: PassManager,
-                     peak_of: Callable[[object], int]):
-    """`compile_once()` until the measuring passes accept the measured peak (`peak_of(compiled)`);
-    the manager keeps the records of the last compilation only."""
+def compile_measured(forward: fx.GraphModule, compile_graph: Callable[[fx.GraphModule], object],
+                     manager: PassManager, peak_of: Callable[[object], int]):
+    """`compile_graph(forward)` until the measuring passes accept the measured peak
+    (`peak_of(compiled)`); a re-plan compiles a fresh copy of `forward` as it was before the first
+    round (compilation rewrites the graph it is given). The manager keeps the records of the last
+    compilation only."""
+    pristine = fx.GraphModule(forward, copy_graph(forward.graph))
     for round_ in range(MAX_REPLANS + 1):
         first = len(manager.records)
-        compiled = compile_once()
+        gm = forward if round_ == 0 else fx.GraphModule(pristine, copy_graph(pristine.graph))
+        gm.meta.update(forward.meta)
+        compiled = compile_graph(gm)
         passes = measuring_passes(manager)
         if not passes:
             return compiled

@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from picofx.cost.model import CostModel
 from picofx.examples.zoo import build, hf_llama
 from picofx.manager import Context
 from picofx.passes import Pipeline
+from spawn_ranks import free_port  # tests/passes is on the path, under pytest and as a script
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]
 
@@ -152,15 +152,9 @@ def test_more_stages_than_cut_points_is_an_error():
 
 # ---------------------------------------------------------------- distributed runs
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, world: int, tmp_path: Path, deadline: float = 240.0) -> list[dict]:
     """Run `scenario` on `world` ranks (this file as a script); kill them if they pass the deadline."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, scenario, str(rank), str(world), str(port), str(tmp_path)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -29,6 +29,9 @@ from picofx.cost.inductor.model import memory_model_for
 from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values
 from picofx.cost.inductor.workspace import workspace_bytes
 
+# A matmul's backward is two matmuls of its size; a pointwise backward reads and writes about twice.
+BACKWARD_PER_FORWARD = 2.0
+
 
 def is_alias(node: fx.Node) -> bool:
     """True when every tensor the node returns shares its storage with one of its inputs (a view,
@@ -137,6 +140,11 @@ class CostModel:
             return 0.0
         compute = node_flops(node) / self.device.flops_per_second(compute_dtype(node))
         return max(compute, bytes_moved(node) / self.device.memory_bandwidth) + self.device.op_overhead
+
+    def training_time(self, node: fx.Node, needs_grad: set) -> float:
+        """Seconds of a forward node and, where its output is in `needs_grad` (it carries a
+        gradient), its backward: BACKWARD_PER_FORWARD x the forward's time."""
+        return self.node_time(node) * (1 + (BACKWARD_PER_FORWARD if node in needs_grad else 0))
 
     def graph_time(self, gm: fx.GraphModule) -> float:
         return sum(self.node_time(n) for n in gm.graph.nodes)

@@ -8,8 +8,10 @@ runtime (`picofx.runtime.pipeline`) compiles and runs as `torch.distributed.pipe
    that reads them instead of being sent between stages.
 2. The other nodes, in graph order, form a chain of units, split where exactly one
    floating-point activation crosses (the residual stream between and inside decoder layers),
-   and at the places `balance` asks for. Each unit gets its forward time from the cost model,
-   backward = BACKWARD_PER_FORWARD x forward, its parameters' bytes and its activations' bytes.
+   and at the places `balance` asks for. Each unit gets its forward + backward time from the
+   cost model (`CostModel.training_time`), or with `measure=True` from running one micro-batch
+   with a clock at every unit boundary (`picofx.runtime.unit_clock`: the first rank measures,
+   every rank cuts by its figures); its parameters' bytes and its activations' bytes.
 3. `balance="cost"`: `picofx.cost.balance.balanced_cuts` (min over cuts of the slowest stage,
    memory within the device); "layers": equal numbers of the model's repeated layers per stage
    (the embedding goes with the first, the final norm, projection and loss with the last); a list
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,9 +38,10 @@ from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, U
 from picofx.cost.model import CostModel, is_alias
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.manager.pass_manager import copy_graph
+from picofx.runtime.distributed import measured_on_first_rank
+from picofx.runtime.unit_clock import measure_units
 
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-BACKWARD_PER_FORWARD = 2.0  # a matmul's backward is two matmuls of its size; pointwise backward reads and writes about twice
 # AdamW training keeps 16 bytes per parameter: fp32 parameter, gradient and two moments; or, in
 # mixed precision, bf16 parameter and gradient + fp32 master copy and two moments.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -75,6 +78,7 @@ class Pipeline:
     balance: str | tuple = "cost"   # "cost", "layers", or module paths where stages 1.. begin
     virtual: int = 1                # stages per rank (interleaved schedules)
     group: object = None            # ProcessGroup or DeviceMesh with a "pp" dimension; None: the world
+    measure: bool = False           # time units by running one micro-batch step (whole model) on the first rank
     stage = Stage.FORWARD
 
     def __post_init__(self):
@@ -121,6 +125,13 @@ class Pipeline:
         loss = keep_loss_only(work)
         cost_model = ctx.cost_model or CostModel(ctx.device)
         units, starts, main = chain_units(work, cost_model, self.balance)
+        if self.measure:
+            if ctx.device.type == "meta":
+                raise ValueError("Pipeline(measure=True): the model is on the meta device, where nothing can be "
+                                 "timed; use measure=False to cut by the cost model's predictions.")
+            times = measured_on_first_rank(lambda: measure_units(work, ctx.example_inputs, main, starts),
+                                           len(units), self.group)
+            units = [replace(u, time=t) for u, t in zip(units, times)]
         device = cost_model.device
         link = device.intra_node_link
         plan_args = dict(schedule=self.schedule, microbatches=self.microbatches, virtual=self.virtual, link=link,
@@ -188,10 +199,13 @@ def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[lis
     """Units of the step's chain: (units, index in `main` where each begins, main nodes in order).
     Main nodes are those that depend on a user input; a unit ends where one floating-point value
     crosses, or where `balance` wants a stage to begin."""
-    depends = set()
+    depends, needs_grad = set(), set()
     for node in gm.graph.nodes:
         if _is_user_input(node) or any(a in depends for a in node.all_input_nodes):
             depends.add(node)
+        if (node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter") or \
+                any(a in needs_grad for a in node.all_input_nodes):
+            needs_grad.add(node)
     main = [n for n in gm.graph.nodes if n.op == "call_function" and n in depends]
     position = {n: i for i, n in enumerate(main)}
     last_use = {n: max((position.get(u, len(main)) for u in n.users), default=i) for i, n in enumerate(main)}
@@ -211,10 +225,9 @@ def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[lis
     for k, lo in enumerate(starts):
         hi = starts[k + 1] if k + 1 < len(starts) else len(main)
         nodes = main[lo:hi]
-        forward = sum(cost_model.node_time(n) for n in nodes)
         crossing_out = [n for n in main[:hi] if last_use[n] >= hi] if hi < len(main) else []
         units.append(Unit(label=nodes[0].meta.get("module_path") or nodes[0].name,
-                          time=forward * (1 + BACKWARD_PER_FORWARD),
+                          time=sum(cost_model.training_time(n, needs_grad) for n in nodes),
                           parameter_bytes=sum(tensor_bytes(p.meta["val"]) for p, u in param_first_use.items()
                                               if lo <= u < hi),
                           activation_bytes=sum(n.meta.get("bytes", 0) for n in nodes if not is_alias(n)),

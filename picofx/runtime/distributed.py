@@ -165,3 +165,18 @@ def single_process_group() -> None:
     can show the graphs of a pass that all-reduces."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+
+def measured_on_first_rank(measure, count: int, group=None) -> list[float]:
+    """`count` numbers that `measure()` returns on the first rank of `group` (a ProcessGroup; None
+    or a DeviceMesh: the world), sent to every other rank, so that ranks decide from the same
+    measurement, taken on a rank no other rank competes with for the machine; `measure()` itself
+    where no process group runs. Every rank of the group must call it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return measure()
+    group = group if isinstance(group, dist.ProcessGroup) else None
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    values = torch.tensor(measure() if dist.get_rank() == first else [0.0] * count, dtype=torch.float64)
+    dist.broadcast(values, src=first, group=group)
+    return values.tolist()

@@ -193,7 +193,7 @@ def _check_equal_to_reference(results: list[dict], cases: list[str], model) -> N
 
 def test_pipelined_losses_and_gradients_equal_the_full_batch(tmp_path):
     results = run_ranks("equal", 2, tmp_path)
-    cases = [f"llama/{s}" for s, _ in SCHEDULES]
+    cases = [f"llama/{s}" for s, _ in SCHEDULES] + ["llama/1F1B measured"]
     _check_equal_to_reference(results, cases, build("llama-tiny").model)
     _check_equal_to_reference(results, [f"hf/{s}" for s, _ in SCHEDULES], hf_llama().model)
     for r in results:
@@ -261,7 +261,7 @@ def _reference_after_sgd():
     return zoo.model
 
 
-def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None, extra=()):
+def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None, extra=(), **options):
     """Pipelined step against the single-process full batch; with `replica` = (index, count) this
     rank's pipeline trains that share of the batch and its loss is compared with that share's."""
     zoo, reference = make(), make()
@@ -270,7 +270,7 @@ def _run_case(make, schedule, virtual, backend="eager", group=None, replica=None
         index, count = replica
         batch = {k: v.chunk(count)[index] for k, v in batch.items()}
     opt = picofx.optimize(zoo.model, batch, backend=backend, loss_fn=zoo.loss_fn, passes=[
-        *extra, Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual, group=group)])
+        *extra, Pipeline(stages=2, schedule=schedule, microbatches=4, virtual=virtual, group=group, **options)])
     loss = opt.forward_backward(**batch)
     ref_loss, ref_grads = _reference_grads(reference)
     if replica is not None:
@@ -315,6 +315,8 @@ def scenario_equal(rank: int, out: Path) -> dict:
                         p -= 0.1 * p.grad
                 dcp.save(opt.state_dict(), checkpoint_id=str(out / "checkpoint"))
                 dist.barrier()
+    # cut by unit times measured on rank 0 and sent to rank 1: both cut alike, or the runtime raises
+    _, results["llama/1F1B measured"] = _run_case(llama, "1F1B", 1, measure=True)
     return results
 
 

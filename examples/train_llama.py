@@ -131,6 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (run under torchrun)")
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step and replica under --pp")
+    p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
+                   help="under --pp, cut where unit times measured on rank 0 balance (--no-measure-cuts: predicted)")
     args = p.parse_args(argv)
     if not fits(args.size, args.batch, args.seq, args.device):
         config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
@@ -153,7 +155,8 @@ def parallel_passes(args) -> list:
         return ["overlap"]
     mesh = init_device_mesh(args.device.split(":")[0], (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
     pipeline = picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                      virtual=2 if "Interleaved" in args.schedule else 1, group=mesh)
+                                      virtual=2 if "Interleaved" in args.schedule else 1, group=mesh,
+                                      measure=args.measure_cuts)
     return [pipeline, *(["overlap"] if args.dp > 1 else [])]  # each stage's grads averaged in its backward
 
 
@@ -218,10 +221,13 @@ def main(argv=None) -> dict:
             progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval_loss, interval_tokens, interval_start = 0.0, 0, time.perf_counter()
 
-    with torch.no_grad():
-        model.eval()
-        val = batches.sample("val")  # pipelined, a rank trains one stage: the whole model is not up to date here
-        val_loss = causal_lm_loss(model(val["input_ids"]), val["labels"]).item() if args.pp == 1 else float("nan")
+    val = {k: v.to(args.device) for k, v in batches.sample("val").items()}
+    if args.pp == 1:
+        with torch.no_grad():
+            val_loss = causal_lm_loss(model.eval()(val["input_ids"]), val["labels"]).item()
+    else:  # a rank holds one stage: the loss comes through the schedule, whose gradients are dropped
+        val_loss = opt_model.forward_backward(**val).item()
+        optimizer.zero_grad(set_to_none=True)
     run_seconds = time.perf_counter() - run_start
     tokens_per_s = run_tokens / run_seconds
     report = opt_model.report

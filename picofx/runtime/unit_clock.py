@@ -22,7 +22,7 @@ from torch import fx
 
 from picofx.manager.pass_manager import copy_graph
 
-WARMUP = 2  # runs before the measured ones: the first allocates and warms the caches
+WARMUP = 3  # runs before the measured ones: the first allocates and warms the caches
 
 
 class _Clock:
@@ -49,7 +49,7 @@ class _Clock:
 
 
 def measure_units(gm: fx.GraphModule, inputs: list, main: list[fx.Node], starts: list[int],
-                  repeats: int = 9) -> list[float]:
+                  repeats: int = 15) -> list[float]:
     """Seconds of forward + backward of each unit (units begin at `starts` in `main`, the step's
     nodes in graph order) of `gm`, a graph returning its loss, run on `inputs`."""
     position = {n.name: i for i, n in enumerate(main)}

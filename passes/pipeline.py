@@ -153,7 +153,8 @@ class Pipeline:
         graphs = split_stages(work, stage_of, self.total_stages, loss, layout)
         slowest = max(plan.stages, key=lambda s: s.time)
         return PassResult(changed=True, graphs=graphs, notes={
-            "stages": self.total_stages, "cuts": " | ".join(units[c].label for c in plan.cuts),
+            "stages": self.total_stages, "unit_times": "measured" if self.measure else "predicted",
+            "cuts": " | ".join(units[c].label for c in plan.cuts),
             "slowest_stage_ms": slowest.time * 1e3, "step_ms": plan.step_time * 1e3, "bubble": plan.bubble})
 
 

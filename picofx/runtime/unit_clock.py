@@ -8,12 +8,13 @@ comes from whatever the previous op left in the caches. `measure_units` runs the
 letting gradients accumulate from one run to the next as they do over a step's micro-batches.
 The forward reads the clock after each unit's last node; the backward reads it when the
 gradient of every value crossing a boundary is complete (a tensor hook), which is when the
-backward of the units before it begins. A unit's time is the median over the repeats of its
-forward plus its backward.
+backward of the units before it begins. A unit's time is its fastest forward plus backward over
+the repeats: other work on the machine only ever adds time, and in the whole step it adds more
+to a unit than the unit's stage sees alone (the median ran 10-30% above the stage measured alone,
+the fastest 4-16% below it).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -79,4 +80,4 @@ def measure_units(gm: fx.GraphModule, inputs: list, main: list[fx.Node], starts:
         forward = [clock.forward[k] - (clock.forward[k - 1] if k else start) for k in range(units)]
         backward = [(clock.backward[k - 1] if k else done) - clock.backward[k] for k in range(units)]
         samples.append([f + b for f, b in zip(forward, backward)])
-    return [statistics.median(run[k] for run in samples[WARMUP:]) for k in range(units)]
+    return [min(run[k] for run in samples[WARMUP:]) for k in range(units)]

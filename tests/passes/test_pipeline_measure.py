@@ -72,6 +72,7 @@ def test_measured_cuts_leave_the_wide_block_alone_on_its_stage():
     ctx = Context(model=model, example_inputs=inputs, device=torch.device("cpu"), cost_model=CostModel())
     result = Pipeline(stages=3, schedule="GPipe", microbatches=4, measure=True)(gm, ctx)
     layout = result.graphs[0].meta["picofx_pipeline"]
+    assert result.notes["unit_times"] == "measured"
     firsts = [layout.units[c].label for c in layout.plan.cuts]
     assert firsts[0].startswith("blocks.2") and not firsts[1].startswith("blocks.2"), firsts
     slowest = max(layout.plan.stages, key=lambda s: s.time)

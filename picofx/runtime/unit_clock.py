@@ -10,8 +10,8 @@ The forward reads the clock after each unit's last node; the backward reads it w
 gradient of every value crossing a boundary is complete (a tensor hook), which is when the
 backward of the units before it begins. A unit's time is its fastest forward plus backward over
 the repeats: other work on the machine only ever adds time, and in the whole step it adds more
-to a unit than the unit's stage sees alone (the median ran 10-30% above the stage measured alone,
-the fastest 4-16% below it).
+to a unit than the unit's stage sees alone (the median ran up to 30% above the stage measured
+alone, the fastest 4-16% below it).
 """
 from __future__ import annotations
 

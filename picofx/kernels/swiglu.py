@@ -45,68 +45,37 @@ def gelu_mul_backward_reference(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Ten
     return grad_a, grad_b
 
 
-@torch.library.custom_op("picofx::silu_mul", mutates_args=())
-def silu_mul(a: Tensor, b: Tensor) -> Tensor:
-    return silu_mul_reference(a, b).contiguous()
+def gated_product_ops(name: str, reference, backward_reference):
+    """The custom op `picofx::<name>` (reference(a, b), contiguous) and its backward op
+    `picofx::<name>_backward`, which saves a and b and recomputes the activation."""
+
+    @torch.library.custom_op(f"picofx::{name}", mutates_args=())
+    def forward(a: Tensor, b: Tensor) -> Tensor:
+        return reference(a, b).contiguous()
+
+    @forward.register_fake
+    def _(a, b):
+        torch._check(a.shape == b.shape, lambda: f"{name}: a and b must have the same shape")
+        return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
+
+    @torch.library.custom_op(f"picofx::{name}_backward", mutates_args=())
+    def backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        grad_a, grad_b = backward_reference(grad, a, b)
+        return grad_a.contiguous(), grad_b.contiguous()
+
+    @backward.register_fake
+    def _(grad, a, b):
+        return a.new_empty(a.shape), b.new_empty(b.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    forward.register_autograd(lambda ctx, grad: backward(grad, *ctx.saved_tensors), setup_context=setup_context)
+    return forward, backward
 
 
-@silu_mul.register_fake
-def _(a, b):
-    torch._check(a.shape == b.shape, lambda: "silu_mul: a and b must have the same shape")
-    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
-
-
-def _silu_mul_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _silu_mul_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    return torch.ops.picofx.silu_mul_backward(grad, a, b)
-
-
-silu_mul.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup_context)
-
-
-@torch.library.custom_op("picofx::silu_mul_backward", mutates_args=())
-def silu_mul_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    grad_a, grad_b = silu_mul_backward_reference(grad, a, b)
-    return grad_a.contiguous(), grad_b.contiguous()
-
-
-@silu_mul_backward.register_fake
-def _(grad, a, b):
-    return a.new_empty(a.shape), b.new_empty(b.shape)
-
-
-@torch.library.custom_op("picofx::gelu_mul", mutates_args=())
-def gelu_mul(a: Tensor, b: Tensor) -> Tensor:
-    return gelu_mul_reference(a, b).contiguous()
-
-
-@gelu_mul.register_fake
-def _(a, b):
-    torch._check(a.shape == b.shape, lambda: "gelu_mul: a and b must have the same shape")
-    return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
-
-
-def _gelu_mul_backward(ctx, grad):
-    a, b = ctx.saved_tensors
-    return torch.ops.picofx.gelu_mul_backward(grad, a, b)
-
-
-gelu_mul.register_autograd(_gelu_mul_backward, setup_context=_silu_mul_setup_context)
-
-
-@torch.library.custom_op("picofx::gelu_mul_backward", mutates_args=())
-def gelu_mul_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    grad_a, grad_b = gelu_mul_backward_reference(grad, a, b)
-    return grad_a.contiguous(), grad_b.contiguous()
-
-
-@gelu_mul_backward.register_fake
-def _(grad, a, b):
-    return a.new_empty(a.shape), b.new_empty(b.shape)
+silu_mul, silu_mul_backward = gated_product_ops("silu_mul", silu_mul_reference, silu_mul_backward_reference)
+gelu_mul, gelu_mul_backward = gated_product_ops("gelu_mul", gelu_mul_reference, gelu_mul_backward_reference)
 
 
 if triton_swiglu is not None:

@@ -192,8 +192,9 @@ def keep_loss_only(gm: fx.GraphModule) -> fx.Node:
     return scalars[0]
 
 
-def _is_user_input(node: fx.Node) -> bool:
-    return node.op == "placeholder" and node.meta["picofx_input"].kind == "user"
+def _input_kind(node: fx.Node) -> str | None:
+    """A placeholder's slot kind ("user", "parameter", "buffer", "constant"); None for other nodes."""
+    return node.meta["picofx_input"].kind if node.op == "placeholder" else None
 
 
 def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[list[Unit], list[int], list[fx.Node]]:
@@ -202,10 +203,9 @@ def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[lis
     crosses, or where `balance` wants a stage to begin."""
     depends, needs_grad = set(), set()
     for node in gm.graph.nodes:
-        if _is_user_input(node) or any(a in depends for a in node.all_input_nodes):
+        if _input_kind(node) == "user" or any(a in depends for a in node.all_input_nodes):
             depends.add(node)
-        if (node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter") or \
-                any(a in needs_grad for a in node.all_input_nodes):
+        if _input_kind(node) == "parameter" or any(a in needs_grad for a in node.all_input_nodes):
             needs_grad.add(node)
     main = [n for n in gm.graph.nodes if n.op == "call_function" and n in depends]
     position = {n: i for i, n in enumerate(main)}
@@ -220,7 +220,7 @@ def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[lis
     starts = sorted(set(starts) | set(wanted_starts(main, balance)))
     param_first_use: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter" and node.users:
+        if _input_kind(node) == "parameter" and node.users:
             param_first_use[node] = min(position.get(_first_main_user(u, position), len(main) - 1) for u in node.users)
     units = []
     for k, lo in enumerate(starts):
@@ -332,7 +332,7 @@ def tied_parameters(gm: fx.GraphModule, stage_of: dict) -> dict[str, list[int]]:
     """Parameters read by more than one stage (a tied embedding and head)."""
     tied = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta["picofx_input"].kind == "parameter":
+        if _input_kind(node) == "parameter":
             stages = sorted({stage_of[u] for u in node.users})
             if len(stages) > 1:
                 tied[node.meta["picofx_input"].target] = stages

@@ -20,14 +20,11 @@ def test_pipelined_training_under_torchrun_reports_its_cut_and_a_validation_loss
     import os
     import re
     import signal
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+    # --standalone: torchrun picks a free port for its own rendezvous
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(SCRIPT), "--pp", "2", "--backend", "eager", "--passes", "--steps", "4", "--batch", "4", "--seq", "32"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)

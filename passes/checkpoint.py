@@ -245,6 +245,8 @@ class Checkpoint:
             notes["planned_for"] = target
         if before.memory.peak <= target:
             chosen = before
+            notes["nothing_recomputed"] = (f"the no-checkpoint peak {format_bytes(before.memory.peak)} is already "
+                                           f"under the budget {format_bytes(target)}; lower the budget to recompute")
         else:
             models = [planner.predict(planner.uniform(k)) for k in range(max(len(s.options) for s in planner.segments))]
             chosen = self._search(planner, models, target - before.memory.resident, target)

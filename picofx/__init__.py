@@ -5,11 +5,18 @@
     runtime/   compiling and running the step                 kernels/  the fused ops (CPU and Triton)
     passes     picofx.passes: fuse, precision, checkpoint, ...
 """
+import importlib.metadata
+
 from picofx.errors import BudgetError, CaptureError, InputShapeError, PassError, VerificationError
 from picofx.manager import Context, DumpGraphs, PassManager, PassResult, Stage, register_pass
 from picofx.optimize import OptimizedModule, optimize
 from picofx import plan, rules  # noqa: E402  (public modules: picofx.plan.predict, picofx.rules.Rule)
 from picofx.cost import device  # noqa: E402  (picofx.device.H100, picofx.device.calibrate)
+
+try:
+    __version__ = importlib.metadata.version("picofx")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
 
 # Last: the passes register their names (and the fuse rules) as they are imported.
 from picofx import passes  # noqa: E402,F401  isort: skip

@@ -119,3 +119,24 @@ def test_cache_output_says_use_cache_false():
     z = zoo.hf_llama("tiny", use_cache=True)
     with pytest.raises(picofx.CaptureError, match="use_cache=False"):
         picofx.capture.capture(z.model, {"input_ids": z.example_inputs["input_ids"]})
+
+
+@pytest.mark.parametrize("name, model_class", [("hf-llama-tiny", "LlamaForCausalLM"), ("llama-tiny", "Llama")])
+def test_a_sequence_over_the_position_limit_is_refused_before_tracing(name, model_class):
+    limit = zoo.build(name).model.config.max_position_embeddings
+    z = zoo.build(name, seq=limit + 1)
+    calls = []
+    z.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(picofx.CaptureError) as info:
+        picofx.capture.capture(z.model, z.example_inputs, z.loss_fn)
+    message = str(info.value)
+    assert "\n" not in message and calls == []  # one line, and the model never ran
+    assert f"input_ids has {limit + 1} positions" in message
+    assert f"{model_class}.config.max_position_embeddings={limit}" in message
+    assert f"max_position_embeddings >= {limit + 1}" in message
+
+
+def test_a_sequence_at_the_position_limit_is_captured():
+    z = zoo.build("hf-llama-tiny", seq=zoo.build("hf-llama-tiny").model.config.max_position_embeddings)
+    gm = picofx.capture.capture(z.model, z.example_inputs)
+    assert any(n.target is aten._log_softmax.default for n in gm.graph.nodes)

@@ -60,23 +60,43 @@ def explain_capture_failure(error: Exception, module_stack: list[str], model: nn
 
 
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "block_size", "n_ctx")
+CONFIG_ATTRIBUTES = ("config", "params", "args")  # where models keep their configuration
+
+
+def position_limit(model: nn.Module) -> tuple[str, int] | None:
+    """The model's longest sequence and the field that sets it: ("config.max_position_embeddings", 2048)."""
+    for attribute in CONFIG_ATTRIBUTES:
+        config = getattr(model, attribute, None)
+        for name in POSITION_LIMITS:
+            if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
+                return f"{attribute}.{name}", getattr(config, name)
+    return None
 
 
 def _over_position_limit(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, str, bool] | None:
-    """(cause, fix, True) when an integer input (token ids) is longer than the model's position limit."""
-    config = getattr(model, "config", None)
-    limit = next(((name, getattr(config, name)) for name in POSITION_LIMITS
-                  if isinstance(getattr(config, name, None), int)), None)
+    """(cause, fix, True) when a (batch, sequence) integer input (token ids) is longer than the
+    model's position limit."""
+    limit = position_limit(model)
     if limit is None:
         return None
     for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and not x.is_floating_point() and x.shape[-1] > limit[1]:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and x.shape[-1] > limit[1]:
             name = argument_name(path)
-            return (f"{name} has {x.shape[-1]} positions (shape {tuple(x.shape)}), more than the model's "
-                    f"{limit[0]}={limit[1]}",
-                    f"use sequences of at most {limit[1]} tokens, or build the model with {limit[0]} >= "
+            field = limit[0].partition(".")[2]
+            return (f"{name} has {x.shape[-1]} positions (shape {tuple(x.shape)}), more than "
+                    f"{type(model).__name__}.{limit[0]}={limit[1]}",
+                    f"use sequences of at most {limit[1]} tokens, or build the model with {field} >= "
                     f"{x.shape[-1]}", True)
     return None
+
+
+def check_position_limit(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Token ids longer than the model's position limit are refused before anything is traced (a
+    rotary model would otherwise accept them silently, past the positions it was built for)."""
+    too_long = _over_position_limit(model, args, kwargs)
+    if too_long:
+        cause, fix, _ = too_long
+        raise CaptureError(f"capture: {cause}; {fix}.")
 
 
 def argument_name(path: tuple) -> str:

@@ -20,7 +20,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from picofx.errors import CaptureError
 from picofx.capture.annotate import annotate
-from picofx.capture.explain import accepts_labels, argument_name, check_keywords, explain_capture_failure
+from picofx.capture.explain import (accepts_labels, argument_name, check_keywords, check_position_limit,
+                                    explain_capture_failure)
 
 KEPT_WHOLE = (torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default)
 
@@ -138,7 +139,9 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
         raise CaptureError(f"capture: {type(model).__name__}.forward takes no 'labels', so it returns its "
                            "output, not a loss: pass loss_fn=..., called as loss_fn(output, labels) (e.g. "
                            "picofx.examples.llama.causal_lm_loss), or leave labels out to capture the forward alone.")
-    check_keywords(model, {k: v for k, v in kwargs.items() if loss_fn is None or k != "labels"})
+    model_kwargs = {k: v for k, v in kwargs.items() if loss_fn is None or k != "labels"}
+    check_keywords(model, model_kwargs)
+    check_position_limit(model, args, model_kwargs)
     with _module_path_tracker(model) as where, quiet_export():
         try:
             ep = torch.export.export(step, args, kwargs, strict=False)

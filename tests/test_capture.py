@@ -132,7 +132,7 @@ def test_a_sequence_over_the_position_limit_is_refused_before_tracing(name, mode
     message = str(info.value)
     assert "\n" not in message and calls == []  # one line, and the model never ran
     assert f"input_ids has {limit + 1} positions" in message
-    assert f"{model_class}.config.max_position_embeddings={limit}" in message
+    assert f"max_position_embeddings={limit} (in {model_class}.config)" in message
     assert f"max_position_embeddings >= {limit + 1}" in message
 
 

@@ -82,9 +82,9 @@ def _over_position_limit(model: nn.Module, args: tuple, kwargs: dict) -> tuple[s
     for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and x.shape[-1] > limit[1]:
             name = argument_name(path)
-            field = limit[0].partition(".")[2]
-            return (f"{name} has {x.shape[-1]} positions (shape {tuple(x.shape)}), more than "
-                    f"{type(model).__name__}.{limit[0]}={limit[1]}",
+            where, _, field = limit[0].partition(".")
+            return (f"{name} has {x.shape[-1]} positions (shape {tuple(x.shape)}), more than the model's "
+                    f"{field}={limit[1]} (in {type(model).__name__}.{where})",
                     f"use sequences of at most {limit[1]} tokens, or build the model with {field} >= "
                     f"{x.shape[-1]}", True)
     return None
@@ -96,7 +96,7 @@ def check_position_limit(model: nn.Module, args: tuple, kwargs: dict) -> None:
     too_long = _over_position_limit(model, args, kwargs)
     if too_long:
         cause, fix, _ = too_long
-        raise CaptureError(f"capture: {cause}; {fix}.")
+        raise CaptureError(f"capture: {cause}; {fix}.") from None
 
 
 def argument_name(path: tuple) -> str:

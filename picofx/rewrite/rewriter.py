@@ -9,28 +9,44 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.fx.passes.tools_common import stable_topological_sort
 
 from picofx.capture.annotate import common_module_path, fake_mode_of
 from picofx.rewrite.matcher import Match, NearMiss, find_matches
 from picofx.rewrite.rules import Rule
 
 
-def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | None]) -> tuple[list[str], bool]:
-    """Inline the match's replacement in place of its nodes; `replaced` maps every graph node an
-    earlier replacement removed to its new node (a later match may take it as an input).
-    Returns the names of outputs the replacement dropped (graph outputs now None), and whether
-    the graph needs a topological sort (the replacement went after an input that came late)."""
-    bindings = {name: _current(value, replaced) for name, value in match.bindings.items()}
+def cycle_reason(match: Match, bindings: dict | None = None) -> str | None:
+    """Why inlining the match's replacement would make a cycle, or None: one of its inputs is
+    computed from a node the match covers (e.g. k of one layer's RoPE from the q another layer's
+    RoPE rotates), so the fused op would need its own output. The graph must be in topological
+    order: the search walks back from each input and stops at nodes before the match's first."""
+    covered = match.covered
+    first = min(covered)  # fx nodes compare by their position in the graph
+    for name, value in (bindings if bindings is not None else match.bindings).items():
+        if not isinstance(value, fx.Node) or value < first:
+            continue
+        stack, seen = [value], {value}
+        while stack:
+            node = stack.pop()
+            if node in covered:
+                return (f"input {name} ({value.name}) is computed from {node.name}, which the match replaces: "
+                        "the fused op would depend on its own output (a cycle)")
+            for source in node.all_input_nodes:
+                if source not in seen and not source < first:
+                    seen.add(source)
+                    stack.append(source)
+    return None
+
+
+def replace(graph: fx.Graph, match: Match, bindings: dict, replaced: dict[fx.Node, fx.Node | None]) -> list[str]:
+    """Inline the match's replacement in place of its nodes, the graph staying in topological order;
+    `bindings` are the match's inputs as the graph has them now, `replaced` maps every graph node a
+    replacement removed to its new node (a later match may take it as an input).
+    Returns the names of outputs the replacement dropped (graph outputs now None)."""
     traced = match.replacement
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    covered = sorted(match.covered, key=order.__getitem__)
+    covered = sorted(match.covered)
     inputs = [v for v in bindings.values() if isinstance(v, fx.Node)]
-    point = covered[0]
-    last_input = max(inputs, key=order.__getitem__, default=None)
-    reorder = last_input is not None and order[last_input] > order[point]
-    if reorder:
-        point = last_input.next
+    point = max([covered[0], *(node.next for node in inputs)])  # after the last input (a late table)
     module_path = common_module_path(covered)
     env = {p: bindings[name] for p, name in traced.inputs.items()}
     inlined = []
@@ -50,10 +66,27 @@ def replace(graph: fx.Graph, match: Match, replaced: dict[fx.Node, fx.Node | Non
         else:
             old.replace_all_uses_with(env[new])
         replaced[old] = env[new] if new is not None else None
+    if point is not covered[0]:
+        _move_users_after(covered[0], point, {*inlined, *(env[new] for new in traced.outputs() if new is not None)})
     for node in [*reversed(covered), *reversed(inlined)]:  # what nothing uses any more (e.g. unused logits)
         if not node.users:
             graph.erase_node(node)
-    return dropped, reorder
+    return dropped
+
+
+def _move_users_after(start: fx.Node, point: fx.Node, new_values: set[fx.Node]) -> None:
+    """The replacement went in late, just before `point`: the nodes from `start` on that use its values
+    (directly or through each other) move after it, in their order. Nothing the replacement reads
+    is among them: cycle_reason rejected such matches."""
+    late, moving = set(new_values), []
+    node = start
+    while node is not point:
+        if node not in late and any(source in late for source in node.all_input_nodes):
+            late.add(node)
+            moving.append(node)
+        node = node.next
+    for node in moving:
+        point.prepend(node)
 
 
 def _current(value, replaced: dict):
@@ -63,19 +96,23 @@ def _current(value, replaced: dict):
 
 
 def rewrite(gm: fx.GraphModule, rule: Rule) -> tuple[list[Match], list[NearMiss], list[str]]:
-    """Apply `rule` everywhere it matches: (applied matches, near-misses, dropped output names)."""
+    """Apply `rule` everywhere it matches: (applied matches, near-misses, dropped output names). A
+    match that would make a cycle (an earlier replacement may have joined its inputs to its
+    outputs) is skipped, and reported with the near-misses as check "acyclic"."""
     matches, near_misses = find_matches(gm.graph, rule)
     replaced: dict[fx.Node, fx.Node | None] = {}
-    dropped, reorder = [], False
+    applied, dropped = [], []
     for match in matches:
-        names, needs_sort = replace(gm.graph, match, replaced)
-        dropped += names
-        reorder |= needs_sort
-    if reorder:  # once, at the end: the sort copies every node, which the other matches still name
-        stable_topological_sort(gm)
-    if matches:
+        bindings = {name: _current(value, replaced) for name, value in match.bindings.items()}
+        reason = cycle_reason(match, bindings)
+        if reason is not None:
+            near_misses.append(NearMiss(rule.name, match.describe(), "acyclic", reason))
+            continue
+        dropped += replace(gm.graph, match, bindings, replaced)
+        applied.append(match)
+    if applied:
         refresh_values(gm)
-    return matches, near_misses, dropped
+    return applied, near_misses, dropped
 
 
 class _ViewFixer(fx.Interpreter):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.rewrite import Rule, register_rule, scalar, tensor
+from picofx.rewrite.rewriter import cycle_reason
 
 FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})
 
@@ -46,6 +47,13 @@ def cos_sin_broadcast_to_q_and_k(match):
     return None
 
 
+def q_and_k_of_one_attention(match):
+    """q and k are two separate chains to the matcher: it also pairs one layer's q with the next
+    layer's q or k, which are computed from the first (through its attention). Such a pairing
+    would make a cycle; rejecting it here lets the layer's own q and k pair instead."""
+    return cycle_reason(match)
+
+
 def head_dim_is_even(match):
     dim = match.val("q").shape[-1]
     return f"the head dim {dim} is odd: the fused op rotates two equal halves" if dim % 2 else None
@@ -58,7 +66,9 @@ def rotate_complex(x, freqs):
 
 
 def complex_rope_pattern(q, k, freqs_q, freqs_k):
-    return rotate_complex(q, freqs_q), rotate_complex(k, freqs_k)
+    """freqs_k None: one table node rotates both (torchtitan broadcasts it once for q and k; Meta's
+    code indexes it for each), which the matcher needs as a single input."""
+    return rotate_complex(q, freqs_q), rotate_complex(k, freqs_q if freqs_k is None else freqs_k)
 
 
 def complex_rope_replacement(q, k, freqs_q, freqs_k):
@@ -81,6 +91,8 @@ def _viewed_from(node):
 
 
 def q_and_k_share_the_table(match):
+    if match.bindings.get("freqs_k") is None:
+        return None
     q_table, k_table = (_viewed_from(match.bindings[name]) for name in ("freqs_q", "freqs_k"))
     if q_table != k_table:
         return "q and k are rotated by different tables; the fused op rotates both by one"
@@ -146,15 +158,15 @@ ROPE = register_rule(Rule(
     inputs={"q": tensor(2, 8, 4, 16), "k": tensor(2, 8, 2, 16), "cos": tensor(8, 1, 16), "sin": tensor(8, 1, 16),
             "rotate_half": rotate_half_by_chunks},
     variants=({"rotate_half": rotate_half_by_chunks}, {"rotate_half": rotate_half_by_slices}),
-    checks=(cos_sin_broadcast_to_q_and_k, head_dim_is_even),
+    checks=(q_and_k_of_one_attention, cos_sin_broadcast_to_q_and_k, head_dim_is_even),
 ))
 
 COMPLEX_ROPE = register_rule(Rule(
     name="complex_rope", pattern=complex_rope_pattern, replacement=complex_rope_replacement,
     inputs={"q": tensor(2, 8, 4, 16), "k": tensor(2, 8, 2, 16), "freqs_q": tensor(1, 8, 1, 8, dtype=torch.complex64),
             "freqs_k": tensor(1, 8, 1, 8, dtype=torch.complex64)},
-    variants=FLOAT_AND_LOW_PRECISION,
-    checks=(q_and_k_share_the_table,),
+    variants=[{**v, **shared} for v in FLOAT_AND_LOW_PRECISION for shared in ({}, {"freqs_k": None})],
+    checks=(q_and_k_of_one_attention, q_and_k_share_the_table),
     # torch's complex product and the op's real arithmetic round alike up to FMA contraction.
     tolerance=(1e-5, 1e-5), tolerance_reason="the complex product may contract a multiply-add where the op does not",
 ))

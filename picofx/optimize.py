@@ -14,6 +14,7 @@ from picofx.cost.model import CostModel
 from picofx.errors import InputShapeError
 from picofx.manager import Context, PassManager, Stage, resolve_passes
 from picofx.manager.dump import DumpGraphs
+from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.distributed import GradientSync, check_layouts, communicates
@@ -58,6 +59,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     for p in manager.passes:  # a pass that runs the step in micro-batches (pipeline) captures one
         if hasattr(p, "capture_inputs"):
             args, kwargs = p.capture_inputs(args, kwargs)
+    tell(instruments, "begin", "capturing the training step")
     start = time.perf_counter()
     gm = capture_call(model, args, kwargs, loss_fn)
     report = Report(backend=backend, input_key=input_key(args, kwargs),
@@ -72,7 +74,9 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
-        return PipelineStep(graphs, model, manager, ctx, report, signature)
+        step = PipelineStep(graphs, model, manager, ctx, report, signature)
+        tell(instruments, "end", backend)
+        return step
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
         def peak_of(compiled):
@@ -84,6 +88,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     else:
         run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
     report.compile_seconds = time.perf_counter() - start
+    tell(instruments, "end", backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
     return CompiledStep(signature, run, graphs[0], stage_graphs, report)
 
@@ -220,7 +225,8 @@ def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict
 
 def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "inductor", loss_fn=None,
              verify: str | None = "invariants", dump_dir: str | None = None, instruments=(),
-             recapture: bool = True, options: dict | None = None, cost_model=None) -> OptimizedModule:
+             recapture: bool = True, options: dict | None = None, cost_model=None,
+             progress=None) -> OptimizedModule:
     """Capture `model`'s training step on `example_inputs`, run `passes`, compile with `backend`.
 
     passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order;
@@ -230,11 +236,14 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     verify:    after every pass, "invariants" (default), "numerics" (also compare outputs and gradients
                with the graph before the pass) or None.
     dump_dir:  write every graph (`NN_<pass>.txt` and `.dot`) there.
+    progress:  a function of one string (e.g. print) told each step (capture, each pass, compile)
+               as it finishes, with its time.
     recapture: a call with other input shapes captures and compiles again; False raises instead.
     cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
                the inputs' device; pass one built on a calibrated picofx.cost.device description).
     """
-    instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else [])]
+    instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else []),
+                   *([Progress(progress)] if progress else [])]
     module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
     return module_class(model, example_inputs, recapture, passes=resolve_passes(passes), loss_fn=loss_fn,
                            backend=backend, verify=verify, instruments=instruments, options=options or {},

@@ -1,13 +1,11 @@
-import importlib.util
+import importlib
 import pathlib
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "examples" / "train_llama.py"
 
 
 def test_main_job_trains_with_fuse_and_the_loss_falls(capsys):
-    spec = importlib.util.spec_from_file_location("train_llama", SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = importlib.import_module("picofx.examples.train_llama")
     result = train.main(["--backend", "eager", "--steps", "40", "--batch", "4", "--seq", "64",
                          "--log-every", "10", "--passes", "fuse"])
     losses = [entry["loss"] for entry in result["history"]]

@@ -34,6 +34,25 @@ def resolve_group(group=None):
     return group if group is not None else dist.group.WORLD
 
 
+def launched_world(environ) -> int | None:
+    """How many processes torchrun started (its WORLD_SIZE in `environ`, a mapping such as
+    os.environ), or None where this process was not started by torchrun."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return int(environ["WORLD_SIZE"])
+    return None
+
+
+def first_failure(message: str | None, group=None) -> tuple[int, str] | None:
+    """Every rank of `group` says how its setup ended: None (it succeeded) or its error message.
+    All of them get the lowest failing rank and its message, or None where every rank succeeded,
+    so that one rank prints the error once and every rank stops. A collective: give `group` a
+    timeout of its own (`dist.new_group(timeout=...)`) so that a rank stuck elsewhere surfaces
+    as an error here instead of a wait."""
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, message, group=group)
+    return next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
+
+
 @dataclass(frozen=True)
 class LayoutEntry:
     name: str  # parameter name (input_<i> where the graph's inputs are not named)

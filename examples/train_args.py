@@ -1,0 +1,240 @@
+"""train_llama.py's options, and every check on them that can fail before a process group or a
+compile: a bad option is one line on stderr (rank 0 only under torchrun) and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import sys
+
+import torch
+
+import picofx
+from picofx.cost.device import device_for
+from picofx.cost.units import check_budget, format_bytes
+from picofx.examples.llama import CONFIGS
+from picofx.examples.train_data import check_data_source
+from picofx.examples.train_state import saved_step
+from picofx.manager import resolve_pass
+from picofx.runtime.distributed import launched_world
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
+SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad option as one line, printed by rank 0 only under torchrun."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            hint = " (--help lists the options)" if message.startswith(ARGPARSE_ERRORS) else ""
+            print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and gives every option's default."""
+
+
+def at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
+        return value
+    return parse
+
+
+def memory_budget(text: str):
+    """'2GiB' or bytes ('2147483648') stay as picofx reads them; '0.5' is a fraction of the peak."""
+    value: int | float | str = text
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            pass
+    try:
+        check_budget(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def step_bytes(config, batch: int, seq: int) -> int:
+    """A step's memory, roughly: fp32 weights, gradients and AdamW's two moments (16 bytes per
+    parameter), saved activations of 2 x (34 x hidden + 5 x heads x seq) bytes per token and layer
+    (Korthikanti et al.'s 16-bit estimate, doubled for fp32), and the logits with their gradient."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * config.head_dim
+    params = 2 * config.vocab_size * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+    tokens = batch * seq
+    activations = tokens * layers * 2 * (34 * h + 5 * config.num_attention_heads * seq)
+    return 16 * params + activations + 2 * 4 * tokens * config.vocab_size
+
+
+def fits(size: str, batch: int, seq: int, device: str) -> bool:
+    config = dataclasses.replace(CONFIGS[size], vocab_size=256)
+    return step_bytes(config, batch, seq) <= device_for(device).memory_capacity
+
+
+def build_parser(doc: str) -> OneLineParser:
+    p = OneLineParser(prog="train_llama.py", description=doc, formatter_class=HelpFormatter)
+    default_device = "cpu"
+    offered = [size for size in CONFIGS if fits(size, 8, 128, default_device)]
+    p.add_argument("--size", choices=sorted(CONFIGS), default="tiny", metavar="SIZE",
+                   help=f"model shape, vocabulary set to 256; on {default_device} at the default batch and "
+                        f"sequence: {', '.join(offered)} (a size whose step does not fit the device is refused)")
+    p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps (in all, a resumed run included)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (and per replica)")
+    p.add_argument("--seq", type=at_least(2), default=128, help="tokens per sequence")
+    p.add_argument("--max-positions", type=at_least(1),
+                   help="the model's position limit (RoPE table); default: the size's own, e.g. tiny's 128")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (20 steps of warm-up)")
+    p.add_argument("--device", default=default_device, help="torch device: cpu, cuda, cuda:1")
+    p.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
+                   help="inductor generates code (20-30 s to compile on CPU); eager runs the graphs as they are")
+    p.add_argument("--passes", nargs="*", default=["fuse"], help="picofx passes, e.g. fuse precision checkpoint")
+    p.add_argument("--memory-budget", type=memory_budget, metavar="BUDGET",
+                   help="the checkpoint pass's budget: bytes, '2GiB', or a fraction of the peak without it "
+                        "('0.5'); default: the device's memory")
+    p.add_argument("--log-every", type=at_least(1), default=25, help="steps between loss and tokens/s lines")
+    p.add_argument("--dump-dir", help="write every graph picofx produced to this directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
+                        "Face dataset name (needs `datasets`); default: the Python standard library's source")
+    p.add_argument("--save", metavar="DIR", help="at the end, save model, optimizer, step and data position here")
+    p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options)")
+    p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (pass pipeline; run under torchrun)")
+    p.add_argument("--dp", type=at_least(1),
+                   help="data-parallel replicas (run under torchrun); default: all ranks not used by --pp")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1F1B", help="pipeline schedule")
+    p.add_argument("--microbatches", type=at_least(1), default=4, help="micro-batches per step and replica under --pp")
+    p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
+                   help="under --pp, cut where unit times measured on rank 0 balance (--no-measure-cuts: predicted)")
+    return p
+
+
+def parse_args(argv=None, doc: str = "", environ=None):
+    """The options, checked; `args.world` is the number of processes and `args.dp` is resolved."""
+    environ = os.environ if environ is None else environ
+    p = build_parser(doc)
+    args = p.parse_args(argv)
+    try:
+        check_layout(args, launched_world(environ))
+        check_passes(args)
+        check_device(args)
+        check_paths(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not fits(args.size, args.batch, args.seq, args.device):
+        config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
+        p.error(f"--size {args.size} needs about {format_bytes(step_bytes(config, args.batch, args.seq))} per step "
+                f"at batch {args.batch}, seq {args.seq}; {args.device} has "
+                f"{format_bytes(device_for(args.device).memory_capacity)}: pick a smaller size, batch or sequence")
+    return args
+
+
+def check_layout(args, world: int | None) -> None:
+    """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
+    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("pp", args.pp)) if v not in (None, 1))
+    args.dp_default = world is not None and args.dp is None
+    if world is None:  # one process, not launched by torchrun
+        if layout:
+            ranks = (args.dp or 1) * args.pp
+            raise ValueError(f"{layout} runs one process per rank: launch it with torchrun, e.g. torchrun "
+                             f"--nproc-per-node {ranks} examples/train_llama.py {layout}")
+        args.dp, args.world = 1, 1
+        return
+    args.world = world
+    if args.dp is None:
+        if world % args.pp:
+            raise ValueError(f"--pp {args.pp} does not divide the {world} ranks torchrun started: "
+                             f"use --nproc-per-node {args.pp * max(1, world // args.pp)}, or another --pp")
+        args.dp = world // args.pp
+    elif args.dp * args.pp != world:
+        raise ValueError(f"the layout --dp {args.dp} x --pp {args.pp} is {args.dp * args.pp} ranks, but torchrun "
+                         f"started {world}: launch with --nproc-per-node {args.dp * args.pp}, or change --dp/--pp")
+    if args.pp > 1:
+        virtual = 2 if "Interleaved" in args.schedule else 1
+        if args.microbatches < args.pp * virtual:
+            raise ValueError(f"--microbatches {args.microbatches} is fewer than the {args.pp * virtual} pipeline "
+                             f"stages, which can stall the schedule: pass --microbatches {args.pp * virtual} or more")
+        if args.batch % args.microbatches:
+            raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}: "
+                             "pick a batch that is a multiple of it")
+
+
+def check_passes(args) -> None:
+    """Pass names resolve now (with the registry's suggestion); the layout adds its own passes."""
+    for name in args.passes:
+        if name in SET_BY_LAYOUT:
+            if name == "overlap" and args.world == 1:
+                raise ValueError("the overlap pass all-reduces gradients between data-parallel ranks, and one "
+                                 "process has none: drop it, or launch with torchrun --nproc-per-node N "
+                                 "(data parallel over N ranks adds it)")
+            raise ValueError(f"--passes {name}: this script adds it from {SET_BY_LAYOUT[name]}; leave it out of "
+                             "--passes")
+        try:
+            resolve_pass(name)
+        except KeyError as e:
+            raise ValueError(f"--passes: {e.args[0]}") from None
+    if args.memory_budget is not None and "checkpoint" not in args.passes:
+        raise ValueError("--memory-budget is the checkpoint pass's budget: add checkpoint to --passes")
+    limit = args.max_positions or CONFIGS[args.size].max_position_embeddings
+    if args.seq > limit:
+        raise ValueError(f"--seq {args.seq} is longer than the {args.size} model's position limit, {limit} "
+                         f"(max_position_embeddings): pass --max-positions {args.seq} to build it with a "
+                         "longer rotary table, or a shorter --seq")
+
+
+def check_device(args) -> None:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: torch sees no CUDA GPU here (torch.cuda.is_available() is "
+                             "False; this torch is built for " + ("CPU only" if torch.version.cuda is None else
+                                                                 f"CUDA {torch.version.cuda}") + "): use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: there are {torch.cuda.device_count()} GPUs "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {args.device}: this script runs on cpu or cuda")
+
+
+def check_paths(args) -> None:
+    for option, path in (("--dump-dir", args.dump_dir), ("--save", args.save)):
+        if path is None:
+            continue
+        existing = next((p for p in [pathlib.Path(path), *pathlib.Path(path).parents] if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"{option} {path}: {existing} is a file, not a directory: name a directory "
+                             "(it is created if missing)")
+    if args.resume is not None:
+        if not (pathlib.Path(args.resume) / ".metadata").is_file():
+            raise ValueError(f"--resume {args.resume}: no checkpoint there (a directory written by --save holds "
+                             "a .metadata file)")
+        step = saved_step(args.resume)
+        if step >= args.steps:
+            raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
+                             f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
+    if args.data is not None:
+        check_data_source(args.data)
+
+
+def picofx_passes(args) -> list:
+    """--passes as picofx takes them: names, with checkpoint built on --memory-budget."""
+    if args.memory_budget is None:
+        return list(args.passes)
+    return [picofx.passes.Checkpoint(budget=args.memory_budget) if name == "checkpoint" else name
+            for name in args.passes]

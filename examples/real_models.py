@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from picofx.examples import zoo
+from picofx.examples import titan_llama, zoo
 from picofx.examples.meta_llama import MetaLlamaConfig, Transformer, loss_over_flattened_tokens
 from picofx.examples.nanogpt import GPT, GPTConfig
 from picofx.examples.zoo import ZooModel, token_batch
@@ -67,6 +67,13 @@ def meta_llama(batch: int = BATCH, seq: int = SEQ, seed: int = 0) -> ZooModel:
                     {"tokens": ids[:, :-1], "labels": ids[:, 1:].contiguous()}, loss_over_flattened_tokens)
 
 
+def torchtitan_llama3(batch: int = BATCH, seq: int = SEQ, seed: int = 0) -> ZooModel:
+    torch.manual_seed(seed)
+    ids = token_batch(VOCAB, batch, seq + 1, seed)
+    return ZooModel(titan_llama.Transformer(titan_llama.ModelArgs(vocab_size=VOCAB)),
+                    {"tokens": ids[:, :-1], "labels": ids[:, 1:].contiguous()}, titan_llama.cross_entropy_loss)
+
+
 def nanogpt(batch: int = BATCH, seq: int = SEQ, seed: int = 0) -> ZooModel:
     torch.manual_seed(seed)
     ids = token_batch(VOCAB, batch, seq + 1, seed)
@@ -80,6 +87,7 @@ def reference_llama(batch: int = BATCH, seq: int = SEQ, seed: int = 0) -> ZooMod
 MODELS: dict[str, Callable[..., ZooModel]] = {
     "reference-llama": reference_llama,
     "meta-llama": meta_llama,
+    "torchtitan-llama3": torchtitan_llama3,
     "nanogpt": nanogpt,
     **{f"hf-{arch}": (lambda arch: lambda **kw: hf_model(arch, **kw))(arch) for arch in HF_MODELS},
 }

@@ -1,6 +1,7 @@
 """Fusion rules for RMSNorm: the norm alone, and the residual add before it fused into it.
 
-The norm is matched as three forms: written out as LLaMA does (weight * normed.to(dtype)),
+The norm is matched as four forms: written out as LLaMA does (weight * normed.to(dtype)) or with the
+weight on the right (normed.type_as(x) * weight, Meta's and torchtitan's class),
 as torch.nn.RMSNorm / F.rms_norm (traced, so the pattern is whatever ATen form capture gives
 it), and Gemma's normed * (1 + weight), which becomes the op's offset.
 """
@@ -20,6 +21,12 @@ RMS_NORM_TOLERANCE_REASON = "the fused backward sums in another order than autog
 def written_out(x, weight, eps, offset):
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def written_out_weight_last(x, weight, eps, offset):
+    """Meta's and torchtitan's RMSNorm class: the weight multiplies from the right."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
 
 def torch_rms_norm(x, weight, eps, offset):
@@ -77,7 +84,7 @@ def residual_has_the_same_shape(match):
 RMS_NORM = register_rule(Rule(
     name="rms_norm", pattern=rms_norm_pattern, replacement=rms_norm_replacement,
     inputs={"x": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6), "offset": 0.0, "form": written_out},
-    variants=[*({**v, "form": form} for form in (written_out, torch_rms_norm) for v in FLOAT_AND_LOW_PRECISION),
+    variants=[*({**v, "form": form} for form in (written_out, written_out_weight_last, torch_rms_norm) for v in FLOAT_AND_LOW_PRECISION),
               {"form": offset_weight, "offset": scalar(0.8125)}],
     checks=(weight_scales_the_last_dim, same_device("x", "weight")),
     tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,

@@ -84,7 +84,8 @@ def residual_has_the_same_shape(match):
 RMS_NORM = register_rule(Rule(
     name="rms_norm", pattern=rms_norm_pattern, replacement=rms_norm_replacement,
     inputs={"x": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6), "offset": 0.0, "form": written_out},
-    variants=[*({**v, "form": form} for form in (written_out, written_out_weight_last, torch_rms_norm) for v in FLOAT_AND_LOW_PRECISION),
+    variants=[*({**v, "form": form} for form in (written_out, written_out_weight_last, torch_rms_norm)
+                for v in FLOAT_AND_LOW_PRECISION),
               {"form": offset_weight, "offset": scalar(0.8125)}],
     checks=(weight_scales_the_last_dim, same_device("x", "weight")),
     tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,

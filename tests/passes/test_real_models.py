@@ -29,7 +29,8 @@ from picofx.testing import captured, run_pass
 # has only its projection + loss; attention counts SDPA with grouped-query heads.
 LLAMA_LIKE = (5, 2, 2, 2, 1)
 EXPECTED = {
-    "reference-llama": LLAMA_LIKE, "meta-llama": LLAMA_LIKE, "torchtitan-llama3": LLAMA_LIKE, "nanogpt": (0, 0, 0, 0, 1),
+    "reference-llama": LLAMA_LIKE, "meta-llama": LLAMA_LIKE, "torchtitan-llama3": LLAMA_LIKE,
+    "nanogpt": (0, 0, 0, 0, 1),
     "hf-llama": LLAMA_LIKE, "hf-qwen2": LLAMA_LIKE, "hf-qwen3": (9, 2, 2, 2, 1), "hf-mistral": LLAMA_LIKE,
     "hf-smollm3": LLAMA_LIKE, "hf-olmo2": (9, 2, 2, 2, 1), "hf-granite": LLAMA_LIKE, "hf-phi3": LLAMA_LIKE,
     "hf-gemma": LLAMA_LIKE, "hf-gemma2": (9, 2, 2, 0, 1), "hf-gemma3": (13, 2, 2, 2, 1),

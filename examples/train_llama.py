@@ -30,7 +30,7 @@ from picofx.examples import train_state
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.examples.train_args import parse_args, picofx_passes
 from picofx.examples.train_data import Batches, DataError, load_tokens
-from picofx.examples.train_metrics import Layout, throughput_line
+from picofx.examples.train_metrics import Layout, throughput
 from picofx.runtime.distributed import DistributedError, first_failure
 
 # Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
@@ -45,12 +45,14 @@ class Ranks:
     second group of its own (its own timeout) on which ranks agree whether their setup succeeded."""
 
     def __init__(self, args):
-        self.world, self.rank, self.agreement = args.world, 0, None
+        self.world, self.rank, self.agreement, self.owns_group = args.world, 0, None, False
         if args.world > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                                    timeout=datetime.timedelta(minutes=5))
+            if not dist.is_initialized():  # torchrun's rendezvous; a caller may have made the group already
+                dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                        timeout=datetime.timedelta(minutes=5))
+                self.owns_group = True
             self.rank = dist.get_rank()
             self.agreement = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREEMENT_SECONDS))
         self.replica = self.rank // args.pp  # the ranks of one pipeline share its batches
@@ -89,7 +91,7 @@ class Ranks:
         return tensor.item()
 
     def close(self) -> None:
-        if self.world > 1:
+        if self.owns_group:
             torch.distributed.destroy_process_group()
 
 
@@ -228,16 +230,17 @@ def main(argv=None) -> dict:
     ranks.say(f"  tokens/s{' per replica' if args.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "
               f"({run_tokens:,} tokens in {run_seconds:.1f}s), {history[-1]['tokens_per_s']:,.0f} in the last interval")
     tokens_per_call = (args.batch // args.microbatches if args.pp > 1 else args.batch) * args.seq
-    line = throughput_line(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
-                           device=args.device, layout=layout, total=ranks.total)
-    ranks.say("  " + line)
+    measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
+                          device=args.device, layout=layout, total=ranks.total)
+    ranks.say("  " + measured.line(layout))
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
     if args.save:
         ranks.say(f"saved step {args.steps} to {args.save} (continue with --resume {args.save} and a larger --steps)")
     ranks.close()
-    return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s}
+    return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
+            "throughput": measured}
 
 
 if __name__ == "__main__":

@@ -71,8 +71,26 @@ def captured_flops_per_token(rank_flops: float, tokens_per_call: int, layout: La
     return total(rank_flops) / layout.dp / tokens_per_call
 
 
-def throughput_line(model, opt_model, replica_tokens_per_s: float, *, seq: int, tokens_per_call: int,
-                    device: str, layout: Layout, total=None) -> str:
+@dataclass(frozen=True)
+class Throughput:
+    mfu: float                    # a fraction of the ranks' peak
+    palm_flops_per_token: float   # 6N + 12LHT, the whole model's
+    graph_flops_per_token: float  # what the captured graphs of every rank hold, the whole model's
+    peak: float                   # FLOP/s of one rank in `dtype`
+    dtype: torch.dtype
+    device_name: str
+    source: str
+
+    def line(self, layout: Layout) -> str:
+        ranks = f"{layout.ranks} ranks' " if layout.ranks > 1 else "its "
+        return (f"MFU {100 * self.mfu:.3g}% of {ranks}{DTYPE_NAMES.get(self.dtype, str(self.dtype))} peak on "
+                f"{self.device_name} ({self.peak / 1e9:,.0f} GFLOP/s{' each' if layout.ranks > 1 else ''}, "
+                f"{self.source}); {self.palm_flops_per_token / 1e6:.2f} MFLOP/token by 6N+12LHT, "
+                f"{self.graph_flops_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
+
+
+def throughput(model, opt_model, replica_tokens_per_s: float, *, seq: int, tokens_per_call: int, device: str,
+               layout: Layout, total=None) -> Throughput:
     """MFU against the peak, on every rank, of the dtype the step computes in; the FLOPs per token by
     the PaLM convention and as the captured graphs hold them."""
     graphs = captured_graphs(opt_model)
@@ -84,8 +102,4 @@ def throughput_line(model, opt_model, replica_tokens_per_s: float, *, seq: int, 
     graph_per_token = captured_flops_per_token(sum(cost.graph_flops(g) for g in graphs), tokens_per_call,
                                                layout, total)
     mfu = model_flops_utilization(palm, replica_tokens_per_s, peak, layout)
-    ranks = f"{layout.ranks} ranks' " if layout.ranks > 1 else "its "
-    return (f"MFU {100 * mfu:.3g}% of {ranks}{DTYPE_NAMES.get(dtype, str(dtype))} peak on {spec.name} "
-            f"({peak / 1e9:,.0f} GFLOP/s{' each' if layout.ranks > 1 else ''}, {spec.source}); {palm / 1e6:.2f} MFLOP/token by "
-            f"6N+12LHT, {graph_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
-
+    return Throughput(mfu, palm, graph_per_token, peak, dtype, spec.name, spec.source)

@@ -12,7 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+# AdamW's state and hyperparameters keyed by parameter name: a pipeline rank's are its stages' own,
+# and no key (such as a whole param_groups list) holds different values on different ranks.
+BY_PARAMETER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def process_rank() -> int:
@@ -36,7 +40,7 @@ def trained_module(opt_model) -> torch.nn.Module:
 def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: int) -> dict:
     """The state dict to save or to load into, keyed so that equal values on several ranks
     (replicas' parameters) are written once and each rank's own values have their own key."""
-    model_state, optimizer_state = get_state_dict(trained_module(opt_model), optimizer)
+    model_state, optimizer_state = get_state_dict(trained_module(opt_model), optimizer, options=BY_PARAMETER)
     return {
         "model": model_state,
         "optimizer": optimizer_state,
@@ -69,7 +73,7 @@ def resume(directory: str, opt_model, optimizer, scheduler, batches, *, replica:
     with single_process_quiet():
         dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
     set_state_dict(trained_module(opt_model), optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+                   optim_state_dict=state["optimizer"], options=BY_PARAMETER)
     scheduler.last_epoch = int(state["schedule"]["last_epoch"])
     batches.load_state_dict(state[f"data_replica{replica}"])
     torch.set_rng_state(state[f"rng_rank{process_rank()}"])

@@ -1,0 +1,36 @@
+"""examples/train_llama.py on 2 gloo ranks, data parallel and pipelined: --save then --resume goes
+on exactly as the run that did not stop, and a pipeline reports the whole model's FLOPs per token."""
+import importlib
+import os
+
+import pytest
+
+from tests.passes.spawn_ranks import run_ranks
+
+FAST = ["--backend", "eager", "--passes", "--batch", "4", "--seq", "16", "--log-every", "1",
+        "--microbatches", "2", "--no-measure-cuts"]
+
+
+def straight_then_saved_then_resumed(rank: int, world: int, layout: list, directory: str) -> dict:
+    """On one rank of a group the harness made: 4 steps; 2 steps saved; 2 more resumed."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    train = importlib.import_module("picofx.examples.train_llama")
+    straight = train.main([*FAST, *layout, "--steps", "4"])
+    first = train.main([*FAST, *layout, "--steps", "2", "--save", directory])
+    resumed = train.main([*FAST, *layout, "--steps", "4", "--resume", directory])
+    return {"straight": straight["losses"], "resumed": first["losses"] + resumed["losses"],
+            "graph_flops_per_token": straight["throughput"].graph_flops_per_token}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2"]], ids=["dp", "pp"])
+def test_save_and_resume_continue_bit_for_bit(layout, tmp_path):
+    results = run_ranks(straight_then_saved_then_resumed, 2, layout, str(tmp_path / "run"), timeout=400,
+                        collective_timeout=120)
+    for rank, result in enumerate(results):
+        assert len(result["straight"]) == 4 and len(set(result["straight"])) == 4, result
+        assert result["resumed"] == result["straight"], (rank, result)
+    if layout[0] == "--pp":  # the whole model's FLOPs, as one process's graphs hold them
+        single = importlib.import_module("picofx.examples.train_llama").main([*FAST, "--steps", "1"])
+        assert results[0]["graph_flops_per_token"] == pytest.approx(
+            single["throughput"].graph_flops_per_token, rel=0.02)

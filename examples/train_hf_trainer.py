@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 import picofx
-from picofx.examples.train_llama import stdlib_corpus
+from picofx.examples.train_data import stdlib_corpus
 from picofx.examples.zoo import hf_llama_config
 
 

@@ -14,7 +14,7 @@ from torch import fx
 from picofx.capture.annotate import annotate
 from picofx.errors import BudgetError, PassBudgetError, PassError, VerificationError
 from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_name, pass_stage, resolve_passes
-from picofx.manager.verify import check_invariants, check_numerics
+from picofx.manager.verify import check_invariants, check_numerics, check_structure
 
 
 def _node_keys(graph: fx.Graph) -> dict[str, str]:
@@ -30,12 +30,20 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def restore_graph(graph: fx.Graph, saved: fx.Graph) -> None:
-    """Put `saved`'s nodes back into `graph` in place (callers may hold the Graph object)."""
-    for node in reversed(list(graph.nodes)):
-        graph.erase_node(node)
-    graph._graph_namespace = fx.graph._Namespace()  # erased names stay reserved otherwise; keep them
-    graph.output(graph.graph_copy(saved, {}))
+class Snapshot:
+    """A graph module as it was before a pass: its graph (a copy) and its own attributes. Restoring
+    replaces the module's graph wholesale, so whatever state the pass left its nodes in (a cycle,
+    nodes erased under their users, arguments from another graph) is never touched again."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.graph = copy_graph(gm.graph)
+        self.attributes = (dict(gm._parameters), dict(gm._buffers), dict(gm._modules))
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        for own, saved in zip((gm._parameters, gm._buffers, gm._modules), self.attributes):
+            own.clear()
+            own.update(saved)
+        gm.graph = copy_graph(self.graph)  # also recompiles; a copy, so the snapshot serves again
 
 
 class PassManager:
@@ -63,27 +71,21 @@ class PassManager:
 
     def run_one(self, p, gm: fx.GraphModule, ctx: Context) -> list[fx.GraphModule]:
         name = pass_name(p)
-        saved = copy_graph(gm.graph)
+        snapshot = Snapshot(gm)
         before_keys = _node_keys(gm.graph)
         start = time.perf_counter()
+        returned = False
         try:
             result = p(gm, ctx)
             seconds = time.perf_counter() - start
-            if not isinstance(result, PassResult):
-                raise TypeError(f"returned {type(result).__name__}; a pass returns PassResult(changed, notes)")
-            outputs = result.graphs or [gm]
-            for out in outputs:
-                out.graph.lint()
-                out.recompile()
-                annotate(out)
-                check_invariants(out, ctx)
-            if self.verify == "numerics" and ctx.example_inputs is not None and result.graphs is None:
-                before = fx.GraphModule(gm, copy_graph(saved))
-                check_numerics(before, gm, ctx, result.tolerance, normwise=result.normwise)
-        except Exception as e:
-            restore_graph(gm.graph, saved)
-            gm.recompile()
-            what = "failed verification" if isinstance(e, VerificationError) else "raised"
+            returned = True
+            outputs = self.checked_outputs(result, gm, snapshot, ctx)
+        except BaseException as e:
+            snapshot.restore(gm)
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the graph is whole again
+                raise
+            what = ("raised" if not returned else
+                    "failed verification" if isinstance(e, VerificationError) else "returned a graph that failed checking")
             message = (f"pass '{name}' ({ctx.stage.value} stage, {ctx.graph_role} graph) {what}: "
                        f"{type(e).__name__}: {e}\n  the graph is left as it was before '{name}'.")
             if isinstance(e, BudgetError):  # still caught by `except picofx.BudgetError`
@@ -99,4 +101,21 @@ class PassManager:
         self.records.append(record)
         for instrument in self.instruments:
             instrument.after_pass(record, outputs[0], ctx)
+        return outputs
+
+    def checked_outputs(self, result, gm: fx.GraphModule, snapshot: Snapshot, ctx: Context) -> list[fx.GraphModule]:
+        """The graphs a pass returned, each checked (structure first: torch's own checks and
+        recompilation fail obscurely on a cycle or a dangling node), re-annotated and verified."""
+        if not isinstance(result, PassResult):
+            raise VerificationError(f"it returned {type(result).__name__}; a pass returns PassResult(changed, notes)")
+        outputs = result.graphs or [gm]
+        for out in outputs:
+            check_structure(out.graph)
+            out.graph.lint()
+            out.recompile()
+            annotate(out)
+            check_invariants(out, ctx)
+        if self.verify == "numerics" and ctx.example_inputs is not None and result.graphs is None:
+            before = fx.GraphModule(gm, copy_graph(snapshot.graph))
+            check_numerics(before, gm, ctx, result.tolerance, normwise=result.normwise)
         return outputs

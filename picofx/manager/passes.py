@@ -2,7 +2,7 @@
 
 A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
 frozen dataclass with `__call__` when it has options. It declares its stage with a `stage`
-attribute. Names resolve through `PASSES`, which the passes fill when they are imported
+attribute (a function may instead be given one by `register_pass`). Names resolve through `PASSES`, which the passes fill when they are imported
 (`import picofx` imports picofx's own); the core never imports a pass.
 """
 from __future__ import annotations
@@ -67,22 +67,53 @@ class Instrument(Protocol):
 PASSES: dict[str, Callable[[], Callable]] = {}
 
 
-def register_pass(name: str, stage: Stage = Stage.FORWARD):
+@dataclass(frozen=True)
+class RegisteredPass:
+    """A function registered as a pass: its own name and stage, so one function registered under
+    two names (and stages) gives two passes. Calls the function."""
+
+    function: Callable
+    pass_name: str
+    stage: Stage
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        return self.function(gm, ctx)
+
+
+def register_pass(name: str, stage: Stage | None = None):
     """Register a pass under `name`: a function `(gm, ctx) -> PassResult` or a dataclass type
-    whose no-argument instance is the pass with default options."""
+    whose no-argument instance is the pass with default options. `stage` defaults to the one the
+    pass declares (a `stage` attribute), else Stage.FORWARD. A function comes back as a
+    RegisteredPass with this name and stage; registering it again gives another pass."""
 
     def register(obj):
         if name in PASSES:
             raise ValueError(f"register_pass: a pass named {name!r} is already registered")
         if isinstance(obj, type):
+            obj = _registered_class(obj, name, stage)
             PASSES[name] = obj
-        else:
-            obj.stage = getattr(obj, "stage", stage)
-            PASSES[name] = lambda: obj
-        obj.pass_name = name
-        return obj
+            return obj
+        function = obj.function if isinstance(obj, RegisteredPass) else obj
+        registered = RegisteredPass(function, name, stage or getattr(function, "stage", Stage.FORWARD))
+        PASSES[name] = lambda: registered
+        return registered
 
     return register
+
+
+def _registered_class(cls: type, name: str, stage: Stage | None) -> type:
+    """`cls` named `name`, at the stage it declares (or `stage` when it declares none). A class
+    registered before, under another name, is subclassed, so each registration keeps its name."""
+    declared = getattr(cls, "stage", None)
+    if stage is not None and declared is not None and stage is not declared:
+        raise ValueError(f"register_pass({name!r}, {stage}): {cls.__name__} declares stage {declared}; "
+                         "drop the stage argument or the class's `stage` attribute")
+    if "pass_name" in cls.__dict__:
+        return type(cls.__name__, (cls,), {"pass_name": name, "stage": declared or stage or Stage.FORWARD,
+                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
+    cls.pass_name = name
+    cls.stage = declared or stage or Stage.FORWARD
+    return cls
 
 
 def resolve_pass(spec) -> Callable:

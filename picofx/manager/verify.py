@@ -11,6 +11,68 @@ FP32_TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): the same math in fp32, rounding a
 ANNOTATIONS = ("val", "flops", "bytes", "module_path")
 
 
+def check_structure(graph: fx.Graph) -> None:
+    """The graph is a well-formed DAG in order: one output node, last; every node's inputs are live
+    nodes of this graph defined before it; each node's `users` are exactly the live nodes that
+    take it. Passes that edit nodes through private fields, erase a node under its users or
+    rewire a node to its own output break these, and torch fails on them much later."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    outputs = [node for node in order if node.op == "output"]
+    if len(outputs) != 1 or order[outputs[0]] != len(order) - 1:
+        where = "" if len(outputs) != 1 else f", {outputs[0].name} before other nodes"
+        raise VerificationError(f"the graph has {len(outputs)} output nodes{where}; it needs exactly one, last: "
+                                "keep the output node and change its args instead of adding or moving one.")
+    for node, position in order.items():
+        if node.graph is not graph:
+            raise VerificationError(f"node {node.name} belongs to another graph; copy nodes in with "
+                                    "graph.node_copy(node, arg_transform) or graph.graph_copy.")
+        for arg in node.all_input_nodes:
+            if arg.graph is not graph:
+                raise VerificationError(f"node {node.name} takes {arg.name}, a node of another graph; copy nodes in "
+                                        "with graph.node_copy(node, arg_transform) so that their inputs are this "
+                                        "graph's nodes.")
+            if arg not in order:
+                raise VerificationError(f"node {node.name} takes {arg.name}, which is no longer in the graph (erased "
+                                        f"while {node.name} still used it); give its users a replacement first "
+                                        f"({arg.name}.replace_all_uses_with(new)), then graph.erase_node({arg.name}).")
+            if order[arg] >= position:
+                raise VerificationError(_describe_late_input(node, arg, order))
+            if node not in arg.users:
+                raise VerificationError(f"node {node.name} takes {arg.name}, but {arg.name}.users does not list it: "
+                                        "set node.args / node.kwargs (or node.replace_input_with), never their "
+                                        "private fields.")
+        for user in node.users:
+            if user not in order:
+                raise VerificationError(f"node {node.name} lists {user.name} among its users, but {user.name} is no "
+                                        f"longer in the graph: remove nodes only with graph.erase_node.")
+            if node not in user.all_input_nodes:
+                raise VerificationError(f"node {node.name} lists {user.name} among its users, but {user.name} does "
+                                        "not take it: set node.args / node.kwargs, never their private fields.")
+
+
+def _describe_late_input(node: fx.Node, arg: fx.Node, order: dict) -> str:
+    """Why `node` takes `arg`, defined after it: a cycle through `node` (named), or only order."""
+    parent = {arg: None}
+    frontier = [arg]
+    while frontier and node not in parent:
+        current = frontier.pop()
+        for source in current.all_input_nodes:
+            if source in order and source not in parent:
+                parent[source] = current
+                frontier.append(source)
+    if node not in parent:
+        return (f"node {node.name} takes {arg.name}, which comes after it in the graph; create nodes under "
+                f"graph.inserting_before({node.name}) or move them with {node.name}.prepend({arg.name}).")
+    path, current = [node], parent[node]  # node -> ... -> arg, following users from node
+    while current is not None:
+        path.append(current)
+        current = parent[current]
+    cycle = " -> ".join(n.name for n in [*path, node])
+    return (f"the graph has a cycle: {cycle} (each takes the one before it); a rewrite made "
+            f"{node.name} depend on its own output: check that a replacement's inputs do not depend on "
+            "the nodes it replaces.")
+
+
 def check_invariants(gm: fx.GraphModule, ctx) -> None:
     for node in gm.graph.nodes:
         if node.op == "output":

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
-import os
 import statistics
 import time
 import warnings
@@ -45,6 +43,7 @@ from picofx.errors import PassError
 from picofx.passes import Checkpoint
 from picofx.plan import smallest_peak
 from picofx.plan import predict
+from results import write_json  # tools/results.py
 
 BENCH = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
@@ -171,7 +170,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--torch-budgets", default="0.0,0.1,0.3,0.5,0.7,1.0")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--fuse", action="store_true", help='picofx runs "fuse" before checkpoint')
-    parser.add_argument("--json", default="bench_out/bench_checkpoint.json")
+    parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.threads:
@@ -209,10 +208,8 @@ def main(argv=None) -> dict:
     result = {"config": config.__dict__, "batch": args.batch, "seq": args.seq, "backend": args.backend,
               "picofx_passes": [*before, "checkpoint"],
               "threads": torch.get_num_threads(), "rows": rows, "comparisons": comparisons}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nwrote {args.json}")
+    print()
+    write_json(result, args.json, "bench_checkpoint.json")
     return result
 
 

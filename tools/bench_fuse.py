@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import statistics
 import time
 
@@ -30,6 +29,7 @@ import picofx
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.examples.zoo import token_batch
 from picofx.cost.memory import measure_peak
+from results import write_json  # tools/results.py
 
 TARGET_PEAK_RATIO = 0.6  # picofx peak / torch.compile peak, on CPU (issue 3)
 TARGET_TIME_RATIO = 1.0  # picofx step time / torch.compile step time, on CPU
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--contenders", default="eager,torch.compile,picofx")
-    p.add_argument("--json", default="bench_fuse.json", help="where to write the results")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
 
@@ -149,9 +149,7 @@ def main(argv=None):
     args = parse_args(argv)
     results = run(args)
     print(table(results))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(results, args.json, "bench_fuse.json")
 
 
 if __name__ == "__main__":

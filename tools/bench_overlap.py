@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ import picofx  # noqa: E402
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss  # noqa: E402
 from picofx.examples.zoo import token_batch  # noqa: E402
 from picofx.passes import Overlap  # noqa: E402
+from quiet_ranks import quiet_rank  # noqa: E402  (tools/quiet_ranks.py)
+from results import write_json  # noqa: E402  (tools/results.py)
 
 
 def parse_args(argv=None):
@@ -43,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--bucket", default="auto")
-    p.add_argument("--json", default="bench_overlap.json")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
 
@@ -101,6 +102,7 @@ def contenders(model_for, batch, world: int, bucket):
 
 
 def measure(rank: int, world: int, args) -> dict:
+    quiet_rank()
     torch.set_num_threads(1)
     config = dataclasses.replace(CONFIGS[args.size], max_position_embeddings=max(args.seq, 128))
 
@@ -149,7 +151,7 @@ def main(argv=None) -> dict:
           f"step x{ratios['step_vs_ddp_compile']:.2f} (target: <= 0.7 and <= 1.0)")
     print(f"Overlap's plan: {result['overlap_notes']}")
     out = {"args": vars(args), "rows": rows, "ratios": ratios, "overlap_notes": result["overlap_notes"]}
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(out, args.json, "bench_overlap.json")
     return out
 
 

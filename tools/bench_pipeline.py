@@ -1,6 +1,6 @@
 """Benchmark: pipeline stages on 2 CPU ranks for a LLaMA whose vocabulary makes equal layers unbalanced.
 
-    python tools/bench_pipeline.py [--steps 7] [--layers 4] [--vocab 16384] [--json bench_out/bench_pipeline.json]
+    python tools/bench_pipeline.py [--steps 7] [--layers 4] [--vocab 16384] [--json results.json]
 
 The default model's vocabulary is 64 x its hidden size (Llama 3: 128256 / 4096 = 31): the final
 projection and loss cost about as much as three of its four decoder layers, and an equal-layer
@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from results import result_path  # tools/results.py
+
 PICOFX = {"picofx layers": ("layers", True), "picofx cost": ("cost", False), "picofx cost measured": ("cost", True)}
 # A 2048^3 matmul runs ~0.3 s, as long as a stage: its best of 5 sees the same share of a shared
 # core as the stages' best of 7 (a short one catches moments when the core is free).
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--json", default="bench_out/bench_pipeline.json")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     p.add_argument("--stage-repeats", type=int, default=7)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -185,7 +187,6 @@ def worker(args) -> None:
     gathered = [None, None]
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": vars(args), "ranks": gathered}, indent=1))
     dist.destroy_process_group()
 
@@ -237,7 +238,8 @@ def main(argv=None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    args.json = str(result_path(args.json, "bench_pipeline.json"))  # the ranks write it, this process reads it
+    passthrough = [*(argv if argv is not None else sys.argv[1:]), "--json", args.json]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, *passthrough, "--rank", str(r), "--port", str(port)], env=env)
              for r in range(2)]
@@ -251,6 +253,7 @@ def main(argv=None) -> None:
     if any(p.returncode for p in procs):
         sys.exit(f"a rank failed (exit codes {[p.returncode for p in procs]})")
     report(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
@@ -27,6 +26,7 @@ import picofx
 from picofx.examples import zoo
 from picofx.cost.memory import measure_peak
 from picofx.testing import markov_batches, train_losses
+from results import write_json  # tools/results.py
 
 MODES = ("fp32", "precision", "autocast")
 # (mode, backend); each row is compared with the fp32 row of its backend (the same pipeline):
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-benchmark", action="store_true")
-    parser.add_argument("--json", default="bench_precision.json", help="where to write the results")
+    parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,9 +175,8 @@ def main() -> None:
               f"median of {args.steps} steps; peak = parameters + gradients + AdamW state + the step's allocations "
               f"(fwd+bwd: without the optimizer step)")
         print_table(rows)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"\nwrote {args.json}")
+    print()
+    write_json(results, args.json, "bench_precision.json")
 
 
 if __name__ == "__main__":

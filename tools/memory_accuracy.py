@@ -12,8 +12,6 @@ inductor, the cost model counts only the buffers Inductor's fused kernels write.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import warnings
 
 import torch
@@ -25,6 +23,7 @@ from picofx.cost.memory import measure_peak
 from picofx.passes import Checkpoint
 from picofx.plan import smallest_peak
 from picofx.plan import predict
+from results import write_json  # tools/results.py
 
 SHAPES = {"tiny": (4, 64), "small": (4, 256), "smollm-135m": (2, 256)}  # (batch, seq) per size
 FAMILIES = {"llama": zoo.reference_llama, "hf-llama": zoo.hf_llama}
@@ -52,7 +51,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sizes", default="tiny,small,smollm-135m")
     parser.add_argument("--families", default="llama,hf-llama")
     parser.add_argument("--backend", choices=["eager", "inductor"], default="eager")
-    parser.add_argument("--json", default="bench_out/memory_accuracy.json")
+    parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     rows = []
@@ -77,9 +76,7 @@ def main(argv=None) -> list[dict]:
                       flush=True)
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {100 * worst:.2f}% over {len(rows)} runs")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json(rows, args.json, "memory_accuracy.json")
     return rows
 
 

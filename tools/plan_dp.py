@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 
@@ -31,6 +30,7 @@ from picofx.cost.model import CostModel
 from picofx.cost.units import format_bytes
 from picofx.examples.llama import CONFIGS, Llama, LlamaConfig, causal_lm_loss
 from picofx.passes.overlap import gradients_in_order, ready_times
+from results import write_json  # tools/results.py
 
 # SmolLM-1.7B's shape (HuggingFaceTB/SmolLM-1.7B config.json); the reference Llama unties the head,
 # which adds 100M parameters to the tied checkpoint's 1.71B.
@@ -44,7 +44,7 @@ DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--json", default="plan_dp.json")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
 
@@ -92,8 +92,7 @@ def main(argv=None) -> list[dict]:
             print(f"{model_name:12s} {gpus:4d} {link.name:24s} {compute:9.3f} {row['comm_s']:7.3f} "
                   f"{row['step_no_overlap_s']:15.3f} {row['step_overlap_s']:12.3f} {row['exposed_overlap_s']:8.3f} "
                   f"{row['exposed_overlap_bf16_s']:6.3f} {len(overlapped.buckets):7d}  {first}, ...")
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=2)
+    write_json(rows, args.json, "plan_dp.json")
     return rows
 
 

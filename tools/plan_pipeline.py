@@ -14,8 +14,6 @@ flight, every value the forward computes counted as saved: an upper bound withou
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -26,6 +24,7 @@ from picofx.cost.device import H100
 from picofx.cost.model import CostModel
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.passes.pipeline import chain_units, keep_loss_only, layer_bounds, state_per_parameter_byte
+from results import write_json  # tools/results.py
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]
 
@@ -35,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--gpus", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--json", default="bench_out/plan_pipeline.json")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
 
@@ -83,9 +82,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{gpus:4d}  {schedule:16s} {split[:15]:15s} {plan.step_time:7.3f} {plan.bubble:7.1%} "
                       f"{row['slowest_stage_ms']:10.1f}  " + " ".join(f"{m:.0f}" for m in row["peak_gb_per_gpu"])
                       + ("" if fits else "  (over 80 GB)"))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"seq": args.seq, "microbatches": args.microbatches, "rows": rows}, f, indent=1)
+    write_json({"seq": args.seq, "microbatches": args.microbatches, "rows": rows}, args.json, "plan_pipeline.json")
     return rows
 
 

@@ -12,10 +12,10 @@ source, byte by byte (256 tokens). `Trainer` runs as it would on the plain model
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 import picofx
 from picofx.examples.train_data import stdlib_corpus
@@ -43,8 +43,17 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     p.add_argument("--passes", nargs="*", default=["fuse"], help="e.g. fuse precision checkpoint overlap")
-    p.add_argument("--output-dir", help="checkpoints (default: picofx-hf-trainer in the temporary directory)")
+    p.add_argument("--output-dir", help="checkpoints (default: a new temporary directory, printed)")
     return p.parse_args(argv)
+
+
+def fresh_shared_directory(process_index: int) -> str:
+    """A new directory, made by the first process and named to the others: every rank writes its
+    part of a checkpoint into the same one."""
+    path = [tempfile.mkdtemp(prefix="picofx-hf-trainer-") if process_index == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(path, src=0)
+    return path[0]
 
 
 def main(argv=None) -> dict:
@@ -53,12 +62,14 @@ def main(argv=None) -> dict:
     a = parse_args(argv)
     # TrainingArguments first: under torchrun or accelerate launch it sets up the process group,
     # which the overlap pass reads when picofx.optimize compiles the step.
-    output_dir = a.output_dir or os.path.join(tempfile.gettempdir(), "picofx-hf-trainer")  # the same on every rank
-    args = TrainingArguments(output_dir=output_dir, use_cpu=True,
+    args = TrainingArguments(output_dir=a.output_dir, use_cpu=True,
                              report_to=[], max_steps=a.steps, per_device_train_batch_size=a.batch,
                              per_device_eval_batch_size=a.batch, learning_rate=3e-3, eval_strategy="steps",
                              eval_steps=max(a.steps // 2, 1), save_steps=max(a.steps // 2, 1),
                              logging_steps=max(a.steps // 10, 1), dataloader_drop_last=True, disable_tqdm=True)
+    args.output_dir = a.output_dir or fresh_shared_directory(args.process_index)
+    if args.process_index == 0:
+        print(f"checkpoints go to {args.output_dir}")
     torch.manual_seed(0)
     model = LlamaForCausalLM(hf_llama_config(a.size, vocab_size=256))
     tokens = stdlib_corpus(400_000)

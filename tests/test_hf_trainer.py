@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,18 @@ def test_the_example_trains_and_evaluates(tmp_path, capsys):
     assert len(logged(result["history"], "loss")) == 2 and result["eval_loss"] < 6.0  # log(256) = 5.55 at start
     assert (tmp_path / "checkpoint-2" / "config.json").is_file()
     assert "fuse" in capsys.readouterr().out
+
+
+def test_the_example_without_an_output_dir_writes_to_a_fresh_directory_it_prints(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_hf_trainer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes its directories
+    result = example.main(["--backend", "eager", "--steps", "1", "--batch", "2", "--seq", "32", "--passes"])
+    made = Path(result["output_dir"])
+    assert made.parent == tmp_path and made.name.startswith("picofx-hf-trainer-")
+    assert (made / "checkpoint-1" / "config.json").is_file()
+    assert f"checkpoints go to {made}" in capsys.readouterr().out
 
 
 # ---- data parallel: two ranks under torchrun -------------------------------------------------------------

@@ -72,6 +72,9 @@ class _StructureMatcher(SubgraphMatcher):
 
 
 def find_candidates(graph: fx.Graph, rule: Rule, pattern: Pattern) -> list[Match]:
+    if not all(graph.find_nodes(op="call_function", target=target, sort=False)
+               for target in {n.target for n in call_nodes(pattern.graph)}):
+        return []  # an op of the pattern is nowhere in the graph (the graph indexes its nodes by target)
     matcher = _StructureMatcher(pattern.graph, remove_overlapping_matches=False)
     returned = pytree.tree_leaves(pattern.graph.output_node().args[0])
     candidates = []

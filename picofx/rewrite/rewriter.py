@@ -3,11 +3,13 @@
 A fused op may return another memory layout than the ops it replaces (the rope op returns
 contiguous q and k where the model's were permuted views). Nothing changes for the values, but
 a later `view` captured for the old strides may no longer apply: `refresh_values` propagates
-fake values again and puts a contiguous copy before such a view, which is what `reshape` does.
+fake values again from the replaced nodes on and puts a contiguous copy before such a view, which
+is what `reshape` does.
 """
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from picofx.capture.annotate import common_module_path, fake_mode_of
@@ -139,9 +141,48 @@ class _ViewFixer(fx.Interpreter):
 
 
 def refresh_values(gm: fx.GraphModule) -> None:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    """Propagate fake values from the nodes replacements inlined (their values came with them; they
+    have no meta["flops"] yet, which annotation gives every other node) to the nodes downstream,
+    stopping where a value keeps its shape, strides and dtype: a rewrite costs its neighbourhood,
+    not the whole graph. A graph never annotated is propagated whole from its placeholders."""
     mode = fake_mode_of(gm)
+    fixer = _ViewFixer(gm)
+    nodes = list(gm.graph.nodes)
+    if not any("flops" in n.meta for n in nodes):
+        with mode:
+            fixer.run(*[_in_mode(mode, n.meta["val"]) for n in nodes if n.op == "placeholder"])
+        return
+    stale: set[fx.Node] = set()  # nodes whose users may hold values computed from an older value
     with mode:
-        inputs = [mode.from_tensor(n.meta["val"]) if not isinstance(n.meta["val"], torch._subclasses.FakeTensor)
-                  else n.meta["val"] for n in placeholders]
-        _ViewFixer(gm).run(*inputs)
+        for node in nodes:
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            if "flops" not in node.meta:
+                stale.add(node)
+                continue
+            if not any(source in stale for source in node.all_input_nodes):
+                continue
+            for source in node.all_input_nodes:
+                if source not in fixer.env:
+                    fixer.env[source] = _in_mode(mode, source.meta["val"])
+            old = node.meta.get("val")
+            fixer.env[node] = fixer.run_node(node)
+            if _layout(old) != _layout(fixer.env[node]):
+                stale.add(node)
+
+
+def _in_mode(mode, value):
+    """`value` as fake tensors of `mode` (a replacement's values were traced in a mode of their own)."""
+    def convert(t):
+        if isinstance(t, torch._subclasses.FakeTensor) and t.fake_mode is mode:
+            return t
+        if isinstance(t, torch._subclasses.FakeTensor):
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    return pytree.tree_map(convert, value)
+
+
+def _layout(value) -> list:
+    return [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype) if isinstance(t, torch.Tensor) else t
+            for t in pytree.tree_leaves(value)]

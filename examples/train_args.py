@@ -27,8 +27,10 @@ SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchru
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad option as one line, printed by rank 0 only under torchrun."""
 
+    speaks = True
+
     def error(self, message: str):
-        if os.environ.get("RANK", "0") == "0":
+        if self.speaks:
             hint = " (--help lists the options)" if message.startswith(ARGPARSE_ERRORS) else ""
             print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
         sys.exit(2)
@@ -84,8 +86,9 @@ def fits(size: str, batch: int, seq: int, device: str) -> bool:
     return step_bytes(config, batch, seq) <= device_for(device).memory_capacity
 
 
-def build_parser(doc: str) -> OneLineParser:
+def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p = OneLineParser(prog="train_llama.py", description=doc, formatter_class=HelpFormatter)
+    p.speaks = speaks
     default_device = "cpu"
     offered = [size for size in CONFIGS if fits(size, 8, 128, default_device)]
     p.add_argument("--size", choices=sorted(CONFIGS), default="tiny", metavar="SIZE",
@@ -125,7 +128,7 @@ def build_parser(doc: str) -> OneLineParser:
 def parse_args(argv=None, doc: str = "", environ=None):
     """The options, checked; `args.world` is the number of processes and `args.dp` is resolved."""
     environ = os.environ if environ is None else environ
-    p = build_parser(doc)
+    p = build_parser(doc, speaks=environ.get("RANK", "0") == "0")
     args = p.parse_args(argv)
     try:
         check_layout(args, launched_world(environ))

@@ -1,0 +1,48 @@
+"""train_llama.py's options as the script resolves them: the layout under torchrun, and the
+checkpoint pass built on --memory-budget."""
+import pytest
+
+import picofx
+from picofx.examples.train_args import parse_args, picofx_passes
+
+TORCHRUN_4 = {"RANK": "0", "WORLD_SIZE": "4"}
+
+
+@pytest.mark.parametrize("argv, dp, pp", [([], 4, 1), (["--pp", "2"], 2, 2), (["--pp", "4"], 1, 4),
+                                          (["--dp", "2", "--pp", "2"], 2, 2)])
+def test_under_torchrun_the_replicas_default_to_the_ranks_the_pipeline_leaves(argv, dp, pp):
+    args = parse_args(argv, environ=TORCHRUN_4)
+    assert (args.dp, args.pp, args.world) == (dp, pp, 4)
+    assert args.dp_default == ("--dp" not in argv)
+
+
+def test_one_process_is_one_replica():
+    args = parse_args([], environ={})
+    assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "3"], "--pp 3 does not divide the 4 ranks"),
+    (["--dp", "3"], "the layout --dp 3 x --pp 1 is 3 ranks, but torchrun started 4"),
+    (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
+    (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
+])
+def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv, environ=TORCHRUN_4)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_only_rank_0_prints_a_refused_option(capsys):
+    for rank, printed in (("0", True), ("1", False)):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--dp", "3"], environ={"RANK": rank, "WORLD_SIZE": "4"})
+        assert exit_.value.code == 2 and bool(capsys.readouterr().err) == printed, rank
+
+
+@pytest.mark.parametrize("text, budget", [("2GiB", "2GiB"), ("1000000", 1_000_000), ("0.5", 0.5)])
+def test_memory_budget_becomes_the_checkpoint_pass_budget(text, budget):
+    args = parse_args(["--passes", "fuse", "checkpoint", "--memory-budget", text], environ={})
+    fuse, checkpoint = picofx_passes(args)
+    assert fuse == "fuse" and checkpoint == picofx.passes.Checkpoint(budget=budget)
+    assert picofx_passes(parse_args(["--passes", "checkpoint"], environ={})) == ["checkpoint"]

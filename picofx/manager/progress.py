@@ -4,7 +4,7 @@ each pass, tracing the backward, partitioning, code generation), each with its t
     opt = picofx.optimize(model, batch, passes=["fuse"], progress=print)
     # picofx: capturing the training step
     # picofx: captured in 1.4 s (812 nodes)
-    # picofx: pass fuse (forward stage) in 0.9 s: 812 -> 391 nodes
+    # picofx: pass fuse (forward) in 0.9 s: 812 -> 391 nodes
     # ...
 
 `progress` is any function of one string: print, a logger's info, a progress bar's write.
@@ -45,7 +45,7 @@ class Progress:
         self._line(what)
 
     def end(self, backend: str) -> None:
-        step = "generated code" if backend == "inductor" else "ready to run the graphs (backend eager)"
+        step = "compiled the backward graph" if backend == "inductor" else "ready to run the graphs (backend eager)"
         self._line(f"{step} in {self._lap():.1f} s; {time.perf_counter() - self.started:.1f} s in all")
 
     def on_graph(self, label: str, gm: fx.GraphModule, ctx: Context) -> None:

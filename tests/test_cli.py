@@ -1,10 +1,13 @@
+import dataclasses
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from picofx.cli import main
+from picofx.manager import PASSES
 
 FACTORY = '''
 import torch
@@ -55,3 +58,74 @@ def test_console_script_is_installed(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0].split() == ["name", "op", "target", "shape", "dtype", "flops", "bytes", "module"]
     assert "aten.gelu.default" in result.stdout and "compile (eager)" in result.stdout
+
+
+def test_version_comes_from_the_installed_package(capsys):
+    import importlib.metadata
+
+    import picofx
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    installed = importlib.metadata.version("picofx")
+    assert picofx.__version__ == installed and capsys.readouterr().out.startswith(f"picofx {installed} ")
+
+
+def test_help_lists_every_option_of_every_pass_from_its_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["dump", "--help"])
+    out = capsys.readouterr().out
+    for name, factory in PASSES.items():
+        for field in dataclasses.fields(factory) if dataclasses.is_dataclass(factory) else ():
+            flag = f"--{name}.{field.name}"
+            assert flag in out or re.search(rf"only Python can give: .*{field.name}", out), flag
+    assert "--pipeline.microbatches int" in out and "--batch" in out and "--seq" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--passes", "pipeline", "--pipeline.microbatches", "many"], "pipeline.microbatches takes an integer, not 'many'"),
+    (["--pipeline.stages", "3"], "--pipeline.stages is an option of the pipeline pass: add pipeline to --passes"),
+    (["--passes", "pipeline", "--pipeline.schedule", "Foo"], "unknown schedule 'Foo'"),
+    (["--passes", "pipeline", "--pipeline.microbatchs", "2"], "unrecognized arguments: --pipeline.microbatchs"),
+    (["--passes", "pipeline"], "4 micro-batches do not divide the batch of 2.*--batch"),
+    (["--batch", "0"], "argument --batch: a whole number of at least 1, not '0'"),
+])
+def test_wrong_pass_options_are_usage_errors(capsys, argv, message):
+    code = None
+    try:
+        code = main(["dump", "llama-tiny", *argv])
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    assert code == 2 and re.search(message, capsys.readouterr().err)
+
+
+def test_pipeline_stages_are_planned_on_one_process(capsys):
+    assert main(["dump", "llama-tiny", "--passes", "pipeline", "checkpoint", "--batch", "6", "--seq", "16",
+                 "--pipeline.stages", "3", "--pipeline.microbatches", "3", "--pipeline.schedule", "GPipe"]) == 0
+    out = capsys.readouterr().out
+    stages = re.findall(r"^stage (\d) of (\d):$", out, re.MULTILINE)
+    assert stages == [("0", "3"), ("1", "3"), ("2", "3")]
+    first_stage = out[out.index("stage 0 of 3:"):out.index("stage 1 of 3:")]
+    assert "2x16x64" in first_stage  # one micro-batch of 6 / 3 rows, 16 positions
+    assert "GPipe, 3 stages (1 per rank), 3 micro-batches" in out
+    assert "Checkpoint run on each stage's graph on its rank under torchrun" in out
+
+
+def test_a_factory_takes_batch_and_seq_or_the_flags_are_refused(capsys, tmp_path):
+    path = tmp_path / "sized.py"
+    path.write_text(FACTORY + "\n\ndef sized(batch=4, seq=8):\n"
+                    "    return nn.Linear(seq, 1), (torch.randn(batch, seq),), None\n")
+    assert main(["dump", f"{path}:sized", "--batch", "3", "--seq", "5"]) == 0
+    assert "3x5" in capsys.readouterr().out
+    assert main(["dump", f"{path}:build", "--batch", "3"]) == 2
+    assert "--batch: build() in" in capsys.readouterr().err
+
+
+def test_checkpoint_says_why_it_recomputed_nothing(capsys):
+    assert main(["dump", "llama-tiny", "--passes", "checkpoint", "--wide"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"nothing_recomputed=the no-checkpoint peak [0-9.]+ MiB is already under the budget "
+                     r"16\.00 GiB; lower the budget", out)
+    assert main(["dump", "llama-tiny", "--passes", "checkpoint", "--checkpoint.budget", "0.8", "--wide"]) == 0
+    assert "nothing_recomputed" not in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Benchmark: compile time of picofx on the Llama-2-7B shape, by stage and by pass, at 8, 16 and 32 layers.
 
     python tools/bench_compile.py [--layers 8 16 32] [--batch 2 --seq 4096] [--inductor]
-                                  [--json bench_out/bench_compile.json]
+                                  [--json results.json]
 
 The model is Llama-2-7B's shape (hidden 4096, 32 heads, MLP 11008, vocab 32000) with the number
 of decoder layers varied, built under `picofx.plan.fake_mode()`: no memory, no weights, the same
@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from results import write_json  # tools/results.py
+
 CONTENDERS = ("none", "fuse", "checkpoint", "fuse+precision")
 TARGET = 0.15  # added time of fuse, and of checkpoint, over capture + AOT
 
@@ -41,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--inductor", action="store_true", help="also time Inductor's code generation at 8 layers")
-    p.add_argument("--json", default="bench_out/bench_compile.json")
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     p.add_argument("--one", nargs=3, metavar=("LAYERS", "CONTENDER", "BACKEND"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -137,10 +139,7 @@ def main(argv=None) -> list[dict]:
     print(f"Llama-2-7B shape, fake tensors, batch {args.batch} x seq {args.seq}; each row a fresh process, "
           "on-disk cache off" + ("" if args.inductor else "; Inductor not timed (--inductor: 8 layers)"))
     print(table(rows))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"batch": args.batch, "seq": args.seq, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json({"batch": args.batch, "seq": args.seq, "rows": rows}, args.json, "bench_compile.json")
     return rows
 
 

@@ -1,6 +1,7 @@
 """`picofx.optimize`: capture, run the passes stage by stage, compile; a module that trains like the model."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from picofx.manager import Context, PassManager, Stage, resolve_passes
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
+from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
+                                  cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.distributed import GradientSync, check_layouts, communicates
 from picofx.runtime.hf import optimized_class
@@ -52,27 +55,37 @@ class CompiledStep:
 
 
 def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options,
-               cost_model) -> CompiledStep:
+               cost_model, cache: GraphCache | None = None) -> CompiledStep:
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
     forward passes see the captured graph; joint and partitioned passes run inside compilation."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
     for p in manager.passes:  # a pass that runs the step in micro-batches (pipeline) captures one
         if hasattr(p, "capture_inputs"):
             args, kwargs = p.capture_inputs(args, kwargs)
+    key, entry, cache_note = None, None, None
+    if cache is not None:  # a hit skips capture and the forward passes, and replays the joint passes' tags
+        try:
+            key = cache_key(model, input_key(args, kwargs), passes=manager.passes, loss_fn=loss_fn, backend=backend,
+                            verify=verify, instruments=instruments, options=options, cost_model=cost_model)
+            entry, cache_note = cache.load(key)
+        except NotCacheable as e:
+            cache_note = f"off: {e}"
     tell(instruments, "begin", "capturing the training step")
     start = time.perf_counter()
-    gm = capture_call(model, args, kwargs, loss_fn)
-    report = Report(backend=backend, input_key=input_key(args, kwargs),
-                    capture_seconds=time.perf_counter() - start, records=manager.records)
-    signature = gm.meta["picofx_signature"]
+    gm = None if entry else capture_call(model, args, kwargs, loss_fn)
+    signature = cached_signature(entry) if entry else gm.meta["picofx_signature"]
+    report = Report(backend=backend, input_key=input_key(args, kwargs), capture_seconds=time.perf_counter() - start,
+                    records=cached_records(entry) if entry else manager.records,
+                    sections={"cache": cache_note} if cache_note else {})
     inputs = graph_inputs(signature, model, args, kwargs)
+    gm = prepared_graph(entry, inputs, signature) if entry else gm
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     input_names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
     ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend,
                   options={"input_names": input_names, **options},
                   cost_model=cost_model or CostModel.for_backend(device, backend))
     manager.announce("captured", gm, ctx)
-    graphs = manager.run(Stage.FORWARD, gm, ctx)
+    graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend)
@@ -86,7 +99,15 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         run, stage_graphs = compile_measured(graphs[0], lambda gm: compile_graph(gm, inputs, manager, ctx),
                                              manager, peak_of)
     else:
-        run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx)
+        joint = JointDecisions(entry["joint"] if entry else None) if key else None
+        try:
+            run, stage_graphs = compile_graph(graphs[0], inputs, manager, ctx, joint)
+        except JointMismatch:  # the entry does not fit what AOT traces now: build afresh and replace it
+            cache.forget(key)
+            return build_step(model, args, kwargs, passes=passes, loss_fn=loss_fn, backend=backend, verify=verify,
+                              instruments=instruments, options=options, cost_model=cost_model, cache=cache)
+        if key and not entry:
+            report.sections["cache"] += "; " + cache.save(key, graphs[0], signature, manager.records, joint)
     report.compile_seconds = time.perf_counter() - start
     tell(instruments, "end", backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
@@ -242,9 +263,12 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
                the inputs' device; pass one built on a calibrated picofx.cost.device description).
     """
+    # The on-disk cache of optimized graphs (picofx.runtime.cache): PICOFX_CACHE=0 turns it off.
+    cache = None if os.environ.get("PICOFX_CACHE", "1") == "0" else \
+        GraphCache(os.environ.get("PICOFX_CACHE_DIR") or default_directory())
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else []),
                    *([Progress(progress)] if progress else [])]
     module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
     return module_class(model, example_inputs, recapture, passes=resolve_passes(passes), loss_fn=loss_fn,
                            backend=backend, verify=verify, instruments=instruments, options=options or {},
-                           cost_model=cost_model)
+                           cost_model=cost_model, cache=cache)

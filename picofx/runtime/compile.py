@@ -36,8 +36,9 @@ def has_recompute_tags(gm: fx.GraphModule) -> bool:
 class StageRunner:
     """Runs the joint and partitioned stages of one compilation with real inputs for verification."""
 
-    def __init__(self, manager: PassManager, ctx: Context, primals: list):
+    def __init__(self, manager: PassManager, ctx: Context, primals: list, joint=None):
         self.manager, self.ctx, self.primals = manager, ctx, primals
+        self.joint = joint  # picofx.runtime.cache.JointDecisions: record the joint passes' tags, or replay them
         self.forward_outputs: list = []
         self.numerics = manager.verify == "numerics"
         self.graphs: dict[str, fx.GraphModule] = {}
@@ -74,7 +75,16 @@ class StageRunner:
             annotate(gm)
             ctx = self._context(stage, role, self._real_inputs(gm, role))
             self.manager.announce(f"{stage.value}.{role}" if stage is Stage.PARTITIONED else stage.value, gm, ctx)
-            graphs = self.manager.run(stage, gm, ctx)
+            recording = stage is Stage.JOINT and self.joint is not None
+            if recording and self.joint.replaying:
+                self.joint.replay(gm)
+                graphs = [gm]
+            else:
+                if recording:
+                    self.joint.before_passes(gm)
+                graphs = self.manager.run(stage, gm, ctx)
+                if recording:
+                    self.joint.after_passes(graphs[0])
             if len(graphs) != 1:
                 raise NotImplementedError(f"a {stage.value}-stage pass split the {role} graph; "
                                           "only forward-stage passes may split graphs.")
@@ -158,9 +168,11 @@ def inductor_decompositions(device: torch.device) -> dict:
     return table
 
 
-def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context):
-    """Compile `gm` (flat inputs, flat outputs) for training; returns `fn(inputs: list) -> list`."""
-    runner = StageRunner(manager, ctx, inputs)
+def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context, joint=None):
+    """Compile `gm` (flat inputs, flat outputs) for training; returns `fn(inputs: list) -> list`.
+    `joint` (picofx.runtime.cache.JointDecisions) records what the joint passes annotate, or
+    replays a cached record instead of running them."""
+    runner = StageRunner(manager, ctx, inputs, joint)
     with functorch_config.patch(force_non_lazy_backward_lowering=True):
         if ctx.backend == "eager":
             # Graphs whose memory a model of Inductor predicts are decomposed as Inductor's are.

@@ -1,0 +1,93 @@
+"""The on-disk cache of optimized graphs (picofx.runtime.cache): a second identical optimize loads
+the graph instead of capturing and running the passes, and trains exactly like the first."""
+import sys
+
+import torch
+
+import picofx
+from picofx.capture.export import input_key
+from picofx.examples import zoo
+from picofx.passes import Checkpoint
+from picofx.runtime.cache import NotCacheable, cache_key
+
+PASSES = ["fuse", Checkpoint(budget=0.95)]  # 95% of the peak: checkpoint tags nodes, the hit replays them
+
+
+def optimized_step(passes=PASSES, seq=16, **kwargs):
+    torch.manual_seed(0)
+    z = zoo.build("llama-tiny", batch=2, seq=seq)
+    opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn, **kwargs)
+    out = opt(**z.example_inputs)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return opt, loss.detach(), {n: p.grad for n, p in z.model.named_parameters()}
+
+
+def use_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("PICOFX_CACHE", "1")
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))
+    captures = []
+    optimize_module = sys.modules["picofx.optimize"]  # the module, not the function of its name
+    capture = optimize_module.capture_call
+    monkeypatch.setattr(optimize_module, "capture_call", lambda *a, **k: captures.append(1) or capture(*a, **k))
+    return captures
+
+
+def test_second_run_loads_the_graph_and_trains_alike(monkeypatch, tmp_path):
+    captures = use_cache(monkeypatch, tmp_path)
+    first, loss, grads = optimized_step()
+    assert first.report.sections["cache"].startswith("miss; saved to ")
+    assert len(captures) == 1 and len(list(tmp_path.glob("*.pt"))) == 1
+    second, cached_loss, cached_grads = optimized_step()
+    assert second.report.sections["cache"].startswith("hit"), second.report.sections
+    assert len(captures) == 1  # not captured again
+    torch.testing.assert_close(cached_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(cached_grads[name], grad, rtol=0, atol=0, msg=name)
+    for role in ("forward", "backward"):  # checkpoint's recompute decisions replayed: the same graphs
+        assert second.graphs[role].code == first.graphs[role].code, role
+    assert [r.name for r in second.report.records] == ["fuse", "checkpoint"]
+
+
+def test_cache_off_and_corrupt_entries(monkeypatch, tmp_path):
+    captures = use_cache(monkeypatch, tmp_path)
+    monkeypatch.setenv("PICOFX_CACHE", "0")
+    opt, _, _ = optimized_step(["fuse"])
+    assert "cache" not in opt.report.sections and not list(tmp_path.iterdir())
+    monkeypatch.setenv("PICOFX_CACHE", "1")
+    optimized_step(["fuse"])
+    (entry,) = tmp_path.glob("*.pt")
+    entry.write_bytes(b"not a cache entry")
+    opt, loss, _ = optimized_step(["fuse"])
+    assert opt.report.sections["cache"].startswith("miss (an unreadable entry, rewritten"), opt.report.sections
+    assert len(captures) == 3 and torch.isfinite(loss)
+    opt, _, _ = optimized_step(["fuse"])
+    assert opt.report.sections["cache"].startswith("hit") and len(captures) == 3
+
+
+def test_key_covers_passes_options_shapes_and_weights():
+    z = zoo.build("llama-tiny", batch=2, seq=16)
+
+    def key(model=z.model, passes=("fuse",), seq=16, options=None, backend="eager"):
+        ids = torch.zeros(2, seq, dtype=torch.long)
+        resolved = picofx.manager.resolve_passes(list(passes))
+        return cache_key(model, input_key((), {"input_ids": ids, "labels": ids}), passes=resolved,
+                         loss_fn=z.loss_fn, backend=backend, verify="invariants", instruments=(),
+                         options=options or {}, cost_model=None)
+
+    base = key()
+    assert key() == base
+    bigger = zoo.build("llama-tiny", batch=2, seq=16).model
+    name, weight = next(bigger.named_parameters())
+    owner = bigger.get_submodule(name.rpartition(".")[0])
+    setattr(owner, name.rpartition(".")[2], torch.nn.Parameter(torch.zeros(weight.shape[0] + 1, *weight.shape[1:])))
+    others = [key(passes=()), key(passes=("fuse", "precision")), key(passes=(picofx.passes.Fuse(keep_logits=True),)),
+              key(seq=8), key(options={"gradient_sync": "no_sync"}), key(backend="inductor"), key(model=bigger)]
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_what_is_not_cached_says_why(monkeypatch, tmp_path):
+    use_cache(monkeypatch, tmp_path)
+    opt, _, _ = optimized_step(["fuse"], verify="numerics")
+    assert opt.report.sections["cache"] == "off: verify='numerics' checks every pass as it runs"
+    assert not list(tmp_path.iterdir())

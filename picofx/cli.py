@@ -74,17 +74,20 @@ SHORT_FLAGS = {"budget": ("checkpoint", "budget"), "explain": ("fuse", "explain"
 def build_passes(args) -> list:
     """The pass objects the command line asks for, with the options given to their passes."""
     given: dict[str, dict] = {}
+    flags: dict[str, str] = {}  # pass -> a flag that gave it an option, for messages
     for dest, value in vars(args).items():
         if dest.startswith("option:"):
             name, _, field = dest[len("option:"):].partition(".")
             given.setdefault(name, {})[field] = value
+            flags.setdefault(name, f"--{name}.{field}")
     for flag, (name, field) in SHORT_FLAGS.items():
         if getattr(args, flag) not in (None, False):
             option = next(o for o in pass_options(name) if o.name == field)
             given.setdefault(name, {})[field] = option_value(option, str(getattr(args, flag)), f"--{flag}")
-    for name, options in given.items():
+            flags.setdefault(name, f"--{flag}")
+    for name in given:
         if name not in args.passes:
-            raise UsageError(f"--{name}.{next(iter(options))} is an option of the {name} pass: add {name} to --passes")
+            raise UsageError(f"{flags[name]} is an option of the {name} pass: add {name} to --passes")
     passes = []
     for name in args.passes:
         if name not in PASSES:
@@ -207,6 +210,16 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
                                    help=f"{option.describe()} (default: {option.default!r})")
 
 
+def pass_summary() -> str:
+    """One line per registered pass: its stage and its options with their defaults."""
+    lines = []
+    for name in sorted(PASSES):
+        stage = getattr(PASSES[name], "stage", Stage.FORWARD)
+        shown = ", ".join(f"{o.name}={o.default!r}" for o in pass_options(name))
+        lines.append(f"  {name:<12} {stage.value} stage; options: {shown or 'none'}")
+    return "\n".join(lines)
+
+
 def version() -> str:
     try:
         return importlib.metadata.version("picofx")
@@ -225,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
         description="Capture MODEL's training step, run --passes over it, and print the graph and what each "
                     "pass did.\nExit status: 0 done, 1 the model or a pass failed, 2 a wrong command line.\n"
                     "Every option of every pass is a flag --PASS.OPTION (listed below, per pass).",
-        epilog=f"formats:\n{formats}\n\nexamples:\n  picofx dump llama-tiny --passes fuse checkpoint --budget 0.8\n"
+        epilog=f"passes (in Python: picofx.passes.Checkpoint(budget=...)):\n{pass_summary()}\n\n"
+               f"formats:\n{formats}\n\nexamples:\n  picofx dump llama-tiny --passes fuse checkpoint --budget 0.8\n"
                "  picofx dump llama-tiny --passes pipeline --batch 4 --pipeline.stages 2 --pipeline.microbatches 2\n"
                "  picofx dump hf-llama-tiny --format dot > graph.dot",
         formatter_class=argparse.RawDescriptionHelpFormatter)

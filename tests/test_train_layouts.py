@@ -2,10 +2,13 @@
 on exactly as the run that did not stop, and a pipeline reports the whole model's FLOPs per token."""
 import importlib
 import os
+import pathlib
+import sys
 
 import pytest
 
-from tests.passes.spawn_ranks import run_ranks
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "passes"))  # the rank harness, beside the pass tests
+from spawn_ranks import run_ranks  # noqa: E402
 
 FAST = ["--backend", "eager", "--passes", "--batch", "4", "--seq", "16", "--log-every", "1",
         "--microbatches", "2", "--no-measure-cuts"]

@@ -113,6 +113,16 @@ def test_a_broken_graph_is_never_kept(llama, kind, stage, role):
     assert_trains_like_eager(llama, [], batches=[llama.example_inputs])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,role", PLACES[1:], ids=[f"{s.value}-{r}" for s, r in PLACES[1:]])
+def test_under_inductor_the_error_is_the_pass_error(llama, stage, role):
+    """Inductor runs the joint and partitioned stages in its own hooks and wraps what they raise."""
+    broken = breaking_pass(make_cycle, stage, role, raises=False)
+    with pytest.raises(picofx.PassError, match=f"pass 'break_make_cycle' \\({stage.value} stage, {role} graph\\) "
+                                               "failed verification: .*the graph has a cycle"):
+        picofx.optimize(llama.model, llama.example_inputs, [broken], backend="inductor", loss_fn=llama.loss_fn)
+
+
 @pytest.mark.parametrize("kind", BREAKS)
 def test_the_restored_graph_is_the_one_before_the_pass(llama, kind):
     gm, ctx = captured(llama)

@@ -21,11 +21,13 @@ from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn
+from torch._inductor.exc import InductorError
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.graph import _BoxedCodeGen
 
 from picofx.capture.annotate import annotate
 from picofx.cost.partition import partition
+from picofx.errors import PassError
 from picofx.manager import Context, PassManager, Stage
 
 
@@ -192,7 +194,12 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
             if any(getattr(p, "communicates", False) for p in manager.passes):
                 hooks.update(COMM_OVERLAP)
             with inductor_config.patch(hooks):
-                fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))
+                try:
+                    fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))
+                except InductorError as e:  # Inductor wraps what its post-grad hook raised: a pass's PassError
+                    if isinstance(e.inner_exception, PassError):
+                        raise e.inner_exception from e.inner_exception.__cause__
+                    raise
         else:
             raise ValueError(f"backend must be 'eager' or 'inductor', got {ctx.backend!r}")
     # Both entry points return a function of unboxed arguments (whatever its `_boxed_call` says).

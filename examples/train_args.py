@@ -15,12 +15,13 @@ from picofx.cost.device import device_for
 from picofx.cost.units import check_budget, format_bytes
 from picofx.examples.llama import CONFIGS
 from picofx.examples.train_data import check_data_source
-from picofx.examples.train_state import saved_step
+from picofx.examples.train_state import saved_run
 from picofx.manager import resolve_pass
 from picofx.runtime.distributed import launched_world
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches")  # a resume keeps them
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp"}
 
 
@@ -227,12 +228,22 @@ def check_paths(args) -> None:
         if not (pathlib.Path(args.resume) / ".metadata").is_file():
             raise ValueError(f"--resume {args.resume}: no checkpoint there (a directory written by --save holds "
                              "a .metadata file)")
-        step = saved_step(args.resume)
+        step, saved = saved_run(args.resume, RUN_OPTIONS)
+        changed = [f"--{name.replace('_', '-')} {saved[name]} there, {value} here" for name, value in
+                   run_options(args).items() if saved[name] != value]
+        if changed:
+            raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
+                             "resume with the options it was saved with")
         if step >= args.steps:
             raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
                              f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
     if args.data is not None:
         check_data_source(args.data)
+
+
+def run_options(args) -> dict:
+    """The options a resumed run must repeat to go on as the saved one would have, as text."""
+    return {name: str(getattr(args, name)) for name in RUN_OPTIONS}
 
 
 def picofx_passes(args) -> list:

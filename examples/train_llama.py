@@ -28,9 +28,10 @@ from tqdm import tqdm
 import picofx
 from picofx.examples import train_state
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-from picofx.examples.train_args import parse_args, picofx_passes
+from picofx.examples.train_args import parse_args, picofx_passes, run_options
 from picofx.examples.train_data import Batches, DataError, load_tokens
 from picofx.examples.train_metrics import Layout, throughput
+from picofx.manager import pass_name
 from picofx.runtime.distributed import DistributedError, first_failure
 
 # Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
@@ -135,6 +136,7 @@ class Session:
     schedule: torch.optim.lr_scheduler.LambdaLR
     batches: Batches
     first: dict     # the batch the step was captured with: step 0's
+    passes: list    # the names of the passes picofx ran, the layout's included
     start_step: int
 
 
@@ -157,7 +159,8 @@ def setup(args, ranks: Ranks) -> Session:
     model = Llama(config).to(args.device)
     batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
-    opt_model = picofx.optimize(model, first, passes=[*picofx_passes(args), *extra_passes], backend=args.backend,
+    passes = [*picofx_passes(args), *extra_passes]
+    opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)
     optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's
@@ -165,7 +168,7 @@ def setup(args, ranks: Ranks) -> Session:
     start_step = 0
     if args.resume:  # after the first batch was drawn for capture: the sampler continues from the saved position
         start_step = train_state.resume(args.resume, opt_model, optimizer, schedule, batches, replica=ranks.replica)
-    return Session(model, opt_model, optimizer, schedule, batches, first, start_step)
+    return Session(model, opt_model, optimizer, schedule, batches, first, [pass_name(p) for p in passes], start_step)
 
 
 def main(argv=None) -> dict:
@@ -181,7 +184,7 @@ def main(argv=None) -> dict:
     ranks.stop_if_failed(message)
     s = session
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
-              f"passes={args.passes}" + (f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""))
+              f"passes: {' '.join(s.passes) or '(none)'}" + (f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""))
 
     history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
@@ -210,7 +213,7 @@ def main(argv=None) -> dict:
     run_seconds = time.perf_counter() - run_start
     if args.save:  # before the validation batch is drawn: a resumed run draws what this one would have
         train_state.save(args.save, s.opt_model, s.optimizer, s.schedule, s.batches, step=args.steps,
-                         replica=ranks.replica)
+                         replica=ranks.replica, options=run_options(args))
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
     if args.pp == 1:
@@ -223,7 +226,7 @@ def main(argv=None) -> dict:
     report = s.opt_model.report
     layout = Layout(dp=args.dp, pp=args.pp)
     ranks.say(f"\nsummary: {args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} tokens on "
-              f"{args.device}, backend {args.backend}, passes {' '.join(args.passes) or '(none)'}")
+              f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
     ranks.say(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
     if args.dp > 1:  # replicas step in lockstep on batches of the same size
         ranks.say(f"  tokens/s across {args.dp} data-parallel replicas: {tokens_per_s * args.dp:,.0f}")

@@ -51,19 +51,22 @@ def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: i
     }
 
 
-def save(directory: str, opt_model, optimizer, scheduler, batches, *, step: int, replica: int) -> None:
+def save(directory: str, opt_model, optimizer, scheduler, batches, *, step: int, replica: int,
+         options: dict) -> None:
+    """`options`: what a resumed run must repeat (name -> value as text), checked by `saved_run`."""
     pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
-    state = run_state(opt_model, optimizer, scheduler, batches, step=step, replica=replica)
+    state = {**run_state(opt_model, optimizer, scheduler, batches, step=step, replica=replica), "options": options}
     with single_process_quiet():
         dcp.save(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
 
 
-def saved_step(directory: str) -> int:
-    """The step a checkpoint was saved at (read on this process alone, before any process group)."""
-    state = {"step": torch.tensor(0)}
+def saved_run(directory: str, option_names) -> tuple[int, dict]:
+    """The step a checkpoint was saved at and the options it was saved with (read on this process
+    alone, before any process group)."""
+    state = {"step": torch.tensor(0), "options": {name: None for name in option_names}}
     with single_process_quiet():
         dcp.load(state, checkpoint_id=directory, no_dist=True)
-    return int(state["step"])
+    return int(state["step"]), state["options"]
 
 
 def resume(directory: str, opt_model, optimizer, scheduler, batches, *, replica: int) -> int:

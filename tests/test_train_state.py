@@ -2,6 +2,7 @@
 would have (same losses, bit for bit), and a checkpoint holds the model under its own names."""
 import importlib
 
+import pytest
 import torch
 
 FAST = ["--backend", "eager", "--passes", "--batch", "2", "--seq", "16", "--log-every", "1"]
@@ -19,6 +20,19 @@ def test_two_steps_saved_then_two_resumed_equal_four_straight(tmp_path):
     assert len(straight) == 4 and len(first) == 2 and len(resumed) == 2
     assert first + resumed == straight  # bit for bit: parameters, AdamW moments, lr schedule, data position
     assert len(set(straight)) == 4  # the steps differ, so a resume from the wrong step could not pass
+
+
+def test_a_resume_with_other_options_or_no_steps_left_is_refused(tmp_path, capsys):
+    from picofx.examples.train_args import parse_args
+
+    train = load_script()
+    train.main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
+    capsys.readouterr()
+    for argv, message in [(["--steps", "3", "--batch", "4"], "(--batch 2 there, 4 here): resume with the options"),
+                          (["--steps", "1"], "was saved after step 1, and --steps 1 ends there")]:
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([*FAST, *argv, "--resume", str(tmp_path / "run")], environ={})
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):

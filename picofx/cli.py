@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -17,6 +16,7 @@ import time
 
 import torch
 
+from picofx import __version__
 from picofx.capture.export import capture_call, input_key, split_inputs
 from picofx.cost.model import CostModel
 from picofx.errors import CaptureError, InputShapeError, PassError, VerificationError
@@ -220,17 +220,10 @@ def pass_summary() -> str:
     return "\n".join(lines)
 
 
-def version() -> str:
-    try:
-        return importlib.metadata.version("picofx")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown (not installed)"
-
-
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="picofx", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("--version", action="version", version=f"picofx {version()} (torch {torch.__version__})")
+    top.add_argument("--version", action="version", version=f"picofx {__version__} (torch {torch.__version__})")
     commands = top.add_subparsers(dest="command", required=True)
     formats = "\n".join(f"  {name:<12} {text}" for name, text in FORMATS.items())
     p = commands.add_parser(

@@ -129,3 +129,21 @@ def test_checkpoint_says_why_it_recomputed_nothing(capsys):
                      r"16\.00 GiB; lower the budget", out)
     assert main(["dump", "llama-tiny", "--passes", "checkpoint", "--checkpoint.budget", "0.8", "--wide"]) == 0
     assert "nothing_recomputed" not in capsys.readouterr().out
+
+
+def test_option_text_becomes_the_fields_type():
+    from picofx.manager.options import pass_options
+
+    def option(pass_name, name):
+        return next(o for o in pass_options(pass_name) if o.name == name)
+
+    budget = option("checkpoint", "budget")
+    assert [budget.parse(t) for t in ("8GiB", "0.8", "1000", "none")] == ["8GiB", 0.8, 1000, None]
+    assert option("fuse", "rules").parse("rms_norm, swiglu") == ("rms_norm", "swiglu")
+    balance = option("pipeline", "balance")
+    assert balance.parse("layers") == "layers" and balance.parse("layers.1,layers.2") == ("layers.1", "layers.2")
+    assert option("precision", "overrides").parse("lm_head=fp32,*.mlp.*=bf16") == {"lm_head": "fp32", "*.mlp.*": "bf16"}
+    assert option("fuse", "explain").parse("yes") is True and option("fuse", "explain").parse("off") is False
+    with pytest.raises(ValueError, match="pipeline.microbatches takes an integer, not '2.5'"):
+        option("pipeline", "microbatches").parse("2.5")
+    assert not option("pipeline", "group").from_text and not option("checkpoint", "optimizer").from_text

@@ -70,7 +70,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
             entry, cache_note = cache.load(key)
         except NotCacheable as e:
             cache_note = f"off: {e}"
-    tell(instruments, "begin", "capturing the training step")
+    tell(instruments, "begin", cached=entry is not None)
     start = time.perf_counter()
     gm = None if entry else capture_call(model, args, kwargs, loss_fn)
     signature = cached_signature(entry) if entry else gm.meta["picofx_signature"]
@@ -88,7 +88,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
-        tell(instruments, "end", backend)
+        tell(instruments, "end", backend=backend)
         return step
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
@@ -109,7 +109,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         if key and not entry:
             report.sections["cache"] += "; " + cache.save(key, graphs[0], signature, manager.records, joint)
     report.compile_seconds = time.perf_counter() - start
-    tell(instruments, "end", backend)
+    tell(instruments, "end", backend=backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
     return CompiledStep(signature, run, graphs[0], stage_graphs, report)
 

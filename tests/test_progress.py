@@ -48,3 +48,19 @@ def test_without_progress_nothing_is_said(capsys):
     model, batch = tiny_batch()
     picofx.optimize(model, batch, passes=[mark_nodes], backend="eager", loss_fn=causal_lm_loss)
     assert capsys.readouterr().out == ""
+
+
+def test_a_graph_from_the_cache_is_told_as_loaded(monkeypatch, tmp_path):
+    monkeypatch.setenv("PICOFX_CACHE", "1")
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))
+    told = []
+    for _ in range(2):
+        model, batch = tiny_batch()
+        lines = []
+        picofx.optimize(model, batch, passes=["fuse"], backend="eager", loss_fn=causal_lm_loss,
+                        progress=lines.append)
+        told.append(lines)
+    assert told[0][0] == "picofx: capturing the training step" and told[0][1].startswith("picofx: captured in")
+    assert told[1][0] == "picofx: loading the optimized graph from the cache", told[1]
+    assert re.fullmatch(r"picofx: loaded in [\d.]+ s \(\d+ nodes, the forward passes already run\)", told[1][1])
+    assert "in all" in told[1][-1]

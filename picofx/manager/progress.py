@@ -31,6 +31,7 @@ class Progress:
     def __init__(self, say: Callable[[str], object] = print, prefix: str = "picofx: "):
         self.say, self.prefix = say, prefix
         self.started = self.last = time.perf_counter()
+        self.cached = False
 
     def _lap(self) -> float:
         now = time.perf_counter()
@@ -40,9 +41,10 @@ class Progress:
     def _line(self, text: str) -> None:
         self.say(f"{self.prefix}{text}")
 
-    def begin(self, what: str) -> None:
+    def begin(self, cached: bool) -> None:
         self.started = self.last = time.perf_counter()
-        self._line(what)
+        self.cached = cached
+        self._line("loading the optimized graph from the cache" if cached else "capturing the training step")
 
     def end(self, backend: str) -> None:
         step = "compiled the backward graph" if backend == "inductor" else "ready to run the graphs (backend eager)"
@@ -50,7 +52,9 @@ class Progress:
 
     def on_graph(self, label: str, gm: fx.GraphModule, ctx: Context) -> None:
         nodes = len(gm.graph.nodes)
-        if label in FINISHED:
+        if label == "captured" and self.cached:
+            self._line(f"loaded in {self._lap():.1f} s ({nodes} nodes, the forward passes already run)")
+        elif label in FINISHED:
             self._line(f"{FINISHED[label]} in {self._lap():.1f} s ({nodes} nodes)")
         elif label == "partitioned.backward":
             done = "compiled the forward graph" if ctx.backend == "inductor" else "ran the forward graph's passes"
@@ -67,9 +71,10 @@ class Progress:
                    f"{record.nodes_before} -> {record.nodes_after} nodes")
 
 
-def tell(instruments, event: str, detail: str = "") -> None:
-    """Start (`event` "begin", `detail` what) or finish (`event` "end", `detail` the backend) the
-    lines of every Progress among `instruments`; other instruments see graphs only."""
+def tell(instruments, event: str, *, cached: bool = False, backend: str = "") -> None:
+    """Start (`event` "begin": capturing, or loading from the cache when `cached`) or finish
+    (`event` "end", compiled with `backend`) the lines of every Progress among `instruments`;
+    other instruments see graphs only."""
     for instrument in instruments:
         if isinstance(instrument, Progress):
-            instrument.begin(detail) if event == "begin" else instrument.end(detail)
+            instrument.begin(cached) if event == "begin" else instrument.end(backend)

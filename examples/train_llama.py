@@ -21,6 +21,7 @@ import datetime
 import os
 import sys
 import time
+import typing
 
 import torch
 from tqdm import tqdm
@@ -128,8 +129,7 @@ def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
         g.mul_(scale)
 
 
-@dataclasses.dataclass
-class Session:
+class Session(typing.NamedTuple):
     model: Llama
     opt_model: object
     optimizer: torch.optim.Optimizer

@@ -256,9 +256,11 @@ def test_train_script_reports_mean_throughput_mfu_by_dtype_and_a_summary(capsys)
 
 
 def test_train_script_offers_sizes_that_fit_and_refuses_one_that_does_not(capsys):
+    from picofx.examples.train_args import fits
+
     train = load_train_script()
     args = train.parse_args([])
-    assert train.fits(args.size, args.batch, args.seq, args.device)
+    assert fits(args.size, args.batch, args.seq, args.device)
     with pytest.raises(SystemExit) as info:
         train.parse_args(["--size", "llama2-7b"])  # about 106 GiB a step against the CPU's 16 GiB
     assert info.value.code == 2

@@ -5,12 +5,14 @@ that did not fuse (tools/fusion_coverage.py to measure coverage per model).
 Kinds and what counts as one unfused site:
   norm       an RMSNorm: rsqrt(mean(x**2) + eps), or ATen's own rms_norm ops
   gated_mlp  act(gate) * up with act silu (or x * sigmoid(x)) or GeLU
-  rope       the rotation of q and k in one module (rotate-half: neg of a slice fed to cat;
-             complex: view_as_complex of a value that depends on a parameter)
+  rope       the rotation of q and k in one module (rotate-half: neg of a slice fed to cat, or
+             to stack for interleaved pairs; complex: view_as_complex of a value that depends on
+             a parameter)
   attention  softmax over scores that a matmul then applies to values, or SDPA over k/v
              heads repeated for grouped-query attention
   loss       log_softmax over a projection's output (through views, casts, a scale, a soft-cap)
-A site is fusible unless `reason` says why not (soft-capped attention scores: SDPA has no soft-cap).
+A site is fusible unless `reason` says why not (soft-capped attention scores: SDPA has no soft-cap;
+a loss with label smoothing, class weights or per-token weights: the fused loss computes none).
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten._to_copy.default, aten.alias.default, aten.expand.default, aten.contiguous.default,
                 aten.squeeze.dims, aten.unsqueeze.default, aten.permute.default, aten.t.default}
 ROPE_RATIO = 2  # tensors rotated per site: q and k
+# what rotate_half joins its negated half with: cat (halves), stack (pairs; in ATen: unsqueeze, cat)
+ROTATE_JOINS = (aten.cat.default, aten.stack.default)
+# from the label's log-probability to its token's loss: -log_probs.gather(labels), 0 where ignored
+LOSS_PER_TOKEN = {aten.squeeze.dims, aten.squeeze.dim, aten.neg.default, aten.where.self}
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,21 @@ def _activation_input(node: fx.Node) -> fx.Node:
     return _uncast(node.args[0])
 
 
+def rotated_half(node) -> bool:
+    """node is rotate_half(x) * sin of a written-out RoPE: a product with cat(-x2, x1) (or the
+    pairs stacked)."""
+    if _target(node) is not aten.mul.Tensor:
+        return False
+    for factor in node.args:
+        if _target(factor) in ROTATE_JOINS and isinstance(factor.args[0], (list, tuple)):
+            first = factor.args[0][0]
+            while _target(first) is aten.unsqueeze.default:
+                first = first.args[0]
+            if _target(first) is aten.neg.default:
+                return True
+    return False
+
+
 def _parameter_dependent(graph: fx.Graph) -> set[fx.Node]:
     dependent = set()
     for node in graph.nodes:
@@ -91,6 +112,13 @@ def _parameter_dependent(graph: fx.Graph) -> set[fx.Node]:
         elif node.op == "call_function" and any(a in dependent for a in node.all_input_nodes):
             dependent.add(node)
     return dependent
+
+
+def _through_users(node: fx.Node, ops) -> fx.Node:
+    """The first node down node's single-user chain that is not one of `ops`."""
+    while _target(node) in ops and len(node.users) == 1:
+        node = next(iter(node.users))
+    return node
 
 
 def _reaches_matmul(node: fx.Node, depth: int = 6) -> bool:
@@ -127,6 +155,24 @@ def _repeated_heads(node: fx.Node) -> bool:
     return _target(source) is aten.expand.default and _target(source.args[0]) is aten.unsqueeze.default
 
 
+def _loss_not_fusible(log_probs: fx.Node) -> str | None:
+    """Why the cross-entropy over these log-probabilities is not the fused loss's: the mean or sum
+    over tokens of -log_probs[label], every token and every vocabulary entry weighed alike."""
+    users = {_target(u) for u in log_probs.users}
+    if aten.mul.Tensor in users:
+        return "class weights: the loss weighs each vocabulary entry, the fused op weighs all alike"
+    if users - {aten.gather.default}:
+        return ("label smoothing: the loss also sums the log-probabilities over the vocabulary, "
+                "the fused op takes the label's alone")
+    per_token = next(iter(log_probs.users))
+    while len(per_token.users) == 1 and _target(next(iter(per_token.users))) in LOSS_PER_TOKEN:
+        per_token = next(iter(per_token.users))
+    if any(_target(u) is not aten.sum.dim_IntList or u.args[1:2] not in ((), ([],), (None,)) for u in per_token.users):
+        return ("per-token losses (reduction='none') are weighed or kept before the reduction; "
+                "the fused op returns only their mean or sum")
+    return None
+
+
 def find_sites(graph: fx.Graph) -> list[Site]:
     """The unfused sites of the graph, in graph order."""
     sites, dependent = [], _parameter_dependent(graph)
@@ -148,7 +194,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
                     site("gated_mlp", f"{act.target}(gate) * up")
                     break
         elif t is aten.neg.default and node in dependent and _target(node.args[0]) in (aten.slice.Tensor, getitem) \
-                and any(_target(u) is aten.cat.default for u in node.users):
+                and any(_target(_through_users(u, (aten.unsqueeze.default,))) in ROTATE_JOINS for u in node.users):
             rotations.setdefault(path, []).append(node)
         elif t is aten.view_as_complex.default and node in dependent:
             rotations.setdefault(path, []).append(node)
@@ -161,7 +207,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
         elif t is aten._log_softmax.default:
             source = _through(node.args[0], (aten.div.Tensor, aten.mul.Tensor, aten.tanh.default))
             if _target(source) is aten.linear.default:
-                site("loss", "cross_entropy(linear(x)) with the logits written out")
+                site("loss", "cross_entropy(linear(x)) with the logits written out", _loss_not_fusible(node))
     for path, nodes in rotations.items():
         for first in nodes[::ROPE_RATIO]:
             kind = "complex" if _target(first) is aten.view_as_complex.default else "rotate-half"
@@ -188,3 +234,13 @@ def census(graph: fx.Graph) -> dict[str, dict[str, int]]:
     return {kind: {"fused": fused[kind],
                    "unfused": sum(s.kind == kind and s.fusible for s in sites),
                    "not_fusible": sum(s.kind == kind and not s.fusible for s in sites)} for kind in KINDS}
+
+
+def accounting(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """Per kind, from the census before and after `fuse`: sites found, fused (fusible sites gone),
+    unfused (fusible sites still there: no rule matched, or a check rejected them) and
+    not_fusible (sites no rule may fuse, left alone for a reason)."""
+    return {kind: {"found": before[kind]["unfused"] + before[kind]["not_fusible"],
+                   "fused": before[kind]["unfused"] - after[kind]["unfused"],
+                   "unfused": after[kind]["unfused"], "not_fusible": after[kind]["not_fusible"]}
+            for kind in KINDS}

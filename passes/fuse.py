@@ -1,9 +1,9 @@
 """Pass `fuse`: rewrite LLaMA blocks into fused kernels with pattern rules.
 
 Each rule (picofx.rewrite.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
-ones fuse RMSNorm (alone and after the residual add), SwiGLU, the Q/K/V projections, RoPE,
-attention (to SDPA with grouped-query heads), and the final projection with the cross-entropy
-loss. Users add rules with `picofx.rules.register_rule`.
+ones fuse RMSNorm (alone and after the residual add), SwiGLU, the Q/K/V projections, RoPE
+(rotate-half, complex, interleaved pairs), attention (to SDPA with grouped-query heads), and the
+final projection with the cross-entropy loss. Users add rules with `picofx.rules.register_rule`.
 
 Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
@@ -26,7 +26,8 @@ from picofx.rewrite import Rule, registered_rules
 
 # Registration order is the order rules apply in: a rule whose pattern contains another rule's
 # fused op comes after it (add_rms_norm after rms_norm; grouped-query SDPA after attention).
-from picofx.passes import fuse_norms, fuse_projections, fuse_attention, fuse_loss  # noqa: F401, E402  isort: skip
+from picofx.passes import fuse_norms, fuse_projections, fuse_attention  # noqa: F401, E402  isort: skip
+from picofx.passes import fuse_interleaved_rope, fuse_loss  # noqa: F401, E402  isort: skip
 from picofx.passes.fuse_sites import find_sites  # noqa: E402
 
 

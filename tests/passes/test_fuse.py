@@ -17,7 +17,7 @@ from picofx.testing import assert_trains_like_eager, captured, count_ops, op_cou
 aten, picofx_ops = torch.ops.aten, torch.ops.picofx
 LAYERS = 2  # every zoo model here has 2 layers
 LLAMA_RULES = ("rms_norm", "add_rms_norm", "swiglu", "qkv_projection", "gated_activation", "rope", "complex_rope",
-               "attention", "grouped_query_attention")
+               "attention", "grouped_query_attention", "interleaved_rope")
 ROUNDING = (1e-5, 1e-5)  # what the rules that fired declare (summation order; see each rule)
 
 
@@ -35,10 +35,11 @@ def fused_block_counts(gm: fx.GraphModule) -> dict:
 EVERY_BLOCK = {"rms_norms": 2 * LAYERS + 1, "swiglus": LAYERS, "qkv_merges": LAYERS, "ropes": LAYERS,
                "attentions": LAYERS, "losses": 1}
 # rms_norm fuses all 2L+1 norms; add_rms_norm then takes in the residual add before 2L of them.
-# gated_activation (after an already merged gate/up) and complex_rope (Meta's form) find nothing here.
+# gated_activation (after an already merged gate/up), complex_rope (Meta's form) and interleaved_rope
+# (GLM's) find nothing here.
 NOTES = {"rms_norm": 2 * LAYERS + 1, "add_rms_norm": 2 * LAYERS, "swiglu": LAYERS, "qkv_projection": LAYERS,
          "gated_activation": 0, "rope": LAYERS, "complex_rope": 0, "attention": 0,
-         "grouped_query_attention": LAYERS, "linear_cross_entropy": 1}
+         "grouped_query_attention": LAYERS, "interleaved_rope": 0, "linear_cross_entropy": 1}
 
 
 def hf_model(architecture: str, **config) -> ZooModel:

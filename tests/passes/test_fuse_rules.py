@@ -76,6 +76,31 @@ class Rotary(nn.Module):
         return q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin
 
 
+class PairwiseRotary(nn.Module):
+    """RoPE as GLM writes it: neighbouring channels rotated as pairs, on the first half of the head
+    dim, tables with each frequency repeated for its pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 6 * 8, bias=False)
+        cos, sin = get_cos_sin(16, 4, 10000.0)  # (T, 4): the rotated half of head dim 8
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k = self.proj(x).view(b, t, 6, 8).transpose(1, 2).split([4, 2], dim=1)  # (B, H, T, D), GQA heads
+        cos, sin = self.cos[None, None, :t], self.sin[None, None, :t]  # (1, 1, T, 4)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        out = []
+        for x_ in (q, k):
+            rotated, passed = x_[..., :4], x_[..., 4:]
+            pairs = torch.stack((-rotated[..., 1::2], rotated[..., 0::2]), dim=-1).flatten(-2)
+            out.append(torch.cat([rotated * cos + pairs * sin, passed], dim=-1))
+        return tuple(out)
+
+
 class HFAttentionCore(nn.Module):
     """SDPA after Hugging Face's repeat_kv (expand + reshape), with an explicit mask."""
 
@@ -156,6 +181,8 @@ MATCHING = {
                                    {"aten.linear.default": 1, "aten.cat.default": 2}),
     "rope by chunks": (lambda: Rotary(), dict(x=x(2, 8, 32)), {"picofx.rope.default": 1, "aten.neg.default": 0}),
     "rope by slices": (lambda: Rotary(by_slices=True), dict(x=x(2, 8, 32)), {"picofx.rope.default": 1}),
+    "interleaved_rope": (PairwiseRotary, dict(x=x(2, 8, 32)),
+                         {"picofx.rope.default": 1, "aten.neg.default": 0, "aten.stack.default": 0}),
     "grouped_query_attention": (lambda: Attention(CONFIG), dict(x=x(2, 8, 32), cos=get_cos_sin(8, 8, 1e4)[0],
                                                                  sin=get_cos_sin(8, 8, 1e4)[1]),
                                 {"aten.expand.default": 0, "aten.clone.default": 0}),

@@ -22,6 +22,13 @@ def tensor_bytes(value) -> int:
 
 
 class _AnnotatingInterpreter(fx.Interpreter):
+    """Runs the graph on fake values under one FlopCounterMode (entering a mode per node costs
+    more than most nodes' propagation): a node's FLOPs are what the count grew by while it ran."""
+
+    def __init__(self, gm: fx.GraphModule, counter: FlopCounterMode):
+        super().__init__(gm)
+        self.counter = counter
+
     def fetch_attr(self, target: str):  # a tensor the graph holds (a pass's buffer): its fake value
         value = super().fetch_attr(target)
         mode = detect_fake_mode()
@@ -30,10 +37,10 @@ class _AnnotatingInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node):
         if node.op in ("placeholder", "output"):
             return super().run_node(node)
-        with FlopCounterMode(display=False) as counter:
-            value = super().run_node(node)
+        before = self.counter.get_total_flops()
+        value = super().run_node(node)
         node.meta["val"] = value
-        node.meta["flops"] = counter.get_total_flops()
+        node.meta["flops"] = self.counter.get_total_flops() - before
         node.meta["bytes"] = tensor_bytes(value)
         return value
 
@@ -53,8 +60,8 @@ def annotate(gm: fx.GraphModule) -> None:
                          "graph input must set its fake value.")
     mode = fake_mode_of(gm)
     inputs = [_as_fake(mode, n.meta["val"]) for n in placeholders]
-    with mode:
-        _AnnotatingInterpreter(gm).run(*inputs)
+    with mode, FlopCounterMode(display=False) as counter:
+        _AnnotatingInterpreter(gm, counter).run(*inputs)
     for node in placeholders:
         node.meta["flops"], node.meta["bytes"] = 0, tensor_bytes(node.meta["val"])
     for node in gm.graph.nodes:

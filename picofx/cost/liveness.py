@@ -27,6 +27,10 @@ def storage_key(t: torch.Tensor):
 
 
 def tensor_values(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # most nodes: one tensor (a simulation asks for every node's, often)
+        return [value]
+    if value is None:
+        return []
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 

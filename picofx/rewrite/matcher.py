@@ -71,6 +71,35 @@ class _StructureMatcher(SubgraphMatcher):
         return True
 
 
+@dataclass
+class _Region:
+    """The graph as the matcher sees it when looking for its pattern's outputs: these nodes."""
+
+    nodes: list[fx.Node]
+
+
+def layer_of(node: fx.Node) -> str:
+    """The module path up to its first index ("model.layers.3"): the decoder layer, or "" outside one."""
+    parts = node.meta.get("module_path", "").split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[:index + 1]) if index is not None else ""
+
+
+def anchor_regions(graph: fx.Graph, anchors: list[fx.Node]) -> list:
+    """Where to look for a pattern's outputs. A pattern of several outputs (q and k of RoPE, the
+    Q/K/V projections) pairs candidates for each output with every other's: over the whole graph
+    that is quadratic in the layers, so its outputs are sought together within one decoder layer
+    at a time (the graph's nodes of the outputs' ops, by fx's index of nodes by target)."""
+    if len(anchors) == 1:
+        return [graph]
+    nodes = sorted({n for target in {a.target for a in anchors}
+                    for n in graph.find_nodes(op=anchors[0].op, target=target, sort=False)})
+    regions: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        regions.setdefault(layer_of(node), []).append(node)
+    return [_Region(region) for region in regions.values()]
+
+
 def find_candidates(graph: fx.Graph, rule: Rule, pattern: Pattern) -> list[Match]:
     if not all(graph.find_nodes(op="call_function", target=target, sort=False)
                for target in {n.target for n in call_nodes(pattern.graph)}):
@@ -78,7 +107,7 @@ def find_candidates(graph: fx.Graph, rule: Rule, pattern: Pattern) -> list[Match
     matcher = _StructureMatcher(pattern.graph, remove_overlapping_matches=False)
     returned = pytree.tree_leaves(pattern.graph.output_node().args[0])
     candidates = []
-    for found in matcher.match(graph):
+    for found in (m for region in anchor_regions(graph, matcher.pattern_anchors) for m in matcher.match(region)):
         bindings = {pattern.inputs[p]: g for p, g in found.nodes_map.items() if p.op == "placeholder"}
         nodes = {p: g for p, g in found.nodes_map.items() if p.op == "call_function"}
         candidates.append(Match(rule, pattern, bindings, nodes, [found.nodes_map[p] for p in returned]))

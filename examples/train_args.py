@@ -21,7 +21,8 @@ from picofx.runtime.distributed import launched_world
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
-RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches")  # a resume keeps them
+# what a resumed run must repeat to go on as the saved run would have
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches")
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp"}
 
 
@@ -134,6 +135,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
+        check_positions(args)
         check_device(args)
         check_paths(args)
     except ValueError as e:
@@ -192,6 +194,9 @@ def check_passes(args) -> None:
             raise ValueError(f"--passes: {e.args[0]}") from None
     if args.memory_budget is not None and "checkpoint" not in args.passes:
         raise ValueError("--memory-budget is the checkpoint pass's budget: add checkpoint to --passes")
+
+
+def check_positions(args) -> None:
     limit = args.max_positions or CONFIGS[args.size].max_position_embeddings
     if args.seq > limit:
         raise ValueError(f"--seq {args.seq} is longer than the {args.size} model's position limit, {limit} "

@@ -183,8 +183,9 @@ def main(argv=None) -> dict:
         message = str(e)
     ranks.stop_if_failed(message)
     s = session
+    resumed = f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
-              f"passes: {' '.join(s.passes) or '(none)'}" + (f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""))
+              f"passes: {' '.join(s.passes) or '(none)'}{resumed}")
 
     history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0

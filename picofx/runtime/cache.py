@@ -123,6 +123,15 @@ def cache_key(model: nn.Module, inputs_key: tuple, *, passes, loss_fn, backend: 
     why_not = _not_cacheable(model, passes, verify, instruments, cost_model)
     if why_not:
         raise NotCacheable(why_not)
+    try:
+        return _digest(model, inputs_key, passes, loss_fn, backend, verify, options)
+    except NotCacheable:
+        raise
+    except Exception as e:  # a model whose classes have no source file (a notebook), a config that fails
+        raise NotCacheable(f"the key could not be computed: {type(e).__name__}: {e}") from e
+
+
+def _digest(model, inputs_key, passes, loss_fn, backend, verify, options) -> str:
     loss = None if loss_fn is None else [describe(loss_fn), file_digest(inspect.getsourcefile(loss_fn))]
     parts = [FORMAT, torch.__version__, sys.version, _picofx_sources(passes), model_description(model), model.training,
              inputs_key, loss, backend, verify, describe(options), torch.get_default_dtype(),

@@ -37,3 +37,14 @@ def test_save_and_resume_continue_bit_for_bit(layout, tmp_path):
         single = importlib.import_module("picofx.examples.train_llama").main([*FAST, "--steps", "1"])
         assert results[0]["graph_flops_per_token"] == pytest.approx(
             single["throughput"].graph_flops_per_token, rel=0.02)
+
+
+def report_setup(rank: int, world: int) -> tuple:
+    from picofx.runtime.distributed import first_failure
+
+    return first_failure("capture failed here" if rank == 1 else None), first_failure(None)
+
+
+def test_every_rank_learns_the_first_failure_and_that_none_failed():
+    results = run_ranks(report_setup, 2, timeout=120, collective_timeout=30)
+    assert results == [((1, "capture failed here"), None)] * 2

@@ -84,8 +84,8 @@ class PassManager:
             snapshot.restore(gm)
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the graph is whole again
                 raise
-            what = ("raised" if not returned else
-                    "failed verification" if isinstance(e, VerificationError) else "returned a graph that failed checking")
+            what = ("raised" if not returned else "failed verification" if isinstance(e, VerificationError)
+                    else "returned a graph that failed checking")
             message = (f"pass '{name}' ({ctx.stage.value} stage, {ctx.graph_role} graph) {what}: "
                        f"{type(e).__name__}: {e}\n  the graph is left as it was before '{name}'.")
             if isinstance(e, BudgetError):  # still caught by `except picofx.BudgetError`

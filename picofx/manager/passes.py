@@ -2,8 +2,9 @@
 
 A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
 frozen dataclass with `__call__` when it has options. It declares its stage with a `stage`
-attribute (a function may instead be given one by `register_pass`). Names resolve through `PASSES`, which the passes fill when they are imported
-(`import picofx` imports picofx's own); the core never imports a pass.
+attribute (a function may instead be given one by `register_pass`). Names resolve through
+`PASSES`, which the passes fill when they are imported (`import picofx` imports picofx's own);
+the core never imports a pass.
 """
 from __future__ import annotations
 

@@ -173,6 +173,11 @@ def check_layout(args, world: int | None) -> None:
         if args.microbatches < args.pp * virtual:
             raise ValueError(f"--microbatches {args.microbatches} is fewer than the {args.pp * virtual} pipeline "
                              f"stages, which can stall the schedule: pass --microbatches {args.pp * virtual} or more")
+        rounds = max(1, args.microbatches // args.pp)
+        if virtual > 1 and args.microbatches % rounds:
+            raise ValueError(f"--schedule {args.schedule} runs micro-batches in rounds of {args.pp} (one per stage "
+                             f"rank): --microbatches {args.microbatches} is not a whole number of rounds; pass "
+                             f"--microbatches {rounds * args.pp}")
         if args.batch % args.microbatches:
             raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}: "
                              "pick a batch that is a multiple of it")

@@ -26,6 +26,8 @@ def test_one_process_is_one_replica():
     (["--dp", "3"], "the layout --dp 3 x --pp 1 is 3 ranks, but torchrun started 4"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
+    (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],
+     "--microbatches 5 is not a whole number of rounds; pass --microbatches 4"),
 ])
 def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

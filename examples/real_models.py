@@ -42,10 +42,25 @@ HF_MODELS: dict[str, dict] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, **MOE},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48, **MOE},
+    "glm": {},  # interleaved RoPE on half the head dim (partial rotary), merged gate/up
+    "glm4": {},  # as GLM, plus post-attention and post-MLP norms
+    "exaone4": {},  # q/k norms, norms after attention and MLP
+    "olmo3": {},
+    "arcee": {},  # ReLU^2 MLP: no gate
+    "apertus": {},  # xIELU MLP: no gate; q/k norms
+    "ministral": {"head_dim": 16},
+    "cwm": {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2},
+    "seed_oss": {"attention_dropout": 0.0, "residual_dropout": 0.0},  # defaults 0.1: a random step
+    "hunyuan_v1_dense": {"head_dim": 16},  # q/k norms after RoPE
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **MOE},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2, **MOE},
 }
 CLASS_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "smollm3": "SmolLM3",
                "olmo2": "Olmo2", "granite": "Granite", "phi3": "Phi3", "gemma": "Gemma", "gemma2": "Gemma2",
-               "gemma3": "Gemma3Text", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe"}
+               "gemma3": "Gemma3Text", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "glm": "Glm", "glm4": "Glm4",
+               "exaone4": "Exaone4", "olmo3": "Olmo3", "arcee": "Arcee", "apertus": "Apertus", "ministral": "Ministral",
+               "cwm": "Cwm", "seed_oss": "SeedOss", "hunyuan_v1_dense": "HunYuanDenseV1", "qwen3_moe": "Qwen3Moe",
+               "granitemoe": "GraniteMoe"}
 
 
 def hf_model(architecture: str, batch: int = BATCH, seq: int = SEQ, seed: int = 0, **overrides) -> ZooModel:

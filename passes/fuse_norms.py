@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.passes.fuse_sites import rotated_half
 from picofx.rewrite import Rule, register_rule, scalar, tensor
 
 FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})  # casts vanish in fp32
@@ -72,6 +73,13 @@ def same_device(*names):
     return same_device
 
 
+def not_a_rope(match):
+    """q or k normed after RoPE (HunYuan): the add is the rotation's, which the rope rule fuses."""
+    if any(rotated_half(match.bindings[name]) for name in ("x", "residual")):
+        return "the add sums a RoPE's x * cos and rotate_half(x) * sin: the rope rule fuses it"
+    return None
+
+
 def residual_has_the_same_shape(match):
     x, residual = match.val("x"), match.val("residual")
     if tuple(x.shape) != tuple(residual.shape):
@@ -95,6 +103,6 @@ ADD_RMS_NORM = register_rule(Rule(
     name="add_rms_norm", pattern=add_rms_norm_pattern, replacement=add_rms_norm_replacement,
     inputs={"x": tensor(2, 8, 16), "residual": tensor(2, 8, 16), "weight": tensor(16), "eps": scalar(1e-6),
             "offset": scalar(0.8125)},
-    checks=(residual_has_the_same_shape, same_device("x", "residual", "weight")),
+    checks=(not_a_rope, residual_has_the_same_shape, same_device("x", "residual", "weight")),
     tolerance=RMS_NORM_TOLERANCE, tolerance_reason=RMS_NORM_TOLERANCE_REASON,
 ))

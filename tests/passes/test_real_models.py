@@ -1,8 +1,10 @@
 """The LLaMA family as people write it (picofx.examples.real_models: Hugging Face Llama, Qwen2/3,
-Mistral, SmolLM3, OLMo2, Granite, Phi-3, Gemma 1/2/3, Mixtral, Qwen2-MoE, a Meta-style reference
-Llama, nanoGPT, the seed's Llama), tiny and built from configs: the loss and every gradient match
-eager for [], fuse, precision and fuse + precision (checkpoint on two), and fuse fuses every site
-it could (picofx.passes.fuse_sites) and the number of fused ops each model should have.
+Mistral, Ministral, SmolLM3, OLMo 2/3, Granite, Phi-3, Gemma 1/2/3, GLM, GLM-4, EXAONE 4, Arcee,
+Apertus, CWM, Seed-OSS, HunYuan, Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE; a Meta-style reference
+Llama, torchtitan's Llama 3, nanoGPT, the seed's Llama), tiny and built from configs: the loss and
+every gradient match eager for [], fuse, precision and fuse + precision (checkpoint on two); fuse
+fuses every site it could (picofx.passes.fuse_sites) with the number of fused ops each model
+should have, and at least 95% of the fusible sites over the whole zoo.
 
 Each model is captured once: optimize's capture is memoized for this module, and every pass
 combination runs on a copy of the captured graph."""
@@ -18,7 +20,7 @@ from picofx.examples import real_models
 from picofx.manager import copy_graph
 from picofx.passes.checkpoint import Checkpoint
 from picofx.passes.fuse import Fuse
-from picofx.passes.fuse_sites import KINDS, census
+from picofx.passes.fuse_sites import KINDS, accounting, census
 from picofx.passes.precision import TOLERANCE, Precision
 from picofx.testing import captured, run_pass
 
@@ -35,8 +37,15 @@ EXPECTED = {
     "hf-smollm3": LLAMA_LIKE, "hf-olmo2": (9, 2, 2, 2, 1), "hf-granite": LLAMA_LIKE, "hf-phi3": LLAMA_LIKE,
     "hf-gemma": LLAMA_LIKE, "hf-gemma2": (9, 2, 2, 0, 1), "hf-gemma3": (13, 2, 2, 2, 1),
     "hf-mixtral": LLAMA_LIKE, "hf-qwen2_moe": (5, 4, 2, 2, 1),
+    "hf-glm": LLAMA_LIKE, "hf-glm4": (9, 2, 2, 2, 1), "hf-exaone4": (9, 2, 2, 2, 1), "hf-olmo3": (9, 2, 2, 2, 1),
+    "hf-arcee": (5, 0, 2, 2, 1), "hf-apertus": (9, 0, 2, 2, 1), "hf-ministral": LLAMA_LIKE, "hf-cwm": LLAMA_LIKE,
+    "hf-seed_oss": LLAMA_LIKE, "hf-hunyuan_v1_dense": (9, 2, 2, 2, 1), "hf-qwen3_moe": (9, 2, 2, 2, 1),
+    "hf-granitemoe": LLAMA_LIKE,
 }
 SOFT_CAPPED = {"hf-gemma2": 2}  # attention sites no rule may fuse
+# fusible sites no rule fuses yet, by kind (each is named with its reason by Fuse(explain=True))
+LEFT_UNFUSED: dict[str, dict[str, int]] = {}
+ACCOUNTS: dict[str, dict] = {}  # model -> fuse_sites.accounting, filled by the pass-combination test
 FP32 = (1e-5, 1e-5)  # what the fuse rules declare (sums in another order)
 # passes=[] runs capture's ATen decompositions, which round differently from eager's fused kernels
 # (silu as x * sigmoid(x); cross-entropy as log_softmax, gather, sum / count): a few fp32 ulps.
@@ -44,7 +53,9 @@ BASELINE = (1e-5, 1e-6)
 BF16 = TOLERANCE[torch.bfloat16]  # norm-wise, per tensor
 # Gemma 3's q/k-norm weights: a sum over every head and token of terms that nearly cancel, whose
 # gradient bf16 matmul inputs move by up to 3.4% of its norm (precision alone; 2.8% fused).
-BF16_LOOSER = {"hf-gemma3": (5e-2, BF16[1])}
+# GLM-4's k-projection biases (a sum over every token) and Apertus's xIELU scalars alpha_p and
+# alpha_n (a sum over every activation) likewise: up to 3.1% and 3.2% with precision alone.
+BF16_LOOSER = {name: (5e-2, BF16[1]) for name in ("hf-gemma3", "hf-glm4", "hf-apertus")}
 COMBINATIONS = {"none": [], "fuse": [Fuse()], "precision": [Precision()], "fuse+precision": [Fuse(), Precision()]}
 # budgets as fractions of the peak without checkpointing, between it and the smallest reachable
 # (parameters, gradients and AdamW-free state dominate these tiny steps: 89% and 98%)
@@ -122,8 +133,32 @@ def test_each_pass_combination_trains_like_eager(name):
     opt = assert_matches_eager(name, COMBINATIONS["fuse"], FP32)
     after = census(opt.graph_module.graph)
     assert tuple(after[kind]["fused"] for kind in KINDS) == EXPECTED[name]
-    assert all(after[kind]["unfused"] == 0 for kind in KINDS), {k: v for k, v in after.items() if v["unfused"]}
+    left = {kind: after[kind]["unfused"] for kind in KINDS if after[kind]["unfused"]}
+    assert left == LEFT_UNFUSED.get(name, {}), {k: v for k, v in after.items() if v["unfused"]}
     assert after["attention"]["not_fusible"] == SOFT_CAPPED.get(name, 0)
+    ACCOUNTS[name] = accounting(census(captured_graph(name).graph), after)
+
+
+def captured_graph(name):
+    """The model's captured graph (a copy of the memoized capture)."""
+    zoo_model, _, _ = model_and_reference(name)
+    return optimize_module.capture_call(zoo_model.model, (), dict(zoo_model.example_inputs), zoo_model.loss_fn)
+
+
+def test_fuse_covers_95_percent_of_the_fusible_sites_across_the_zoo():
+    """Counted as tools/fusion_coverage.py counts: fused / (found - not fusible), over every model
+    (those the pass-combination test did not run are fused here)."""
+    for name in real_models.MODELS:
+        if name not in ACCOUNTS:
+            zoo_model, _, _ = model_and_reference(name)
+            opt = picofx.optimize(zoo_model.model, zoo_model.example_inputs, [Fuse()], backend="eager",
+                                  loss_fn=zoo_model.loss_fn)
+            ACCOUNTS[name] = accounting(census(captured_graph(name).graph), census(opt.graph_module.graph))
+    counts = [c for account in ACCOUNTS.values() for c in account.values()]
+    fused, fusible = sum(c["fused"] for c in counts), sum(c["found"] - c["not_fusible"] for c in counts)
+    assert fusible >= 10 * len(ACCOUNTS)  # the census finds the sites: 10-20 per 2-layer model, 1 in nanoGPT
+    assert fused / fusible >= 0.95, {name: account for name, account in ACCOUNTS.items()
+                                     if any(c["unfused"] for c in account.values())}
 
 
 @pytest.mark.parametrize("name", CHECKPOINTED)

@@ -224,6 +224,24 @@ def test_loss_rule_keeps_the_matched_ignore_index_and_reduction():
     assert node.args[4:6] == (-1, "sum")
 
 
+class NormedAfterRotary(Rotary):
+    """q and k normed after RoPE (HunYuan): the norm's input is RoPE's last add, not a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm, self.k_norm = RMSNorm(8, 1e-6), RMSNorm(8, 1e-6)
+
+    def forward(self, x):
+        q, k = super().forward(x)
+        return self.q_norm(q), self.k_norm(k)
+
+
+def test_add_rms_norm_leaves_the_rotation_of_a_rope_to_the_rope_rule():
+    gm, _, record = fuse(NormedAfterRotary(), x=x(2, 8, 32))
+    assert (record.notes["rope"], record.notes["rms_norm"], record.notes["add_rms_norm"]) == (1, 2, 0)
+    assert {m["check"] for m in record.notes["near_misses"] if m["rule"] == "add_rms_norm"} == {"not_a_rope"}
+
+
 def test_rms_norm_matches_the_bf16_form_with_its_casts():
     gm, _, record = fuse(RMSNorm(32, 1e-5).to(torch.bfloat16), verify="invariants", x=x(2, 8, 32).bfloat16())
     assert record.notes["rms_norm"] == 1 and count_ops(gm, aten._to_copy.default) == 0

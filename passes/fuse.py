@@ -10,7 +10,8 @@ returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) ke
 with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse_sites: norms, gated
 MLPs, RoPE, attention, loss) with why it was not: a rule's near-miss, a reason no rule may fuse
-it (soft-capped attention), or "no candidate" and what the code there looks like.
+it (soft-capped attention; a loss with label smoothing, class or per-token weights), or "no
+candidate" and what the code there looks like.
 """
 from __future__ import annotations
 

@@ -80,6 +80,7 @@ def check(variant: LlamaVariant, batch: int, seq: int, combination: str, budget:
     except AssertionError:
         raise
     except Exception as error:  # noqa: BLE001  the property: any other error is a stated refusal
+        note(f"refused: {type(error).__name__}: {error}")
         assert_refusal_names_its_cause(error)
 
 

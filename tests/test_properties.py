@@ -6,7 +6,7 @@ activation, vocabulary, batch and sequence; written as picofx's seed Llama, Hugg
 or Qwen2). A short profile runs with the suite; a longer one is marked slow."""
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, assume, given, note, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
 from hypothesis import strategies as st
 
 import picofx
@@ -94,12 +94,24 @@ def examples(draw) -> tuple:
 
 @settings(settings.get_profile("short"))
 @given(examples())
-def test_any_configuration_trains_like_eager_or_is_refused_clearly(example):
-    check(*example)
+def test_any_configuration_trains_like_eager_or_is_refused_clearly(case):
+    check(*case)
+
+
+# Failures the long profile found, kept as explicit examples: grouped-query k/v expanded to stride 0
+# crashed checkpoint's scratch measurement; a k bias gradient that nearly cancels moved 3.9% in bf16.
+FOUND = [
+    (LlamaVariant(head_dim=8, kv_heads=1, group=4, layers=1, intermediate_size=47, vocab_size=65, tied=True,
+                  norm_eps=0.0010537092943960036, codebase="hf-llama"), 1, 13, "checkpoint", 0.977),
+    (LlamaVariant(head_dim=16, kv_heads=4, group=1, layers=1, intermediate_size=65, vocab_size=53, bias=True,
+                  tied=True, norm_eps=1.192092896e-07, activation="gelu", codebase="hf-llama"), 2, 3, "precision", 0.9),
+]
 
 
 @pytest.mark.slow
 @settings(settings.get_profile("long"))
+@example(FOUND[0])
+@example(FOUND[1])
 @given(examples())
-def test_any_configuration_trains_like_eager_or_is_refused_clearly_long(example):
-    check(*example)
+def test_any_configuration_trains_like_eager_or_is_refused_clearly_long(case):
+    check(*case)

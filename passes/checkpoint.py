@@ -198,10 +198,12 @@ def _clear_own_tags(gm: fx.GraphModule) -> None:
 
 
 def _batch_size(joint: fx.GraphModule) -> int | None:
-    """The leading dimension of the step's first integer input (token ids), if any."""
+    """The leading dimension of the step's first integer input (token ids), if any; a complex
+    buffer (a RoPE table) is neither floating point nor the batch."""
     for node in joint.graph.nodes:
         val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor) and not val.is_floating_point() and val.dim():
+        if (node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim()
+                and not (val.is_floating_point() or val.is_complex() or val.dtype == torch.bool)):
             return int(val.shape[0])
     return None
 

@@ -37,10 +37,12 @@ def _real(value):
     do not take, so the layout changes the scratch they allocate."""
     if not isinstance(value, torch.Tensor):
         return value
-    real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
-    if value.dtype.is_floating_point:
-        return real.normal_()
-    return real.zero_()  # indices and labels: 0 is always valid
+    # Filled flat, then viewed: strides may overlap (a broadcast k/v head has stride 0), and torch
+    # refuses to write through such a view.
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size)
+    flat = torch.empty(extent if value.numel() else 0, dtype=value.dtype)
+    flat = flat.normal_() if value.dtype.is_floating_point else flat.zero_()  # indices, labels: 0 is valid
+    return flat.as_strided(tuple(value.shape), tuple(value.stride()))
 
 
 def _arg(a):

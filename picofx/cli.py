@@ -18,13 +18,12 @@ import torch
 
 from picofx import __version__
 from picofx.capture.export import capture_call, input_key, split_inputs
-from picofx.cost.model import CostModel
 from picofx.errors import CaptureError, InputShapeError, PassError, VerificationError
-from picofx.manager import PASSES, Context, PassManager, Stage
+from picofx.manager import PASSES, PassManager, Stage
 from picofx.manager.dump import DumpGraphs, graph_dot, graph_text
 from picofx.manager.options import pass_options
 from picofx.manager.report import Report
-from picofx.optimize import graph_inputs, optimize
+from picofx.optimize import captured_inputs, forward_context, graph_inputs, optimize
 from picofx.runtime.distributed import single_process_group
 
 FORMATS = {"text": "one row per node (name, op, target, shape, dtype, FLOPs, bytes, module), the pass table, "
@@ -153,23 +152,17 @@ def plan_stages(model, example_inputs, passes, loss_fn, args, instruments) -> tu
     the report of the forward passes, on this process: no rank runs and nothing is compiled. The
     joint and partitioned passes run on each stage's rank under torchrun."""
     manager = PassManager(passes, verify=args.verify, instruments=instruments)
-    call_args, kwargs = split_inputs(example_inputs)
-    for p in manager.passes:
-        if hasattr(p, "capture_inputs"):
-            try:
-                call_args, kwargs = p.capture_inputs(call_args, kwargs)
-            except ValueError as e:
-                raise UsageError(f"{e} On this command line: --batch, and the pass's options.") from None
+    try:
+        call_args, kwargs = captured_inputs(manager, *split_inputs(example_inputs))
+    except ValueError as e:
+        raise UsageError(f"{e} On this command line: --batch, and the pass's options.") from None
     start = time.perf_counter()
     gm = capture_call(model, call_args, kwargs, loss_fn)
     report = Report(backend="not run", input_key=input_key(call_args, kwargs),
                     capture_seconds=time.perf_counter() - start, records=manager.records)
     signature = gm.meta["picofx_signature"]
     inputs = graph_inputs(signature, model, call_args, kwargs)
-    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    ctx = Context(model=model, example_inputs=inputs, device=device, backend=args.backend,
-                  options={"input_names": [s.target if s.kind == "parameter" else None for s in signature.inputs]},
-                  cost_model=CostModel.for_backend(device, args.backend))
+    ctx = forward_context(model, signature, inputs, backend=args.backend, options={})
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
     layout = graphs[0].meta.get("picofx_pipeline")

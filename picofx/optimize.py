@@ -54,14 +54,30 @@ class CompiledStep:
         return pytree.tree_unflatten(user_outputs, self.signature.out_spec)
 
 
+def captured_inputs(manager: PassManager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs to capture: a pass that runs the step in micro-batches (pipeline) captures one."""
+    for p in manager.passes:
+        if hasattr(p, "capture_inputs"):
+            args, kwargs = p.capture_inputs(args, kwargs)
+    return args, kwargs
+
+
+def forward_context(model: nn.Module, signature: Signature, inputs: list, *, backend: str, options: dict,
+                    cost_model=None) -> Context:
+    """What the forward passes read about the captured graph `signature` describes."""
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    input_names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
+    return Context(model=model, example_inputs=inputs, device=device, backend=backend,
+                   options={"input_names": input_names, **options},
+                   cost_model=cost_model or CostModel.for_backend(device, backend))
+
+
 def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options,
                cost_model, cache: GraphCache | None = None) -> CompiledStep:
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
     forward passes see the captured graph; joint and partitioned passes run inside compilation."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
-    for p in manager.passes:  # a pass that runs the step in micro-batches (pipeline) captures one
-        if hasattr(p, "capture_inputs"):
-            args, kwargs = p.capture_inputs(args, kwargs)
+    args, kwargs = captured_inputs(manager, args, kwargs)
     key, entry, cache_note = None, None, None
     if cache is not None:  # a hit skips capture and the forward passes, and replays the joint passes' tags
         try:
@@ -79,11 +95,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
                     sections={"cache": cache_note} if cache_note else {})
     inputs = graph_inputs(signature, model, args, kwargs)
     gm = prepared_graph(entry, inputs, signature) if entry else gm
-    device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    input_names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
-    ctx = Context(model=model, example_inputs=inputs, device=device, backend=backend,
-                  options={"input_names": input_names, **options},
-                  cost_model=cost_model or CostModel.for_backend(device, backend))
+    ctx = forward_context(model, signature, inputs, backend=backend, options=options, cost_model=cost_model)
     manager.announce("captured", gm, ctx)
     graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own

@@ -22,6 +22,7 @@ from torch import fx
 
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.rewrite.matcher import prepare
+from picofx.rewrite.pattern_store import PatternStore
 from picofx.rewrite.rewriter import rewrite
 from picofx.rewrite import Rule, registered_rules
 
@@ -64,7 +65,8 @@ class Fuse:
         notes: dict = {}
         near_misses, dropped, tolerances = [], [], []
         rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]
-        prepare(gm.graph, rules)
+        directory = ctx.options.get("cache_directory") if ctx else None  # the optimized-graph cache's, when on
+        prepare(gm.graph, rules, PatternStore(directory) if directory else None)
         for rule in rules:
             applied, missed, dropped_here = rewrite(gm, rule)
             notes[rule.name] = len(applied)

@@ -95,7 +95,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
                     sections={"cache": cache_note} if cache_note else {})
     inputs = graph_inputs(signature, model, args, kwargs)
     gm = prepared_graph(entry, inputs, signature) if entry else gm
-    ctx = forward_context(model, signature, inputs, backend=backend, options=options, cost_model=cost_model)
+    ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model,
+                          options={**options, "cache_directory": cache.directory} if cache else options)
     manager.announce("captured", gm, ctx)
     graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own

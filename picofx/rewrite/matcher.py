@@ -278,11 +278,11 @@ def candidate_trace_keys(candidates: list[Match]) -> list[tuple]:
             for fn in (c.rule.pattern, c.rule.replacement)]
 
 
-def prepare(graph: fx.Graph, rules: list[Rule]) -> None:
+def prepare(graph: fx.Graph, rules: list[Rule], store=None) -> None:
     """Trace ahead, in two exports, what applying `rules` to `graph` will need: every rule's
     patterns, then the traces for the candidates each rule has in the graph as it is now (a rule
-    whose pattern contains another rule's fused op traces its own later)."""
-    trace_patterns(rules)
+    whose pattern contains another rule's fused op traces its own later). `store` as trace_patterns."""
+    trace_patterns(rules, store)
     trace_keys([key for rule in rules for pattern in pattern_graphs(rule)
                 for key in candidate_trace_keys(find_candidates(graph, rule, pattern))])
 

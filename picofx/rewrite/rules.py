@@ -192,9 +192,18 @@ def pattern_graphs(rule: Rule) -> list[Pattern]:
     return rule.traces.patterns
 
 
-def trace_patterns(rules: Sequence[Rule]) -> None:
-    """Trace the patterns of every rule not traced yet, all in one export."""
+def trace_patterns(rules: Sequence[Rule], store=None) -> None:
+    """Trace the patterns of every rule not traced yet, all in one export; with a `store`
+    (picofx.rewrite.pattern_store.PatternStore), take those it holds from it and keep the rest there."""
     rules = list({r.traces: r for r in rules if r.traces.patterns is None}.values())  # copies trace once
+    if store is not None:
+        for rule in rules:
+            rule.traces.patterns = store.load(rule)
+        traced_now = [rule for rule in rules if rule.traces.patterns is None]
+        trace_patterns(traced_now)
+        for rule in traced_now:
+            store.save(rule, rule.traces.patterns)
+        return
     calls, owners = [], []
     for rule in rules:
         for index in range(len(rule.variants)):

@@ -136,15 +136,15 @@ def tradeoff(segment: Segment, needed: set, forward: set, seconds: Callable[[fx.
         return [Option(frozenset(), 0, 0.0)]
 
     def solve(price: float) -> Option:
-        scaled = graph.copy()
+        # every priced capacity is set again here, and minimum_cut leaves its graph as it was
         for v, b in save_bytes.items():
-            scaled[(v, "in")][(v, "out")]["capacity"] = price * b
-        _, (reachable, _) = nx.minimum_cut(scaled, "source", "sink")
+            graph[(v, "in")][(v, "out")]["capacity"] = price * b
+        _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
         recompute = {v for v in segment.nodes if (v, "in") not in reachable}
         recompute = _required(recompute, needed, members)
         saved = {v for v in segment.nodes if (v, "in") in reachable and (v, "out") not in reachable}
         return Option(frozenset(v.name for v in recompute), sum(save_bytes.get(v, 0) for v in saved),
-                      sum(cost[v] for v in recompute))
+                      sum(cost[v] for v in segment.nodes if v in recompute))  # in graph order: one sum per set
 
     total_bytes = sum(save_bytes.values()) or 1
     positive = [c for c in cost.values() if c > 0]

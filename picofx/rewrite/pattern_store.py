@@ -8,9 +8,7 @@ tracing code and decompositions, and the torch version. A rule whose source cann
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import importlib
 import inspect
 import os
 import pickle
@@ -20,15 +18,11 @@ import torch
 from torch import fx
 
 import picofx.capture.export as capture_export
+from picofx.capture.graph_data import add_nodes, node_records
 import picofx.rewrite.rules as rules_module
 import picofx.rewrite.tracing as tracing_module
 
-FORMAT = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-    name: str  # a node of the same graph
+FORMAT = 2
 
 
 def _source(obj) -> str | None:
@@ -60,42 +54,14 @@ def rule_key(rule) -> str | None:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _target(target):
-    if isinstance(target, torch._ops.OpOverload):
-        return ("op", target._schema.name, target._overloadname)
-    if callable(target):
-        ref = ("py", getattr(target, "__module__", None), getattr(target, "__qualname__", None))
-        if None in ref or _resolve(ref) is not target:
-            raise TypeError(f"{target!r} cannot be named")
-        return ref
-    return target
-
-
-def _resolve(ref):
-    if not isinstance(ref, tuple):
-        return ref
-    kind, first, second = ref
-    if kind == "op":
-        namespace, name = first.split("::")
-        return getattr(getattr(getattr(torch.ops, namespace), name), second)
-    value = importlib.import_module(first)
-    for part in second.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def dump_pattern(pattern) -> tuple:
-    nodes = [(n.op, n.name, _target(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name)))
-             for n in pattern.graph.nodes]
-    return pattern.variant, nodes, [(p.name, name) for p, name in pattern.inputs.items()]
+    return pattern.variant, node_records(pattern.graph.nodes), [(p.name, name) for p, name in pattern.inputs.items()]
 
 
 def load_pattern(data: tuple):
     variant, nodes, inputs = data
-    graph, env = fx.Graph(), {}
-    for op, name, target, (args, kwargs) in nodes:
-        args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: env[a.name] if isinstance(a, _Ref) else a)
-        env[name] = graph.create_node(op, _resolve(target), args, kwargs, name=name)
+    graph = fx.Graph()
+    env = add_nodes(graph, nodes)
     return rules_module.Pattern(variant, graph, {env[node]: name for node, name in inputs})
 
 

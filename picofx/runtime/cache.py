@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import importlib
 import inspect
 import os
 import pickle
@@ -34,12 +33,13 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from picofx.capture.annotate import annotate
+from picofx.capture.graph_data import add_nodes, node_records
 from picofx.manager import Stage
 from picofx.manager.passes import pass_name, pass_stage
 from picofx.manager.progress import Progress
 from picofx.rewrite import registered_rules
 
-FORMAT = 1  # bump when an entry's layout changes: older entries are then ignored and rewritten
+FORMAT = 2  # bump when an entry's layout changes: older entries are then ignored and rewritten
 VOLATILE_META = ("val", "flops", "bytes", "tensor_meta", "example_value", "unbacked_bindings")
 
 
@@ -162,36 +162,6 @@ def _not_cacheable(model, passes, verify, instruments, cost_model) -> str | None
 
 # ---- graphs as data --------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-    name: str  # a node of the same graph
-
-
-def _target_ref(node: fx.Node):
-    target = node.target
-    if node.op != "call_function":
-        return target
-    if isinstance(target, torch._ops.OpOverload):
-        return ("op", target._schema.name, target._overloadname)
-    ref = ("py", getattr(target, "__module__", None), getattr(target, "__qualname__", None))
-    if None in ref or _resolve(ref) is not target:
-        raise NotCacheable(f"node {node.name} calls {target!r}, which cannot be named for the cache")
-    return ref
-
-
-def _resolve(ref):
-    if not isinstance(ref, tuple):
-        return ref
-    kind, first, second = ref
-    if kind == "op":
-        namespace, name = first.split("::")
-        return getattr(getattr(getattr(torch.ops, namespace), name), second)
-    value = importlib.import_module(first)
-    for part in second.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _kept_meta(node: fx.Node) -> dict:
     kept = {}
     for key, value in node.meta.items():
@@ -215,8 +185,10 @@ def dump_graph(gm: fx.GraphModule) -> dict:
             if isinstance(value, torch._subclasses.FakeTensor) or not isinstance(value, torch.Tensor):
                 raise NotCacheable(f"the graph holds {node.target}, which is not a real tensor")
             tensors[node.target] = value.detach().clone()
-        refs = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(n.name))
-        nodes.append((node.op, node.name, _target_ref(node), refs, _kept_meta(node)))
+        try:
+            nodes += node_records([node], _kept_meta)
+        except TypeError as e:
+            raise NotCacheable(f"node {node.name} calls {node.target!r}, which cannot be named for the cache") from e
     with warnings.catch_warnings():  # pickling a pytree spec's leaves trips torch's LeafSpec deprecation
         warnings.filterwarnings("ignore", category=FutureWarning)
         codegen = pickle.dumps(gm.graph._codegen)
@@ -224,18 +196,14 @@ def dump_graph(gm: fx.GraphModule) -> dict:
 
 
 def load_graph(data: dict) -> fx.GraphModule:
-    graph, env = fx.Graph(), {}
+    graph = fx.Graph()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         graph._codegen = pickle.loads(data["codegen"])
     root = nn.Module()
     for name, tensor in data["tensors"].items():
         root.register_buffer(name, tensor)
-    for op, name, target, (args, kwargs), meta in data["nodes"]:
-        args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: env[a.name] if isinstance(a, _Ref) else a)
-        node = graph.create_node(op, _resolve(target), args, kwargs, name=name)
-        node.meta.update(meta)
-        env[name] = node
+    add_nodes(graph, data["nodes"])
     return fx.GraphModule(root, graph)
 
 

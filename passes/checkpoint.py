@@ -44,10 +44,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from picofx.cost.model import CostModel, StepMemory, is_alias, optimizer_state_bytes, resident_keys
 from picofx.cost.liveness import storage_key, tensor_values
 from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
-from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.errors import BudgetError
 from picofx.cost.units import check_budget, format_bytes, parse_budget
-from picofx.cost.recompute import Segment, analyze, module_path, signature
+from picofx.capture.vocabulary import traced_module_path
+from picofx.cost.recompute import Segment, analyze, signature
 
 MARK = "picofx_checkpoint"
 BINS = 2048
@@ -226,7 +227,10 @@ class Checkpoint:
     measure: bool = False
     measured_rounds: tuple = ()
     stage = Stage.JOINT
-    plans_partition = True  # its peak is predicted for picofx's partition, used even when it tags nothing
+
+    @property
+    def info(self) -> PassInfo:  # its peak is predicted for picofx's partition, used even when it tags nothing
+        return PassInfo(Stage.JOINT, plans_partition=True, measures=self.measure, replans=self.measure)
 
     def __post_init__(self):
         if self.budget is not None:
@@ -349,6 +353,7 @@ def per_layer(chosen: Prediction, planner: Planner) -> dict[str, dict[str, list[
         for node in seg.nodes:
             kind = "saved" if node in saved else "recomputed" if node in recomputed else None
             if kind:
-                where = module_path(node)[len(seg.name) + 1:] if module_path(node).startswith(seg.name) else module_path(node)
+                path = traced_module_path(node)
+                where = path[len(seg.name) + 1:] if path.startswith(seg.name) else path
                 entry[kind].append(f"{node.name} ({where})" if where else node.name)
     return out

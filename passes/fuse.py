@@ -65,7 +65,7 @@ class Fuse:
         notes: dict = {}
         near_misses, dropped, tolerances = [], [], []
         rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]
-        directory = ctx.options.get("cache_directory") if ctx else None  # the optimized-graph cache's, when on
+        directory = ctx.cache_directory if ctx else None  # the optimized-graph cache's, when on
         prepare(gm.graph, rules, PatternStore(directory) if directory else None)
         for rule in rules:
             applied, missed, dropped_here = rewrite(gm, rule)

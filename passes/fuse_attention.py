@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.rewrite import Rule, register_rule, scalar, tensor
 from picofx.rewrite.rewriter import cycle_reason
+from picofx.capture.vocabulary import VIEW_OPS
 
 FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})
 
@@ -77,14 +78,10 @@ def complex_rope_replacement(q, k, freqs_q, freqs_k):
     return q_out.type_as(q), k_out.type_as(k)
 
 
-VIEWS = (torch.ops.aten.unsqueeze.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
-         torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.reshape.default)
-
-
 def _viewed_from(node):
     """The tensor `node` views, and the chain of views (op and constant arguments) that gives it."""
     chain = []
-    while getattr(node, "target", None) in VIEWS:
+    while getattr(node, "target", None) in VIEW_OPS:
         chain.append((node.target, tuple(a for a in node.args[1:])))
         node = node.args[0]
     return node, tuple(chain)

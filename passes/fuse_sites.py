@@ -23,6 +23,8 @@ from operator import getitem
 import torch
 from torch import fx
 
+from picofx.capture.vocabulary import input_slot, module_path
+
 aten = torch.ops.aten
 KINDS = ("norm", "gated_mlp", "rope", "attention", "loss")
 # torch.ops.picofx op name -> the kind of site it fuses
@@ -106,7 +108,7 @@ def rotated_half(node) -> bool:
 def _parameter_dependent(graph: fx.Graph) -> set[fx.Node]:
     dependent = set()
     for node in graph.nodes:
-        slot = node.meta.get("picofx_input")
+        slot = input_slot(node)
         if node.op == "placeholder" and slot is not None and slot.kind == "parameter":
             dependent.add(node)
         elif node.op == "call_function" and any(a in dependent for a in node.all_input_nodes):
@@ -178,7 +180,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
     sites, dependent = [], _parameter_dependent(graph)
     rotations: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
-        t, path = _target(node), node.meta.get("module_path", "")
+        t, path = _target(node), module_path(node)
         if t is None:
             continue
         site = lambda kind, looks, reason=None: sites.append(Site(kind, node.name, path, looks, reason))  # noqa: E731

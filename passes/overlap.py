@@ -13,7 +13,7 @@ and just before the graph returns (as late as the gradients' consumers allow):
     grads = [piece.view(shape) for piece in split(flat, numels)]
 
 so the all-reduce of one bucket runs while the backward computes the next. Under no_sync
-(`ctx.options["gradient_sync"] == "local"`) the pass adds nothing; after a no_sync phase
+(`ctx.gradient_sync == "local"`) the pass adds nothing; after a no_sync phase
 ("sync_accumulated") each bucket adds the gradients accumulated so far (an attribute of the
 graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulated `.grad`.
 """
@@ -24,49 +24,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import fx
 
 from picofx.cost.comm import Gradient, fixed_bounds, link_for, plan_buckets, schedule
+from picofx.cost.gradients import dtype_runs, gradients_in_order, ready_times
 from picofx.cost.units import parse_budget
-from picofx.manager import Context, PassResult, Stage, register_pass
-from picofx.runtime.distributed import OVERLAP_META, BucketLayout, LayoutEntry, resolve_group
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
+from picofx.parallel.mesh import MeshDim, resolve_dim
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 COMPRESSED = {"bf16": torch.bfloat16}
-
-
-def gradients_in_order(gm: fx.GraphModule, input_names) -> list[tuple[int, fx.Node, str]]:
-    """(output position, node, parameter name) of each parameter's tensor gradient output, in the
-    order the backward produces them (the position of the node that computes it). Where the inputs
-    are named, an input that is no parameter (a pipeline stage's activations, a float input) has
-    no name, and its gradient is left alone, as DistributedDataParallel leaves it."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    outputs = gm.graph.output_node().args[0]
-    grads = []
-    for pos, node in enumerate(outputs):
-        if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-            name = input_names[pos] if input_names is not None and pos < len(input_names) else f"input_{pos}"
-            if name is not None:
-                grads.append((pos, node, name))
-    return sorted(grads, key=lambda g: (order[g[1]], g[0]))
-
-
-def ready_times(gm: fx.GraphModule, nodes: list[fx.Node], cost_model) -> tuple[list[float], float]:
-    """Predicted seconds after the backward starts at which each node's value exists, and the
-    backward's total, from the cost model's per-node time."""
-    elapsed, at = 0.0, {}
-    for node in gm.graph.nodes:
-        elapsed += cost_model.node_time(node)
-        at[node] = elapsed
-    return [at[n] for n in nodes], elapsed
-
-
-def dtype_runs(grads: list[tuple[int, fx.Node, str]]) -> list[int]:
-    """Indices after which the gradient dtype changes: buckets never mix dtypes."""
-    dtypes = [g[1].meta["val"].dtype for g in grads]
-    return [i for i in range(len(dtypes) - 1) if dtypes[i] != dtypes[i + 1]]
 
 
 @register_pass("overlap", Stage.PARTITIONED)
@@ -74,15 +43,16 @@ def dtype_runs(grads: list[tuple[int, fx.Node, str]]) -> list[int]:
 class Overlap:
     """bucket: "auto" (from the cost model), bytes, or a size string ("25MiB"); first_bucket: the
     first bucket's size, small so communication starts early; compress: None or "bf16" (all-reduce
-    in bf16, gradients back in their own dtype); group: a process group (None: the one in
-    ctx.options["process_group"], else torch.distributed's default group)."""
+    in bf16, gradients back in their own dtype); group: the ranks to average over: a mesh dimension's
+    name, a one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate
+    dimension, else every rank)."""
 
     bucket: int | str = "auto"
     first_bucket: int | str = "1MiB"
     compress: str | None = None
     group: Any = None
-    stage = Stage.PARTITIONED
-    communicates = True  # the runtime compiles it with comm/compute reordering and checks layouts
+    info = PassInfo(Stage.PARTITIONED, mesh_dims=("dp_replicate",), communicates=True)
+    stage = info.stage
 
     def __post_init__(self):
         if self.compress not in (None, *COMPRESSED):
@@ -93,17 +63,15 @@ class Overlap:
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         if ctx.graph_role != "backward":
             return PassResult(False, {})
-        mode = ctx.options.get("gradient_sync", "sync")
+        mode = ctx.gradient_sync
         if mode == "local":
             return PassResult(False, {"gradient_sync": "local (no_sync): no all-reduce"})
-        group = resolve_group(self.group if self.group is not None else ctx.options.get("process_group"))
-        world = dist.get_world_size(group)
-        grads = gradients_in_order(gm, ctx.options.get("input_names"))
+        dim = resolve_dim(self.group, ctx.mesh, "dp_replicate", "the overlap pass")
+        grads = gradients_in_order(gm, ctx.input_names)
         if not grads:
             return PassResult(False, {"buckets": 0})
-        plan = self.plan(gm, grads, ctx, world)
-        layout = self.rewrite(gm, grads, plan, group, world, accumulate=mode == "sync_accumulated")
-        gm.meta[OVERLAP_META] = layout
+        plan = self.plan(gm, grads, ctx, dim.size)
+        layouts_of(gm).buckets = self.rewrite(gm, grads, plan, dim, accumulate=mode == "sync_accumulated")
         return PassResult(True, {**plan.notes(), "compress": self.compress, "gradient_sync": mode})
 
     def plan(self, gm, grads, ctx: Context, world: int):
@@ -121,7 +89,7 @@ class Overlap:
         bounds = sorted(set(bounds) | set(dtype_runs(grads)))
         return schedule(items, bounds, total, world, link)
 
-    def rewrite(self, gm, grads, plan, group, world: int, accumulate: bool) -> BucketLayout:
+    def rewrite(self, gm, grads, plan, dim: MeshDim, accumulate: bool) -> BucketLayout:
         graph = gm.graph
         output = graph.output_node()
         outputs = list(output.args[0])
@@ -141,7 +109,7 @@ class Overlap:
                 if self.compress:
                     flat = graph.call_function(torch.ops.prims.convert_element_type.default,
                                                (flat, COMPRESSED[self.compress]))
-                work = graph.call_function(c10d.all_reduce.default, (flat, "sum", group.group_name))
+                work = graph.call_function(c10d.all_reduce.default, (flat, "sum", dim.group_name))
             works.append((work, members, dtype))
             entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
                         for _, node, name in members]
@@ -150,7 +118,7 @@ class Overlap:
                 flat = graph.call_function(c10d.wait_tensor.default, (work,))
                 if self.compress:
                     flat = graph.call_function(torch.ops.prims.convert_element_type.default, (flat, dtype))
-                flat = graph.call_function(aten.div.Tensor, (flat, world))
+                flat = graph.call_function(aten.div.Tensor, (flat, dim.size))
                 numels = [node.meta["val"].numel() for _, node, _ in members]
                 pieces = graph.call_function(aten.split_with_sizes.default, (flat, numels))
                 for i, (pos, node, _) in enumerate(members):
@@ -158,8 +126,7 @@ class Overlap:
                     outputs[pos] = graph.call_function(aten.view.default, (piece, list(node.meta["val"].shape)))
         output.args = (outputs,)
         graph.eliminate_dead_code()
-        return BucketLayout(group=group, group_name=group.group_name, world=world, compress=self.compress,
-                            entries=tuple(entries), pending=tuple(pending_names))
+        return BucketLayout(dim=dim, compress=self.compress, entries=tuple(entries), pending=tuple(pending_names))
 
 
 

@@ -25,48 +25,25 @@ runtime (`picofx.runtime.pipeline`) compiles and runs as `torch.distributed.pipe
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from picofx.capture.annotate import tensor_bytes
-from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, Unit, balanced_cuts, plan_for
-from picofx.cost.model import CostModel, is_alias
-from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.capture.vocabulary import SIGNATURE_META, input_kind, input_slot
+from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, balanced_cuts, plan_for
+from picofx.cost.chain import chain_units, layer_bounds, path_bounds, state_per_parameter_byte
+from picofx.cost.model import CostModel
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.manager.pass_manager import copy_graph
-from picofx.runtime.distributed import measured_on_first_rank
+from picofx.parallel.layouts import PipelineLayout, StageSignature, layouts_of
+from picofx.parallel.mesh import initialized, measured_on_first_rank, pipeline_dims
 from picofx.runtime.unit_clock import measure_units
 
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-# AdamW training keeps 16 bytes per parameter: fp32 parameter, gradient and two moments; or, in
-# mixed precision, bf16 parameter and gradient + fp32 master copy and two moments.
-TRAINING_BYTES_PER_PARAMETER = 16
 KEY = "picofx_value"  # node.meta: the captured node a value stands for, across split_module
-
-
-@dataclass(frozen=True)
-class StageSignature:
-    """What a stage graph's placeholders and outputs are."""
-    index: int
-    num_stages: int
-    inputs: list           # InputSlot (parameter, buffer, constant) or the name of a carried value
-    outputs: list[str]     # names of the carried values it returns (the last stage: the loss)
-
-
-@dataclass
-class PipelineLayout:
-    """What the pass decided; every stage graph's meta["picofx_pipeline"] holds it."""
-    options: "Pipeline"
-    units: list[Unit]
-    plan: object           # picofx.cost.balance.PipelinePlan
-    tied: dict[str, list[int]] = field(default_factory=dict)  # parameter -> stages that read it
-
-    def table(self) -> str:
-        return self.plan.table(self.units)
 
 
 @register_pass("pipeline")
@@ -77,9 +54,14 @@ class Pipeline:
     microbatches: int = 4
     balance: str | tuple = "cost"   # "cost", "layers", or module paths where stages 1.. begin
     virtual: int = 1                # stages per rank (interleaved schedules)
-    group: object = None            # ProcessGroup or DeviceMesh with a "pp" dimension; None: the world
+    group: object = None            # ProcessGroup or DeviceMesh with a "pp" dimension; None: the run's mesh or world
     measure: bool = False           # time units by running one micro-batch step (whole model) on the first rank
     stage = Stage.FORWARD
+
+    @property
+    def info(self) -> PassInfo:
+        return PassInfo(Stage.FORWARD, mesh_dims=("pp",), mesh_size=self.stages, splits_graph=True, microbatches=True,
+                        measures=self.measure)
 
     def __post_init__(self):
         known = SINGLE_STAGE_SCHEDULES + INTERLEAVED_SCHEDULES
@@ -129,8 +111,9 @@ class Pipeline:
             if ctx.device.type == "meta":
                 raise ValueError("Pipeline(measure=True): the model is on the meta device, where nothing can be "
                                  "timed; use measure=False to cut by the cost model's predictions.")
+            pp = pipeline_dims(self.group, ctx.mesh, self.stages).pp if initialized() else None
             times = measured_on_first_rank(lambda: measure_units(work, ctx.example_inputs, main, starts),
-                                           len(units), self.group)
+                                           len(units), pp)
             units = [replace(u, time=t) for u, t in zip(units, times)]
         device = cost_model.device
         link = device.intra_node_link
@@ -149,19 +132,14 @@ class Pipeline:
                 for node in main[starts[u]:starts[u + 1] if u + 1 < len(starts) else len(main)]:
                     stage_of[node] = stage.index
         copy_constants_into_stages(work, stage_of)
-        layout = PipelineLayout(self, units, plan, tied_parameters(work, stage_of))
+        layout = PipelineLayout(self.stages, self.virtual, self.schedule, self.microbatches, self.group, units, plan,
+                                tied_parameters(work, stage_of))
         graphs = split_stages(work, stage_of, self.total_stages, loss, layout)
         slowest = max(plan.stages, key=lambda s: s.time)
         return PassResult(changed=True, graphs=graphs, notes={
             "stages": self.total_stages, "unit_times": "measured" if self.measure else "predicted",
             "cuts": " | ".join(units[c].label for c in plan.cuts),
             "slowest_stage_ms": slowest.time * 1e3, "step_ms": plan.step_time * 1e3, "bubble": plan.bubble})
-
-
-def state_per_parameter_byte(model) -> float:
-    """Bytes a stage keeps per byte of its parameters while training with AdamW."""
-    first = next(model.parameters(), None)
-    return TRAINING_BYTES_PER_PARAMETER / (first.element_size() if first is not None else 4)
 
 
 def batch_size(args: tuple, kwargs: dict) -> int:
@@ -177,7 +155,7 @@ def _batched(x, batch: int) -> bool:
 
 def keep_loss_only(gm: fx.GraphModule) -> fx.Node:
     """Make the graph return its loss alone (the first scalar floating-point output)."""
-    signature = gm.meta["picofx_signature"]
+    signature = gm.meta[SIGNATURE_META]
     if any(kind == "buffer" for kind, _ in signature.outputs):
         raise ValueError("Pipeline: the step updates buffers; pipelined steps may only read them.")
     output = gm.graph.output_node()
@@ -190,119 +168,6 @@ def keep_loss_only(gm: fx.GraphModule) -> fx.Node:
     output.args = ((scalars[0],),)
     gm.graph.eliminate_dead_code()
     return scalars[0]
-
-
-def _input_kind(node: fx.Node) -> str | None:
-    """A placeholder's slot kind ("user", "parameter", "buffer", "constant"); None for other nodes."""
-    return node.meta["picofx_input"].kind if node.op == "placeholder" else None
-
-
-def chain_units(gm: fx.GraphModule, cost_model: CostModel, balance) -> tuple[list[Unit], list[int], list[fx.Node]]:
-    """Units of the step's chain: (units, index in `main` where each begins, main nodes in order).
-    Main nodes are those that depend on a user input; a unit ends where one floating-point value
-    crosses, or where `balance` wants a stage to begin."""
-    depends, needs_grad = set(), set()
-    for node in gm.graph.nodes:
-        if _input_kind(node) == "user" or any(a in depends for a in node.all_input_nodes):
-            depends.add(node)
-        if _input_kind(node) == "parameter" or any(a in needs_grad for a in node.all_input_nodes):
-            needs_grad.add(node)
-    main = [n for n in gm.graph.nodes if n.op == "call_function" and n in depends]
-    position = {n: i for i, n in enumerate(main)}
-    last_use = {n: max((position.get(u, len(main)) for u in n.users), default=i) for i, n in enumerate(main)}
-    crossing = [0] * len(main)  # crossing[i]: floating-point values made at or before i, read after i
-    for i, n in enumerate(main):
-        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point():
-            for b in range(i, last_use[n]):
-                crossing[b] += 1
-    starts = [0] + [i + 1 for i in range(len(main) - 1) if crossing[i] == 1
-                    and main[i + 1].meta.get("module_path") != main[i].meta.get("module_path")]
-    starts = sorted(set(starts) | set(wanted_starts(main, balance)))
-    param_first_use: dict[fx.Node, int] = {}
-    for node in gm.graph.nodes:
-        if _input_kind(node) == "parameter" and node.users:
-            param_first_use[node] = min(position.get(_first_main_user(u, position), len(main) - 1) for u in node.users)
-    units = []
-    for k, lo in enumerate(starts):
-        hi = starts[k + 1] if k + 1 < len(starts) else len(main)
-        nodes = main[lo:hi]
-        crossing_out = [n for n in main[:hi] if last_use[n] >= hi] if hi < len(main) else []
-        units.append(Unit(label=nodes[0].meta.get("module_path") or nodes[0].name,
-                          time=sum(cost_model.training_time(n, needs_grad) for n in nodes),
-                          parameter_bytes=sum(tensor_bytes(p.meta["val"]) for p, u in param_first_use.items()
-                                              if lo <= u < hi),
-                          activation_bytes=sum(n.meta.get("bytes", 0) for n in nodes if not is_alias(n)),
-                          boundary_bytes=sum(n.meta.get("bytes", 0) for n in crossing_out)))
-    return units, starts, main
-
-
-def _first_main_user(node: fx.Node, position: dict) -> fx.Node | None:
-    """The first main node reached from `node` (a parameter's user may be a cast first)."""
-    frontier = [node]
-    while frontier:
-        found = [n for n in frontier if n in position]
-        if found:
-            return min(found, key=position.__getitem__)
-        frontier = [u for n in frontier for u in n.users]
-    return None
-
-
-LAYER = re.compile(r"^(.*?\.)?(\d+)(\.|$)")
-
-
-def layer_of(node: fx.Node) -> str | None:
-    """The repeated layer a node belongs to ("decoder_layers.3"), or None outside the layers."""
-    match = LAYER.match(node.meta.get("module_path") or "")
-    return f"{match.group(1) or ''}{match.group(2)}" if match else None
-
-
-def wanted_starts(main: list[fx.Node], balance) -> list[int]:
-    """Where each layer begins ("layers"), or where each listed module path begins."""
-    if balance == "cost":
-        return []
-    if balance == "layers":
-        starts, seen = [], set()
-        for i, n in enumerate(main):
-            layer = layer_of(n)
-            if layer is not None and layer not in seen:
-                seen.add(layer)
-                starts.append(i)
-        return [s for s in starts if s > 0]
-    starts = []
-    for path in balance:
-        hits = [i for i, n in enumerate(main) if (n.meta.get("module_path") or "") == path
-                or (n.meta.get("module_path") or "").startswith(path + ".")]
-        if not hits:
-            raise ValueError(f"Pipeline: no computation comes from module {path!r}; name modules where stages "
-                             "begin, e.g. 'decoder_layers.4'.")
-        starts.append(hits[0])
-    return starts
-
-
-def layer_bounds(units: list[Unit], num_stages: int) -> list[int]:
-    """Stage starts (unit indices) that give every stage an equal share of the repeated layers."""
-    firsts, seen = [], set()
-    for i, u in enumerate(units):
-        match = LAYER.match(u.label)
-        layer = f"{match.group(1) or ''}{match.group(2)}" if match else None
-        if layer is not None and layer not in seen:
-            seen.add(layer)
-            firsts.append(i)
-    if len(firsts) < num_stages:
-        raise ValueError(f"Pipeline: balance='layers' needs at least {num_stages} repeated layers, the model has "
-                         f"{len(firsts)}; use balance='cost' or fewer stages.")
-    return [0] + [firsts[round(k * len(firsts) / num_stages)] for k in range(1, num_stages)]
-
-
-def path_bounds(units: list[Unit], paths: list[str]) -> list[int]:
-    bounds = [0]
-    for path in paths:
-        hits = [i for i, u in enumerate(units) if u.label == path or u.label.startswith(path + ".")]
-        bounds.append(hits[0])
-    if bounds != sorted(set(bounds)):
-        raise ValueError(f"Pipeline: the module paths {paths} do not begin stages in graph order; list them as the "
-                         "model runs them.")
-    return bounds
 
 
 def copy_constants_into_stages(gm: fx.GraphModule, stage_of: dict) -> None:
@@ -332,10 +197,10 @@ def tied_parameters(gm: fx.GraphModule, stage_of: dict) -> dict[str, list[int]]:
     """Parameters read by more than one stage (a tied embedding and head)."""
     tied = {}
     for node in gm.graph.nodes:
-        if _input_kind(node) == "parameter":
+        if input_kind(node) == "parameter":
             stages = sorted({stage_of[u] for u in node.users})
             if len(stages) > 1:
-                tied[node.meta["picofx_input"].target] = stages
+                tied[input_slot(node).target] = stages
     return tied
 
 
@@ -348,7 +213,7 @@ def split_stages(gm: fx.GraphModule, stage_of: dict, num_stages: int, loss: fx.N
     reads = [[n.meta[KEY] for n in sub.graph.nodes if n.op == "placeholder"] for sub in submods]
     produced = [[a.meta[KEY] for a in pytree.tree_leaves(sub.graph.output_node().args[0]) if isinstance(a, fx.Node)]
                 for sub in submods]
-    slots = {n.name: n.meta["picofx_input"] for n in gm.graph.nodes if n.op == "placeholder"}
+    slots = {n.name: input_slot(n) for n in gm.graph.nodes if n.op == "placeholder"}
     originals = {n.name: n for n in gm.graph.nodes}
     order = {name: i for i, name in enumerate(originals)}
     carried_in = [[name for name, slot in slots.items() if slot.kind == "user"]]  # the step's inputs, in order
@@ -384,7 +249,7 @@ def stage_graph(sub: fx.GraphModule, index: int, num_stages: int, slots: dict, c
         by_key.setdefault(node.meta[KEY], env[node])
     graph.output(tuple(by_key[name] for name in outputs))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    gm.meta["picofx_stage"] = StageSignature(index, num_stages, [slots[n] for n in resident] + list(carried),
-                                             list(outputs))
-    gm.meta["picofx_pipeline"] = layout
+    layouts_of(gm).stage = StageSignature(index, num_stages, [slots[n] for n in resident] + list(carried),
+                                          list(outputs))
+    layouts_of(gm).pipeline = layout
     return gm

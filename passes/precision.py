@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from picofx.capture.vocabulary import module_path
 from picofx.manager import PassResult, Stage, register_pass
 from picofx.passes.precision_casts import insert_casts
 from picofx.passes.precision_rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
@@ -118,7 +119,7 @@ def assign_dtypes(gm: fx.GraphModule, compute: torch.dtype, overrides: dict[str,
             rules["explicit_fp32"] += 1
             continue
         else:
-            glob = override_for(node.meta.get("module_path", ""), overrides)
+            glob = override_for(module_path(node), overrides)
             plan[node] = overrides[glob] if glob is not None else compute
             if glob is not None:
                 matched[glob] += 1
@@ -137,7 +138,7 @@ def override_for(path: str, overrides: dict) -> str | None:
 
 
 def check_globs(gm: fx.GraphModule, overrides: dict) -> None:
-    paths = sorted({n.meta.get("module_path", "") for n in gm.graph.nodes} - {""})
+    paths = sorted({module_path(n) for n in gm.graph.nodes} - {""})
     unmatched = [glob for glob in overrides if not any(matches(p, glob) for p in paths)]
     if unmatched:
         examples = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")

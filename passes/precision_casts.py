@@ -21,6 +21,7 @@ from torch import fx
 
 from picofx.capture.annotate import fake_mode_of
 from picofx.passes.precision_rules import EQUAL_DTYPE_OPS, LOW_PRECISION, is_float_tensor, op_name
+from picofx.capture.vocabulary import input_slot, module_path
 
 CAST = torch.ops.aten._to_copy.default
 SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -57,8 +58,8 @@ class CastInserter:
                 node = self.gm.graph.create_node("call_function", CAST, (src,), {"dtype": dtype}, name=name)
             with self.mode:
                 node.meta["val"] = CAST(src.meta["val"], dtype=dtype)
-            node.meta["module_path"] = src.meta.get("module_path", "")
-            slot = src.meta.get("picofx_input")
+            node.meta["module_path"] = module_path(src)
+            slot = input_slot(src)
             self.counts["weight" if slot is not None and slot.kind == "parameter" else kind] += 1
             self.casts[key] = node
         return self.casts[key]
@@ -158,7 +159,7 @@ def _check_accepts_dtypes(node: fx.Node) -> None:
 def _raise_rejected(node: fx.Node, error: Exception):
     inputs = ", ".join(f"{a.name}: {SHORT_NAMES.get(dtype_of(a), dtype_of(a))}" for a in node.all_input_nodes
                        if dtype_of(a) is not None)
-    where = node.meta.get("module_path") or "the top level"
+    where = module_path(node) or "the top level"
     raise TypeError(f"precision: node {node.name} ({node.target}, in {where}) does not accept its inputs' "
                     f"new dtypes ({inputs}): {error}. Keep it in fp32 with "
                     f"Precision(fp32_ops=({op_name(node.target)!r},)) or an override for its module.") from error

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from picofx.capture.vocabulary import viewed_source
+from picofx.capture.vocabulary import input_slot
+
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -112,17 +115,11 @@ def rule_table(fp32_ops: tuple[str, ...]) -> dict[str, Rule]:
     return table
 
 
-VIEW_OPS = frozenset(("aten.view", "aten.reshape", "aten._unsafe_view", "aten.permute", "aten.transpose",
-                      "aten.t", "aten.expand", "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select",
-                      "aten.alias", "aten.clone", "aten.contiguous"))
-
-
 def explicitly_fp32(node: fx.Node) -> bool:
     """Some floating input of `node` is, through views, a cast from bf16/fp16 up to fp32 that the
     model made (the pass's own casts come later and are not in the captured graph it reads)."""
     for source in node.all_input_nodes:
-        while op_name(source.target) in VIEW_OPS and source.args:
-            source = source.args[0]
+        source = viewed_source(source, through_copies=True)
         if op_name(source.target) == "aten._to_copy" and source.kwargs.get("dtype") == torch.float32:
             val = source.args[0].meta.get("val") if isinstance(source.args[0], fx.Node) else None
             if isinstance(val, torch.Tensor) and val.dtype in LOW_PRECISION:
@@ -136,7 +133,7 @@ def weight_free_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     free = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            slot = node.meta.get("picofx_input")
+            slot = input_slot(node)
             if slot is None or slot.kind != "parameter":
                 free.add(node)
         elif node.op == "call_function" and all(arg in free for arg in node.all_input_nodes):

@@ -7,7 +7,7 @@
 """
 import importlib.metadata
 
-from picofx.errors import BudgetError, CaptureError, InputShapeError, PassError, VerificationError
+from picofx.errors import BudgetError, CaptureError, DistributedError, InputShapeError, PassError, VerificationError
 from picofx.manager import Context, DumpGraphs, PassManager, PassResult, Stage, register_pass
 from picofx.optimize import OptimizedModule, optimize
 from picofx import plan, rules  # noqa: E402  (public modules: picofx.plan.predict, picofx.rules.Rule)
@@ -21,6 +21,6 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
 # Last: the passes register their names (and the fuse rules) as they are imported.
 from picofx import passes  # noqa: E402,F401  isort: skip
 
-__all__ = ["BudgetError", "CaptureError", "Context", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
+__all__ = ["BudgetError", "CaptureError", "Context", "DistributedError", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
            "PassManager", "PassResult", "Stage", "VerificationError", "device", "optimize", "passes", "plan",
            "register_pass", "rules"]

@@ -19,12 +19,15 @@ import torch
 from picofx import __version__
 from picofx.capture.export import capture_call, input_key, split_inputs
 from picofx.errors import CaptureError, InputShapeError, PassError, VerificationError
-from picofx.manager import PASSES, PassManager, Stage
+from picofx.manager import PASSES, PassManager, Stage, pass_info
+from picofx.manager.passes import pass_stage
 from picofx.manager.dump import DumpGraphs, graph_dot, graph_text
 from picofx.manager.options import pass_options
 from picofx.manager.report import Report
 from picofx.optimize import captured_inputs, forward_context, graph_inputs, optimize
-from picofx.runtime.distributed import single_process_group
+from picofx.parallel.layouts import recorded
+from picofx.parallel.mesh import one_process_group
+from picofx.capture.vocabulary import SIGNATURE_META
 
 FORMATS = {"text": "one row per node (name, op, target, shape, dtype, FLOPs, bytes, module), the pass table, "
                    "and the nodes each pass added and removed",
@@ -122,11 +125,11 @@ def dump(args) -> None:
     passes = build_passes(args)  # usage mistakes first: before the model is built
     shape = {name: getattr(args, name) for name in ("batch", "seq") if getattr(args, name) is not None}
     model, example_inputs, loss_fn = load_model(args.model, shape)
-    if any(getattr(p, "communicates", False) for p in passes):  # overlap: show its graphs on a one-rank group
-        single_process_group()
+    if any(pass_info(p).communicates for p in passes):  # overlap: show its graphs on a one-rank group
+        one_process_group()
     instruments = [DumpGraphs(args.output, formats=("txt",) if args.format == "text" else ("dot",))] \
         if args.output else []
-    if any(hasattr(p, "capture_inputs") for p in passes):  # pipeline: plan the stages, run no rank
+    if any(pass_info(p).splits_graph for p in passes):  # pipeline: plan the stages, run no rank
         graphs, report = plan_stages(model, example_inputs, passes, loss_fn, args, instruments)
     else:
         opt = optimize(model, example_inputs, passes=passes, backend=args.backend, loss_fn=loss_fn,
@@ -137,7 +140,7 @@ def dump(args) -> None:
         return
     for gm in graphs:
         if len(graphs) > 1:
-            stage = gm.meta["picofx_stage"]
+            stage = recorded(gm).stage
             print(f"stage {stage.index} of {stage.num_stages}:")
         print(graph_text(gm) + ("\n" if len(graphs) > 1 else ""))
     print(report.table(wide=args.wide))
@@ -160,15 +163,15 @@ def plan_stages(model, example_inputs, passes, loss_fn, args, instruments) -> tu
     gm = capture_call(model, call_args, kwargs, loss_fn)
     report = Report(backend="not run", input_key=input_key(call_args, kwargs),
                     capture_seconds=time.perf_counter() - start, records=manager.records)
-    signature = gm.meta["picofx_signature"]
+    signature = gm.meta[SIGNATURE_META]
     inputs = graph_inputs(signature, model, call_args, kwargs)
     ctx = forward_context(model, signature, inputs, backend=args.backend, options={})
     manager.announce("captured", gm, ctx)
     graphs = manager.run(Stage.FORWARD, gm, ctx)
-    layout = graphs[0].meta.get("picofx_pipeline")
+    layout = recorded(graphs[0]).pipeline
     if layout is not None:
         report.sections["pipeline"] = layout.table()
-    later = [p for p in manager.passes if getattr(p, "stage", Stage.FORWARD) is not Stage.FORWARD]
+    later = [p for p in manager.passes if pass_stage(p) is not Stage.FORWARD]
     if later:
         report.sections["not shown"] = (f"{', '.join(type(p).__name__ for p in later)} run on each stage's "
                                         "graph on its rank under torchrun; this shows the forward stage graphs")
@@ -189,7 +192,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of every registered pass, from its dataclass fields: --pipeline.microbatches 8."""
     for name in sorted(PASSES):
         options = pass_options(name)
-        stage = getattr(PASSES[name], "stage", Stage.FORWARD)
+        stage = pass_stage(PASSES[name])
         python_only = [o.name for o in options if not o.from_text]
         described = "no options" if not options else \
             f"options only Python can give: {', '.join(python_only)}" if python_only else None
@@ -207,7 +210,7 @@ def pass_summary() -> str:
     """One line per registered pass: its stage and its options with their defaults."""
     lines = []
     for name in sorted(PASSES):
-        stage = getattr(PASSES[name], "stage", Stage.FORWARD)
+        stage = pass_stage(PASSES[name])
         shown = ", ".join(f"{o.name}={o.default!r}" for o in pass_options(name))
         lines.append(f"  {name:<12} {stage.value} stage; options: {shown or 'none'}")
     return "\n".join(lines)

@@ -33,3 +33,8 @@ class PassBudgetError(PassError, BudgetError):
 
     def __init__(self, message: str, smallest_peak: int | None = None, batch_that_fits: int | None = None):
         BudgetError.__init__(self, message, smallest_peak, batch_that_fits)
+
+
+class DistributedError(RuntimeError):
+    """A distributed run is set up wrongly (no process group, a mesh that does not match the world,
+    ranks whose models or layouts differ); raised before any rank waits, on every rank it concerns."""

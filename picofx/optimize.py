@@ -13,10 +13,11 @@ from picofx.capture.explain import argument_name, call_arguments
 from picofx.capture.export import Signature, capture_call, input_changes, input_key, split_inputs
 from picofx.cost.model import CostModel
 from picofx.errors import InputShapeError
-from picofx.manager import Context, PassManager, Stage, resolve_passes
+from picofx.manager import Context, PassManager, Stage, pass_info, resolve_passes
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
+from picofx.parallel.mesh import ParallelMesh, mesh_for
 from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
                                   cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
@@ -24,6 +25,7 @@ from picofx.runtime.distributed import GradientSync, check_layouts, communicates
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
+from picofx.capture.vocabulary import SIGNATURE_META
 
 
 def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
@@ -56,24 +58,24 @@ class CompiledStep:
 
 def captured_inputs(manager: PassManager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs to capture: a pass that runs the step in micro-batches (pipeline) captures one."""
-    for p in manager.passes:
-        if hasattr(p, "capture_inputs"):
-            args, kwargs = p.capture_inputs(args, kwargs)
+    for p in manager.declared("microbatches"):
+        args, kwargs = p.capture_inputs(args, kwargs)
     return args, kwargs
 
 
 def forward_context(model: nn.Module, signature: Signature, inputs: list, *, backend: str, options: dict,
-                    cost_model=None) -> Context:
-    """What the forward passes read about the captured graph `signature` describes."""
+                    cost_model=None, **fields) -> Context:
+    """What the forward passes read about the captured graph `signature` describes; `fields`:
+    Context's mesh, gradient_sync, cache_directory."""
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
     input_names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
-    return Context(model=model, example_inputs=inputs, device=device, backend=backend,
-                   options={"input_names": input_names, **options},
-                   cost_model=cost_model or CostModel.for_backend(device, backend))
+    return Context(model=model, example_inputs=inputs, device=device, backend=backend, options=options,
+                   cost_model=cost_model or CostModel.for_backend(device, backend), input_names=input_names,
+                   **fields)
 
 
 def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options,
-               cost_model, cache: GraphCache | None = None) -> CompiledStep:
+               cost_model, cache: GraphCache | None = None, mesh=None, gradient_sync: str = "sync") -> CompiledStep:
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
     forward passes see the captured graph; joint and partitioned passes run inside compilation."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
@@ -89,14 +91,14 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     tell(instruments, "begin", cached=entry is not None)
     start = time.perf_counter()
     gm = None if entry else capture_call(model, args, kwargs, loss_fn)
-    signature = cached_signature(entry) if entry else gm.meta["picofx_signature"]
+    signature = cached_signature(entry) if entry else gm.meta[SIGNATURE_META]
     report = Report(backend=backend, input_key=input_key(args, kwargs), capture_seconds=time.perf_counter() - start,
                     records=cached_records(entry) if entry else manager.records,
                     sections={"cache": cache_note} if cache_note else {})
     inputs = graph_inputs(signature, model, args, kwargs)
     gm = prepared_graph(entry, inputs, signature) if entry else gm
-    ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model,
-                          options={**options, "cache_directory": cache.directory} if cache else options)
+    ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model, options=options,
+                          mesh=mesh, gradient_sync=gradient_sync, cache_directory=cache.directory if cache else None)
     manager.announce("captured", gm, ctx)
     graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
@@ -118,7 +120,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         except JointMismatch:  # the entry does not fit what AOT traces now: build afresh and replace it
             cache.forget(key)
             return build_step(model, args, kwargs, passes=passes, loss_fn=loss_fn, backend=backend, verify=verify,
-                              instruments=instruments, options=options, cost_model=cost_model, cache=cache)
+                              instruments=instruments, options=options, cost_model=cost_model, cache=cache,
+                              mesh=mesh, gradient_sync=gradient_sync)
         if key and not entry:
             report.sections["cache"] += "; " + cache.save(key, graphs[0], signature, manager.records, joint)
     report.compile_seconds = time.perf_counter() - start
@@ -151,9 +154,8 @@ class OptimizedModule(nn.Module):
         if step is None:
             if self._steps and not self._recapture and gradient_sync == "sync":
                 raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
-            options = {**self._build_options["options"], "gradient_sync": gradient_sync}
             start = time.perf_counter()
-            step = build_step(self._model, args, kwargs, **{**self._build_options, "options": options})
+            step = build_step(self._model, args, kwargs, **self._build_options, gradient_sync=gradient_sync)
             if self._steps:  # a recompilation: one line saying why and what it cost
                 first_mode = next(iter(self._steps))[0]
                 changed = [input_changes(*self._first_call, args, kwargs),
@@ -260,7 +262,7 @@ def describe_input_change(args0: tuple, kwargs0: dict, args: tuple, kwargs: dict
 def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "inductor", loss_fn=None,
              verify: str | None = "invariants", dump_dir: str | None = None, instruments=(),
              recapture: bool = True, options: dict | None = None, cost_model=None,
-             progress=None) -> OptimizedModule:
+             progress=None, mesh=None) -> OptimizedModule:
     """Capture `model`'s training step on `example_inputs`, run `passes`, compile with `backend`.
 
     passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order;
@@ -275,6 +277,10 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     recapture: a call with other input shapes captures and compiles again; False raises instead.
     cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
                the inputs' device; pass one built on a calibrated picofx.cost.device description).
+    mesh:      the run's layout of ranks (picofx.parallel.ParallelMesh, or a DeviceMesh whose
+               dimensions are named "pp", "dp_replicate", "dp_shard", "tp"); by default, under
+               torchrun, the distributed passes' dimensions, the data-parallel one taking the ranks
+               left over. Passes find their process groups on it.
     """
     # The on-disk cache of optimized graphs (picofx.runtime.cache): PICOFX_CACHE=0 turns it off.
     cache = None if os.environ.get("PICOFX_CACHE", "1") == "0" else \
@@ -282,6 +288,18 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else []),
                    *([Progress(progress)] if progress else [])]
     module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
-    return module_class(model, example_inputs, recapture, passes=resolve_passes(passes), loss_fn=loss_fn,
-                           backend=backend, verify=verify, instruments=instruments, options=options or {},
-                           cost_model=cost_model, cache=cache)
+    passes = resolve_passes(passes)
+    return module_class(model, example_inputs, recapture, passes=passes, loss_fn=loss_fn, backend=backend,
+                        verify=verify, instruments=instruments, options=options or {}, cost_model=cost_model,
+                        cache=cache, mesh=run_mesh(mesh, passes, model))
+
+
+def run_mesh(mesh, passes: list, model: nn.Module) -> ParallelMesh | None:
+    """The run's ParallelMesh: the user's (a DeviceMesh is named into one), else the one the
+    distributed passes ask for (None in a single process)."""
+    if mesh is None:
+        device = next(model.parameters(), torch.empty(0)).device
+        return mesh_for([(pass_info(p).mesh_dims, pass_info(p).mesh_size) for p in passes], device.type)
+    if isinstance(mesh, ParallelMesh):
+        return mesh
+    return ParallelMesh.from_device_mesh(mesh)

@@ -20,7 +20,7 @@ from picofx.cost.partition import inductor_recomputes, num_forward_outputs
 from picofx.cost.symbolic import CHECK_BT, SIZES_BT, SymbolicStep, fit_samples
 from picofx.cost.units import parse_budget
 from picofx.errors import BudgetError, PassError
-from picofx.manager import PASSES, PassResult, Stage
+from picofx.manager import PASSES, PassInfo, PassResult, Stage, pass_info, resolve_passes
 from picofx.optimize import optimize
 
 
@@ -49,8 +49,8 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
     Inductor's own min-cut partition (as `checkpoint` starts from it:
     `picofx.cost.partition.inductor_recomputes`); "eager" saves everything the backward reads."""
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
-    passes = list(passes)
-    if cost_model.fuses_pointwise and not any(getattr(p, "plans_partition", False) for p in passes):
+    passes = resolve_passes(passes)
+    if cost_model.fuses_pointwise and not any(pass_info(p).plans_partition for p in passes):
         passes.append(_InductorPartition())
     opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None, cost_model=cost_model)
     fw, bw = opt.graphs["forward"], opt.graphs["backward"]
@@ -63,8 +63,7 @@ class _InductorPartition:
     """Tags what Inductor's min-cut partition recomputes, so that an eager compile partitions the
     step as an Inductor compile without `checkpoint` does."""
 
-    stage = Stage.JOINT
-    plans_partition = True
+    info = PassInfo(Stage.JOINT, plans_partition=True)
 
     def __call__(self, gm: fx.GraphModule, ctx) -> PassResult:
         recomputed = inductor_recomputes(gm, num_forward_outputs(gm))

@@ -11,6 +11,7 @@ from picofx.capture.export import capture
 from picofx.optimize import graph_inputs, optimize
 from picofx.manager import Context, PassManager, Stage
 from picofx.manager.verify import FP32_TOLERANCE
+from picofx.capture.vocabulary import SIGNATURE_META
 
 
 def op_counts(gm: fx.GraphModule) -> Counter:
@@ -26,7 +27,7 @@ def count_ops(gm: fx.GraphModule, *targets) -> int:
 def captured(zoo_model) -> tuple[fx.GraphModule, Context]:
     """A zoo model's captured forward graph and the forward-stage context its passes receive."""
     gm = capture(zoo_model.model, zoo_model.example_inputs, zoo_model.loss_fn)
-    inputs = graph_inputs(gm.meta["picofx_signature"], zoo_model.model, (), dict(zoo_model.example_inputs))
+    inputs = graph_inputs(gm.meta[SIGNATURE_META], zoo_model.model, (), dict(zoo_model.example_inputs))
     return gm, Context(model=zoo_model.model, example_inputs=inputs, device=inputs[0].device)
 
 

@@ -2,8 +2,13 @@
 
 - The core (picofx/) imports no pass: only picofx/__init__.py imports picofx.passes, as its last import.
 - No import cycles between picofx's modules (passes/ counts as picofx.passes); imports run down the
-  layers: passes -> the public face (optimize, plan, ...) -> runtime -> manager -> cost, rewrite,
-  kernels -> capture -> errors.
+  layers: passes -> the public face (optimize, plan, ...) -> runtime -> manager -> parallel -> cost,
+  rewrite, kernels -> capture -> errors.
+- Process groups and device meshes are made and resolved in picofx/parallel/ only.
+- Nothing reads a pass's declarations by probing its attributes (`getattr(p, "communicates")`):
+  they are read through `pass_info` (picofx/manager/passes.py).
+- Graph meta keys are named constants (capture/vocabulary.py, parallel/layouts.py), never
+  `meta["picofx_..."]` literals.
 - No module imports another module's private (_underscore) names.
 - picofx/ has at most 8 top-level modules and at least 4 subpackages; no module is over 400 lines.
 
@@ -133,10 +138,10 @@ def _private(name: str) -> bool:
 
 
 # Dependencies run down this list (a module may import its own layer and the layers below):
-# passes -> the public face -> runtime -> manager -> cost, rewrite, kernels -> capture -> errors.
+# passes -> the public face -> runtime -> manager -> parallel -> cost, rewrite, kernels -> capture -> errors.
 LAYERS = {"picofx.errors": 0, "picofx.capture": 1, "picofx.cost": 2, "picofx.rewrite": 2, "picofx.kernels": 2,
-          "picofx.manager": 3, "picofx.runtime": 4, "picofx.passes": 6}
-PUBLIC_FACE = 5  # picofx/__init__.py and the other top-level modules (optimize, plan, cli, ...)
+          "picofx.parallel": 3, "picofx.manager": 4, "picofx.runtime": 5, "picofx.passes": 7}
+PUBLIC_FACE = 6  # picofx/__init__.py and the other top-level modules (optimize, plan, cli, ...)
 
 
 def layer(module: str) -> int:
@@ -185,8 +190,50 @@ def test_no_import_cycles():
     assert graph.has_edge("picofx.kernels.rms_norm", "picofx.kernels.triton_rms_norm")  # a function-level import
 
 
+GROUP_MAKERS = {"new_group", "init_device_mesh", "init_process_group", "get_group", "DeviceMesh", "WORLD"}
+DECLARATIONS = {"stage", "communicates", "splits_graph", "microbatches", "measure", "measures", "plans_partition",
+                "mesh_dims", "capture_inputs", "after_measured_step"}
+
+
+def _calls_named(tree: ast.Module, names: set[str]):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            yield node
+        elif isinstance(node, ast.Name) and node.id in names:
+            yield node
+
+
+def parallel_problems(root: Path) -> list[str]:
+    """Process groups made or resolved outside picofx/parallel/; declarations probed by attribute;
+    `meta["picofx_..."]` literals outside the modules that name those keys."""
+    problems = []
+    for name, (path, tree, _) in parsed(root).items():
+        where = path.relative_to(root)
+        if not name.startswith("picofx.parallel"):
+            problems += [f"{where}:{n.lineno} resolves a process group ({getattr(n, 'attr', getattr(n, 'id', ''))})"
+                         for n in _calls_named(tree, GROUP_MAKERS)]
+        for node in ast.walk(tree):
+            if (name != "picofx.manager.passes" and isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in DECLARATIONS):
+                problems.append(f"{where}:{node.lineno} probes {node.args[1].value!r}; read pass_info(p)")
+            key = None
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "meta":
+                key = node.slice
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                  and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "meta" and node.args):
+                key = node.args[0]
+            if isinstance(key, ast.Constant) and str(key.value).startswith("picofx_"):
+                problems.append(f"{where}:{node.lineno} reads meta[{key.value!r}]; use the named key")
+    return problems
+
+
 def test_dependencies_run_down_the_layers():
     assert layer_problems(ROOT) == []
+
+
+def test_process_groups_declarations_and_meta_keys_go_through_the_parallel_layer():
+    assert parallel_problems(ROOT) == []
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -235,6 +282,13 @@ BREACHES = {
                                 lambda root: [" -> ".join(c) for c in cycles(root)], "model -> picofx.cost.units"),
     "a climbing import": ({"picofx/cost/units.py": "from picofx.manager import REGISTRY\n"},
                           layer_problems, "picofx.cost.units imports picofx.manager, a layer above it"),
+    "a group made outside parallel/": ({"picofx/runtime/__init__.py": "import torch.distributed as dist\n"
+                                                                         "g = dist.new_group([0, 1])\n"},
+                                       parallel_problems, "picofx/runtime/__init__.py:2 resolves a process group"),
+    "a probed declaration": ({"picofx/api.py": "def f(p):\n    return getattr(p, 'communicates', False)\n"},
+                             parallel_problems, "picofx/api.py:2 probes 'communicates'"),
+    "a meta key literal": ({"passes/one.py": "def f(gm):\n    return gm.meta.get('picofx_overlap')\n"},
+                           parallel_problems, "passes/one.py:2 reads meta['picofx_overlap']"),
     "a private name": ({"picofx/api.py": "from picofx.cost.units import _internal\n"},
                        private_imports, "picofx/api.py:1 imports picofx.cost.units._internal"),
     "a private attribute": ({"passes/one.py": "from picofx.cost import units as u\nx = u._internal\n"},
@@ -259,7 +313,7 @@ def write_tree(root: Path, files: dict[str, str | None]) -> Path:
 
 def test_a_tree_that_keeps_the_rules_passes(tmp_path):
     root = write_tree(tmp_path, GOOD_TREE)
-    checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems)
+    checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems, parallel_problems)
     assert [check(root) for check in checks] == [[]] * len(checks)
     assert set(import_graph(root).edges) == {
         ("picofx", "picofx.api"), ("picofx", "picofx.passes"), ("picofx.api", "picofx.cost.model"),

@@ -29,7 +29,7 @@ from picofx.cost.device import H100
 from picofx.cost.model import CostModel
 from picofx.cost.units import format_bytes
 from picofx.examples.llama import CONFIGS, Llama, LlamaConfig, causal_lm_loss
-from picofx.passes.overlap import gradients_in_order, ready_times
+from picofx.cost.gradients import gradients_in_order, ready_times
 from results import write_json  # tools/results.py
 
 # SmolLM-1.7B's shape (HuggingFaceTB/SmolLM-1.7B config.json); the reference Llama unties the head,

@@ -23,7 +23,8 @@ from picofx.cost.balance import balanced_cuts, plan_for
 from picofx.cost.device import H100
 from picofx.cost.model import CostModel
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-from picofx.passes.pipeline import chain_units, keep_loss_only, layer_bounds, state_per_parameter_byte
+from picofx.cost.chain import chain_units, layer_bounds, state_per_parameter_byte
+from picofx.passes.pipeline import keep_loss_only
 from results import write_json  # tools/results.py
 
 SCHEDULES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)]

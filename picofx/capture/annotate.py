@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import picofx.capture.flops  # noqa: F401  (registers the CPU attention formulas)
+from picofx.capture.vocabulary import MODULE_PATH_META, module_path
 
 
 def tensor_bytes(value) -> int:
@@ -65,8 +66,8 @@ def annotate(gm: fx.GraphModule) -> None:
     for node in placeholders:
         node.meta["flops"], node.meta["bytes"] = 0, tensor_bytes(node.meta["val"])
     for node in gm.graph.nodes:
-        if "module_path" not in node.meta:
-            node.meta["module_path"] = common_module_path(node.all_input_nodes)
+        if MODULE_PATH_META not in node.meta:
+            node.meta[MODULE_PATH_META] = common_module_path(node.all_input_nodes)
 
 
 def _as_fake(mode: FakeTensorMode, value):
@@ -77,7 +78,7 @@ def _as_fake(mode: FakeTensorMode, value):
 
 def common_module_path(nodes) -> str:
     """The module all the nodes come from (ignoring nodes that come from none)."""
-    paths = [n.meta["module_path"].split(".") for n in nodes if n.meta.get("module_path")]
+    paths = [module_path(n).split(".") for n in nodes if module_path(n)]
     common = []
     for parts in zip(*paths):
         if len(set(parts)) != 1:

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from picofx.capture.vocabulary import INPUT_META, MODULE_PATH_META, SIGNATURE_META, input_slot
 from picofx.errors import CaptureError
 from picofx.capture.annotate import annotate
 from picofx.capture.explain import (accepts_labels, argument_name, check_keywords, check_position_limit,
@@ -159,14 +160,14 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
     signature = _signature(ep, prefix, args, kwargs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, signature.inputs):
-        node.meta["picofx_input"] = slot
+        node.meta[INPUT_META] = slot
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
-            node.meta["module_path"] = _strip(list(stack.values())[-1][0], prefix)
-        elif node.op == "placeholder" and node.meta["picofx_input"].kind in ("parameter", "buffer"):
-            node.meta["module_path"] = node.meta["picofx_input"].target.rpartition(".")[0]
-    gm.meta["picofx_signature"] = signature
+            node.meta[MODULE_PATH_META] = _strip(list(stack.values())[-1][0], prefix)
+        elif node.op == "placeholder" and input_slot(node).kind in ("parameter", "buffer"):
+            node.meta[MODULE_PATH_META] = input_slot(node).target.rpartition(".")[0]
+    gm.meta[SIGNATURE_META] = signature
     gm.recompile()
     annotate(gm)
     return gm

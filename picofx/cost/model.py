@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from picofx.capture.annotate import tensor_bytes
+from picofx.capture.vocabulary import module_path, traced_module_path
 from picofx.cost.units import format_bytes
 from picofx.cost.device import Device, device_for
 from picofx.cost.inductor.model import memory_model_for
@@ -189,13 +190,10 @@ def _where(t: Timeline) -> str:
     node = t.peak_node
     if node is None:
         return "start"
-    path = node.meta.get("module_path") or _stack_path(node)
+    path = module_path(node) or traced_module_path(node)
     return f"{node.name}" + (f" in {path}" if path else "")
 
 
-def _stack_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    return list(stack.values())[-1][0] if stack else ""
 
 
 def parameter_bytes(forward: Schedule, backward: Schedule) -> tuple[int, int]:

@@ -23,7 +23,6 @@ ones adjacent, so a hull of k vertices costs 2k - 1 cuts. Identical layers share
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
@@ -31,11 +30,10 @@ import networkx as nx
 import torch
 from torch import fx
 
+from picofx.capture.vocabulary import layer_of_path, traced_module_path
 from picofx.cost.model import is_alias
 from picofx.cost.liveness import storage_bytes, tensor_values
 from picofx.cost.partition import forward_region, is_dropout_free
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -54,16 +52,8 @@ class Segment:
     options: list = field(default_factory=list)  # hull vertices, saved bytes decreasing
 
 
-def module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return list(stack.values())[-1][0]
-    return node.meta.get("module_path", "") or ""
-
-
 def layer_of(node: fx.Node) -> str | None:
-    match = _LAYER.match(module_path(node))
-    return match.group(1) if match else None
+    return layer_of_path(traced_module_path(node))
 
 
 def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:

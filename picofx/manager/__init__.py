@@ -2,10 +2,10 @@
 rollback, instruments, the report and the graph dumps."""
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.pass_manager import PassManager, copy_graph
-from picofx.manager.passes import (PASSES, Context, Instrument, PassRecord, PassResult, Stage, pass_name,
-                                   register_pass, resolve_pass, resolve_passes)
+from picofx.manager.passes import (PASSES, Context, Instrument, PassInfo, PassRecord, PassResult, Stage, pass_info,
+                                   pass_name, register_pass, resolve_pass, resolve_passes)
 from picofx.manager.report import Report
 
-__all__ = ["PASSES", "Context", "DumpGraphs", "Instrument", "PassManager", "PassRecord", "PassResult", "Report",
-           "Stage", "copy_graph", "pass_name", "register_pass", "resolve_pass",
+__all__ = ["PASSES", "Context", "DumpGraphs", "Instrument", "PassInfo", "PassManager", "PassRecord", "PassResult",
+           "Report", "Stage", "copy_graph", "pass_info", "pass_name", "register_pass", "resolve_pass",
            "resolve_passes"]

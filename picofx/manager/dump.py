@@ -7,12 +7,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
+from picofx.capture.vocabulary import input_slot, module_path
+
 
 def _target(node: fx.Node) -> str:
     if node.op in ("call_function", "call_method"):
         return str(getattr(node.target, "__name__", node.target)) if not isinstance(
             node.target, torch._ops.OpOverload) else str(node.target)
-    slot = node.meta.get("picofx_input")
+    slot = input_slot(node)
     if slot is not None:
         return f"{slot.kind} {slot.target}"
     return str(node.target) if node.op != "output" else ""
@@ -32,7 +34,7 @@ def graph_rows(gm: fx.GraphModule) -> list[list[str]]:
     for node in gm.graph.nodes:
         shape, dtype = _shape_dtype(node)
         rows.append([node.name, node.op, _target(node), shape, dtype, str(node.meta.get("flops", "")),
-                     str(node.meta.get("bytes", "")), node.meta.get("module_path", "")])
+                     str(node.meta.get("bytes", "")), module_path(node)])
     return rows
 
 

@@ -13,7 +13,7 @@ from torch import fx
 
 from picofx.capture.annotate import annotate
 from picofx.errors import BudgetError, PassBudgetError, PassError, VerificationError
-from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_name, pass_stage, resolve_passes
+from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_info, pass_name, resolve_passes, runs_at
 from picofx.manager.verify import check_invariants, check_numerics, check_structure
 
 
@@ -56,7 +56,11 @@ class PassManager:
         self.records: list[PassRecord] = []
 
     def passes_at(self, stage: Stage) -> list:
-        return [p for p in self.passes if pass_stage(p) is stage]
+        return [p for p in self.passes if runs_at(p, stage)]
+
+    def declared(self, flag: str) -> list:
+        """The passes whose PassInfo sets `flag` ("communicates", "measures", ...)."""
+        return [p for p in self.passes if getattr(pass_info(p), flag)]
 
     def announce(self, label: str, gm: fx.GraphModule, ctx: Context) -> None:
         for instrument in self.instruments:
@@ -79,7 +83,7 @@ class PassManager:
             result = p(gm, ctx)
             seconds = time.perf_counter() - start
             returned = True
-            outputs = self.checked_outputs(result, gm, snapshot, ctx)
+            outputs = self.checked_outputs(p, result, gm, snapshot, ctx)
         except BaseException as e:
             snapshot.restore(gm)
             if not isinstance(e, Exception):  # KeyboardInterrupt and the like: the graph is whole again
@@ -103,11 +107,14 @@ class PassManager:
             instrument.after_pass(record, outputs[0], ctx)
         return outputs
 
-    def checked_outputs(self, result, gm: fx.GraphModule, snapshot: Snapshot, ctx: Context) -> list[fx.GraphModule]:
+    def checked_outputs(self, p, result, gm: fx.GraphModule, snapshot: Snapshot, ctx: Context) -> list[fx.GraphModule]:
         """The graphs a pass returned, each checked (structure first: torch's own checks and
         recompilation fail obscurely on a cycle or a dangling node), re-annotated and verified."""
         if not isinstance(result, PassResult):
             raise VerificationError(f"it returned {type(result).__name__}; a pass returns PassResult(changed, notes)")
+        if result.graphs is not None and not pass_info(p).splits_graph:
+            raise VerificationError("it returned several graphs (PassResult.graphs) without declaring "
+                                    "PassInfo(splits_graph=True)")
         outputs = result.graphs or [gm]
         for out in outputs:
             check_structure(out.graph)

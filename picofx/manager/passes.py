@@ -1,8 +1,10 @@
 """What a pass is: its stage, its context, its result, its record; the registry of pass names.
 
 A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
-frozen dataclass with `__call__` when it has options. It declares its stage with a `stage`
-attribute (a function may instead be given one by `register_pass`). Names resolve through
+frozen dataclass with `__call__` when it has options. It declares what it is with a `PassInfo`
+(`info`: its stage, the mesh dimensions it works over, whether it communicates, splits the graph
+or measures), or only its stage with a `stage` attribute (a function may instead be given one by
+`register_pass`). The manager checks the declarations; the runtime reads them. Names resolve through
 `PASSES`, which the passes fill when they are imported (`import picofx` imports picofx's own);
 the core never imports a pass.
 """
@@ -15,6 +17,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import fx, nn
+
+from picofx.parallel.mesh import check_name
 
 
 class Stage(enum.Enum):
@@ -32,6 +36,23 @@ class PassResult:
     graphs: list[fx.GraphModule] | None = None      # set when the pass splits the graph into several
 
 
+@dataclass(frozen=True)
+class PassInfo:
+    """What a pass declares about itself. The manager checks it before anything is captured; the
+    runtime reads it (never the pass's other attributes)."""
+
+    stage: Stage = Stage.FORWARD
+    also_at: tuple[Stage, ...] = ()  # later stages it runs at too (it reads ctx.stage to know which)
+    mesh_dims: tuple[str, ...] = ()  # the parallel mesh's dimensions it works over ("dp_replicate", "pp", ...)
+    mesh_size: int | None = None     # the size it needs on the first of them, if any (a pipeline's stages)
+    communicates: bool = False       # it inserts collectives: compiled keeping them overlapped; layouts checked
+    splits_graph: bool = False       # it returns one graph per pipeline stage (PassResult.graphs)
+    microbatches: bool = False       # the step runs in micro-batches: it captures one (`capture_inputs`)
+    measures: bool = False           # it runs real steps to decide (its result is never cached)
+    replans: bool = False            # after a real step is measured it may re-plan (`after_measured_step`)
+    plans_partition: bool = False    # it decides what the backward saves: picofx's partitioner runs
+
+
 @dataclass
 class Context:
     """Everything a pass may read. Passes read no globals and no environment variables."""
@@ -40,10 +61,14 @@ class Context:
     example_inputs: list           # real values of the current graph's placeholders, in order
     device: torch.device
     backend: str = "eager"
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the user's `optimize(options=...)`
     cost_model: Any = None
     stage: Stage = Stage.FORWARD
     graph_role: str = "forward"    # "forward", "joint" or "backward"
+    mesh: Any = None               # picofx.parallel.ParallelMesh of the run (None: one process)
+    input_names: list | None = None  # the graph's inputs' parameter names (None for other inputs)
+    gradient_sync: str = "sync"    # "sync", "local" (under no_sync) or "sync_accumulated" (the call after)
+    cache_directory: str | None = None  # the on-disk cache's directory, when it is on
 
 
 @dataclass
@@ -76,6 +101,10 @@ class RegisteredPass:
     function: Callable
     pass_name: str
     stage: Stage
+
+    @property
+    def info(self) -> PassInfo:
+        return PassInfo(self.stage)
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         return self.function(gm, ctx)
@@ -140,12 +169,47 @@ def resolve_passes(passes) -> list:
         raise TypeError(f"passes is a list: passes=[{passes!r}], not passes={passes!r}")
     if callable(passes) and not isinstance(passes, type):
         raise TypeError(f"passes is a list: passes=[{pass_name(passes)}], not a single pass")
-    return [resolve_pass(p) for p in passes]
+    resolved = [resolve_pass(p) for p in passes]
+    check_declarations(resolved)
+    return resolved
 
 
 def pass_name(p) -> str:
     return getattr(p, "pass_name", None) or getattr(p, "__name__", None) or type(p).__name__.lower()
 
 
+def pass_info(p) -> PassInfo:
+    """What pass `p` declares: its `info`, else a PassInfo of its `stage` alone (a user's pass)."""
+    info = getattr(p, "info", None)
+    return info if isinstance(info, PassInfo) else PassInfo(getattr(p, "stage", Stage.FORWARD))
+
+
 def pass_stage(p) -> Stage:
-    return getattr(p, "stage", Stage.FORWARD)
+    return pass_info(p).stage
+
+
+def runs_at(p, stage: Stage) -> bool:
+    info = pass_info(p)
+    return info.stage is stage or stage in info.also_at
+
+
+def check_declarations(passes: list) -> None:
+    """Each pass's declaration is one picofx can honour, and the passes fit together; raised
+    before anything is captured."""
+    splitting = [pass_name(p) for p in passes if pass_info(p).splits_graph]
+    if len(splitting) > 1:
+        raise ValueError(f"passes {splitting} each split the step into pipeline stages; use one of them.")
+    for p in passes:
+        info, name = pass_info(p), pass_name(p)
+        stage = getattr(p, "stage", info.stage)
+        if stage is not info.stage:
+            raise ValueError(f"pass {name!r} declares stage {info.stage} in its info and {stage} as `stage`.")
+        if info.splits_graph and (info.stage is not Stage.FORWARD or info.also_at):
+            raise ValueError(f"pass {name!r} splits the graph at the {info.stage.value} stage; only forward "
+                             "passes may split it (stage graphs are compiled one by one).")
+        if info.microbatches and not callable(getattr(p, "capture_inputs", None)):
+            raise ValueError(f"pass {name!r} declares micro-batches but has no capture_inputs(args, kwargs).")
+        if info.replans and not callable(getattr(p, "after_measured_step", None)):
+            raise ValueError(f"pass {name!r} declares it re-plans but has no after_measured_step(record, peak).")
+        for dim in info.mesh_dims:
+            check_name(dim)

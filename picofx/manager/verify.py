@@ -6,6 +6,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from picofx.errors import VerificationError
+from picofx.capture.vocabulary import SIGNATURE_META, input_slot
 
 FP32_TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): the same math in fp32, rounding aside
 ANNOTATIONS = ("val", "flops", "bytes", "module_path")
@@ -85,10 +86,10 @@ def check_invariants(gm: fx.GraphModule, ctx) -> None:
     if own:
         raise VerificationError(f"the graph holds parameters of its own {own[:3]}: a pass copied model "
                                 "weights. Take them as placeholders (the model's own tensors) instead.")
-    signature = gm.meta.get("picofx_signature")
+    signature = gm.meta.get(SIGNATURE_META)
     if signature is None:
         return
-    slots = [n.meta.get("picofx_input") for n in gm.graph.nodes if n.op == "placeholder"]
+    slots = [input_slot(n) for n in gm.graph.nodes if n.op == "placeholder"]
     if slots != signature.inputs:
         raise VerificationError("the graph's placeholders no longer match the captured inputs "
                                 "(parameters, buffers, user inputs); passes must not add, drop or reorder them.")
@@ -162,7 +163,7 @@ def _placeholders(gm):
 
 
 def _input_name(node: fx.Node) -> str:
-    slot = node.meta.get("picofx_input")
+    slot = input_slot(node)
     return slot.target if slot is not None and slot.kind != "user" else node.name
 
 

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from picofx.capture.annotate import common_module_path
+from picofx.capture.vocabulary import layer_of
 from picofx.rewrite.tracing import Traced, argument_names, call_nodes, normalized_args, trace_all
 from picofx.rewrite.rules import Pattern, Rule, ScalarSpec, TensorSpec, pattern_graphs, trace_patterns
 
@@ -78,13 +79,6 @@ class _Region:
     nodes: list[fx.Node]
 
 
-def layer_of(node: fx.Node) -> str:
-    """The module path up to its first index ("model.layers.3"): the decoder layer, or "" outside one."""
-    parts = node.meta.get("module_path", "").split(".")
-    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return ".".join(parts[:index + 1]) if index is not None else ""
-
-
 def anchor_regions(graph: fx.Graph, anchors: list[fx.Node]) -> list:
     """Where to look for a pattern's outputs. A pattern of several outputs (q and k of RoPE, the
     Q/K/V projections) pairs candidates for each output with every other's: over the whole graph
@@ -96,7 +90,7 @@ def anchor_regions(graph: fx.Graph, anchors: list[fx.Node]) -> list:
                     for n in graph.find_nodes(op=anchors[0].op, target=target, sort=False)})
     regions: dict[str, list[fx.Node]] = {}
     for node in nodes:
-        regions.setdefault(layer_of(node), []).append(node)
+        regions.setdefault(layer_of(node) or "", []).append(node)
     return [_Region(region) for region in regions.values()]
 
 

@@ -15,6 +15,7 @@ from torch import fx
 from picofx.capture.annotate import common_module_path, fake_mode_of
 from picofx.rewrite.matcher import Match, NearMiss, find_matches
 from picofx.rewrite.rules import Rule
+from picofx.capture.vocabulary import module_path
 
 
 def cycle_reason(match: Match, bindings: dict | None = None) -> str | None:
@@ -131,7 +132,7 @@ class _ViewFixer(fx.Interpreter):
             with self.graph.inserting_before(node):
                 copy = self.graph.call_function(torch.ops.aten.clone.default, (source,),
                                                 {"memory_format": torch.contiguous_format})
-            copy.meta = {"module_path": node.meta.get("module_path", "")}
+            copy.meta = {"module_path": module_path(node)}
             node.replace_input_with(source, copy)
             self.env[copy] = copy.meta["val"] = self.env[source].clone(memory_format=torch.contiguous_format)
             value = super().run_node(node)

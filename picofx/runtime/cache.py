@@ -35,9 +35,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from picofx.capture.annotate import annotate
 from picofx.capture.graph_data import add_nodes, node_records
 from picofx.manager import Stage
-from picofx.manager.passes import pass_name, pass_stage
+from picofx.manager.passes import pass_info, pass_name, runs_at
 from picofx.manager.progress import Progress
 from picofx.rewrite import registered_rules
+from picofx.capture.vocabulary import SIGNATURE_META
 
 FORMAT = 2  # bump when an entry's layout changes: older entries are then ignored and rewritten
 VOLATILE_META = ("val", "flops", "bytes", "tensor_meta", "example_value", "unbacked_bindings")
@@ -142,11 +143,12 @@ def _digest(model, inputs_key, passes, loss_fn, backend, verify, options) -> str
 def _not_cacheable(model, passes, verify, instruments, cost_model) -> str | None:
     for p in passes:
         name = pass_name(p)
-        if getattr(p, "communicates", False) or hasattr(p, "capture_inputs"):
+        info = pass_info(p)
+        if info.communicates or info.mesh_dims or info.splits_graph:
             return f"pass {name!r} is distributed (bound to process groups)"
-        if getattr(p, "measure", False):
+        if info.measures:
             return f"pass {name!r} measures a real step"
-        if pass_stage(p) is Stage.PARTITIONED:
+        if runs_at(p, Stage.PARTITIONED):
             return f"pass {name!r} runs on the partitioned graphs"
     if verify == "numerics":
         return "verify='numerics' checks every pass as it runs"
@@ -327,6 +329,6 @@ def prepared_graph(entry: dict, inputs: list, signature) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, inputs):
         node.meta["val"] = mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
-    gm.meta["picofx_signature"] = signature
+    gm.meta[SIGNATURE_META] = signature
     annotate(gm)
     return gm

@@ -13,6 +13,8 @@ partitioner and eager saves what the forward computed.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import torch
@@ -46,9 +48,7 @@ class StageRunner:
         self.graphs: dict[str, fx.GraphModule] = {}
 
     def _context(self, stage: Stage, role: str, inputs) -> Context:
-        return Context(model=self.ctx.model, example_inputs=inputs, device=self.ctx.device,
-                       backend=self.ctx.backend, options=self.ctx.options, cost_model=self.ctx.cost_model,
-                       stage=stage, graph_role=role)
+        return dataclasses.replace(self.ctx, example_inputs=inputs, stage=stage, graph_role=role)
 
     def _real_inputs(self, gm: fx.GraphModule, role: str) -> list | None:
         """Real values for the graph's placeholders: the example primals; for the backward graph the
@@ -140,7 +140,7 @@ class _Partitioner(CustomPartitionerFn):
     recomputes what is tagged); Inductor's min-cut partition otherwise."""
 
     def __init__(self, manager: PassManager):
-        self.planned = any(getattr(p, "plans_partition", False) for p in manager.passes)
+        self.planned = bool(manager.declared("plans_partition"))
 
     def __call__(self, gm, joint_inputs, **kwargs):
         if self.planned or has_recompute_tags(gm):
@@ -191,7 +191,7 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
 
             hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
-            if any(getattr(p, "communicates", False) for p in manager.passes):
+            if manager.declared("communicates"):
                 hooks.update(COMM_OVERLAP)
             with inductor_config.patch(hooks):
                 try:

@@ -1,4 +1,4 @@
-"""Data-parallel runtime: the process group, the first-step layout check, gradient accumulation.
+"""Data-parallel runtime: the first-step layout check, gradient accumulation, agreeing on failures.
 
 Timeouts: every collective here and in the compiled step runs on the process group, so a rank
 that dies or stops mid-step surfaces on the others as an error after the group's timeout
@@ -9,30 +9,13 @@ mismatch, a capture error) raises the same error on every rank where the cause i
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-OVERLAP_META = "picofx_overlap"  # gm.meta key of the backward graph's BucketLayout
-
-
-class DistributedError(RuntimeError):
-    pass
-
-
-def resolve_group(group=None):
-    """`group`, or torch.distributed's default group; a clear error when there is none."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise DistributedError(
-            "the overlap pass all-reduces gradients over a process group, and there is none: launch with "
-            "torchrun and call torch.distributed.init_process_group() before picofx.optimize "
-            "(or pass Overlap(group=...)).")
-    return group if group is not None else dist.group.WORLD
-
+from picofx.errors import DistributedError
+from picofx.parallel.layouts import BucketLayout, recorded
 
 def launched_world(environ) -> int | None:
     """How many processes torchrun started (its WORLD_SIZE in `environ`, a mapping such as
@@ -53,76 +36,31 @@ def first_failure(message: str | None, group=None) -> tuple[int, str] | None:
     return next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
 
 
-@dataclass(frozen=True)
-class LayoutEntry:
-    name: str  # parameter name (input_<i> where the graph's inputs are not named)
-    shape: tuple
-    dtype: str
-    bucket: int
-
-
-@dataclass(frozen=True)
-class BucketLayout:
-    """What every rank's backward must agree on before it all-reduces."""
-
-    group: Any = field(compare=False)
-    group_name: str
-    world: int
-    compress: str | None
-    entries: tuple[LayoutEntry, ...]
-    pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
-
-    def digest(self) -> str:
-        text = repr((self.world, self.compress, self.entries))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def buckets(self) -> list[list[LayoutEntry]]:
-        out: list[list[LayoutEntry]] = []
-        for e in self.entries:
-            if e.bucket == len(out):
-                out.append([])
-            out[e.bucket].append(e)
-        return out
-
-
-def first_difference(mine: BucketLayout, theirs: BucketLayout, rank: int) -> str:
-    if mine.compress != theirs.compress:
-        return f"compress={mine.compress!r} here, {theirs.compress!r} on rank {rank}"
-    for a, b in zip(mine.entries, theirs.entries):
-        if a != b:
-            return (f"first differing parameter: {a.name} {a.dtype}{list(a.shape)} in bucket {a.bucket} here, "
-                    f"{b.name} {b.dtype}{list(b.shape)} in bucket {b.bucket} on rank {rank}")
-    shorter, longer = sorted((mine, theirs), key=lambda x: len(x.entries))
-    extra = longer.entries[len(shorter.entries)]
-    where = "here" if longer is mine else f"on rank {rank}"
-    return f"first differing parameter: {extra.name} has a gradient {where} only"
-
-
 def check_layout(layout: BucketLayout) -> None:
     """All ranks gather each other's layout digest; on any mismatch every rank raises, naming the
     first differing parameter (e.g. one frozen on one rank only, or different passes)."""
     gathered: list = [None] * layout.world
-    dist.all_gather_object(gathered, (layout.digest(), layout.compress, layout.entries), group=layout.group)
-    me = dist.get_rank(layout.group)
+    dist.all_gather_object(gathered, (layout.digest(), layout.compress, layout.entries), group=layout.dim.group)
+    me = layout.dim.rank
     for rank, (digest, compress, entries) in enumerate(gathered):
         if digest != layout.digest():
-            theirs = BucketLayout(None, layout.group_name, layout.world, compress, entries)
+            theirs = BucketLayout(layout.dim, compress, entries)
             raise DistributedError(
                 f"rank {me}: the gradient bucket layout differs from rank {rank}'s, so their all-reduces "
-                f"would not match; {first_difference(layout, theirs, rank)}. Every rank must optimize the "
+                f"would not match; {layout.first_difference(theirs, rank)}. Every rank must optimize the "
                 f"same model with the same trainable parameters, passes and cost model.")
 
 
 def check_layouts(graphs: dict) -> None:
     """Check the layout of every graph an overlap pass rewrote (none: nothing to do)."""
     for gm in graphs.values():
-        layout = gm.meta.get(OVERLAP_META)
+        layout = recorded(gm).buckets
         if layout is not None:
             check_layout(layout)
 
 
 def communicates(graphs: dict) -> bool:
-    return any(OVERLAP_META in gm.meta for gm in graphs.values())
+    return any(recorded(gm).buckets is not None for gm in graphs.values())
 
 
 class GradientSync:
@@ -155,7 +93,7 @@ class GradientSync:
             self.accumulated = True
         elif mode == "sync_accumulated":
             for gm in graphs.values():
-                layout = gm.meta.get(OVERLAP_META)
+                layout = recorded(gm).buckets
                 if layout is not None:
                     load_pending(layout, gm, model)
             self.accumulated = False
@@ -177,25 +115,3 @@ def load_pending(layout: BucketLayout, gm: fx.GraphModule, model: nn.Module) -> 
                 buffer[offset:offset + numel].copy_(param.grad.reshape(-1))
                 param.grad = None
             offset += numel
-
-
-def single_process_group() -> None:
-    """A one-rank gloo group where none exists, so that a tool run as one process (`picofx dump`)
-    can show the graphs of a pass that all-reduces."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-
-
-
-def measured_on_first_rank(measure, count: int, group=None) -> list[float]:
-    """`count` numbers that `measure()` returns on the first rank of `group` (a ProcessGroup; None
-    or a DeviceMesh: the world), sent to every other rank, so that ranks decide from the same
-    measurement, taken on a rank no other rank competes with for the machine; `measure()` itself
-    where no process group runs. Every rank of the group must call it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return measure()
-    group = group if isinstance(group, dist.ProcessGroup) else None
-    first = dist.get_global_rank(group, 0) if group is not None else 0
-    values = torch.tensor(measure() if dist.get_rank() == first else [0.0] * count, dtype=torch.float64)
-    dist.broadcast(values, src=first, group=group)
-    return values.tolist()

@@ -26,7 +26,7 @@ MAX_REPLANS = 2
 
 
 def measuring_passes(manager: PassManager) -> list:
-    return [p for p in manager.passes if getattr(p, "measure", False) and hasattr(p, "after_measured_step")]
+    return manager.declared("replans")
 
 
 def training_loss(output) -> torch.Tensor:

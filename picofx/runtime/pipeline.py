@@ -11,7 +11,7 @@ gradients, and gradients accumulated before the step are left alone: `scale_grad
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from picofx.manager import Context
+from picofx.parallel.layouts import recorded
+from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
 
 
@@ -30,7 +32,7 @@ class StageModule(nn.Module):
 
     def __init__(self, model: nn.Module, gm: fx.GraphModule, constants: dict):
         super().__init__()
-        self.stage = gm.meta["picofx_stage"]
+        self.stage = recorded(gm).stage
         self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
         self.constants = constants
         for slot in self.resident:
@@ -83,56 +85,18 @@ def example_value(node_val, requires_grad: bool) -> torch.Tensor:
     return t.requires_grad_(requires_grad and t.is_floating_point())
 
 
-@dataclass
-class PipelineGroups:
-    pp: dist.ProcessGroup
-    dp: dist.ProcessGroup | None
-    rank: int          # this rank's place in the pipeline
-    ranks: int
-
-
-def pipeline_groups(group, stages: int) -> PipelineGroups:
-    """The pipeline's process group: `group` (a ProcessGroup, or a DeviceMesh with "pp" and
-    optionally "dp" dimensions), or the whole world, which must then hold exactly `stages` ranks."""
-    if not dist.is_initialized():
-        raise RuntimeError("Pipeline: torch.distributed is not initialized; run under torchrun and call "
-                           "dist.init_process_group(timeout=...) before picofx.optimize.")
-    dp = None
-    if group is None:
-        world = dist.get_world_size()
-        if world != stages:
-            raise ValueError(f"Pipeline: the world has {world} ranks but the pipeline {stages} stages; "
-                             + ("pass group=DeviceMesh with 'dp' and 'pp' dimensions to run "
-                                f"{world // stages} data-parallel replicas." if world % stages == 0 else
-                                f"the world size must be a multiple of {stages}."))
-        pp = dist.group.WORLD
-    elif hasattr(group, "mesh_dim_names"):
-        names = group.mesh_dim_names or ()
-        if "pp" not in names:
-            raise ValueError(f"Pipeline: the DeviceMesh has dimensions {names}; it needs one named 'pp'.")
-        pp = group["pp"].get_group()
-        dp = group["dp"].get_group() if "dp" in names else None
-    else:
-        pp = group
-    ranks = dist.get_world_size(pp)
-    if ranks != stages:
-        raise ValueError(f"Pipeline: the pipeline group has {ranks} ranks for {stages} stages per rank set; "
-                         "they must be equal.")
-    return PipelineGroups(pp, dp, dist.get_rank(pp), ranks)
-
-
 class PipelineStep:
     """This rank's part of a pipelined training step."""
 
     def __init__(self, graphs: list[fx.GraphModule], model: nn.Module, manager, ctx: Context, report, signature):
-        self.layout = graphs[0].meta["picofx_pipeline"]
-        options = self.layout.options
-        self.groups = pipeline_groups(options.group, options.stages)
-        check_same_cuts(self.layout, self.groups.pp)
-        self.ties = tie_groups(self.layout.tied, options, self.groups, model)
-        self.options, self.signature, self.report = options, signature, report
-        self.microbatches = options.microbatches
-        mine = [g for g in graphs if g.meta["picofx_stage"].index % self.groups.ranks == self.groups.rank]
+        self.layout = layout = recorded(graphs[0]).pipeline
+        self.dims = pipeline_dims(layout.mesh_spec, ctx.mesh, layout.stages)
+        pp = self.dims.pp
+        check_same_cuts(layout, pp.group)
+        self.ties = tie_groups(layout.tied, self.dims, model)
+        self.signature, self.report = signature, report
+        self.microbatches = layout.microbatches
+        mine = [g for g in graphs if recorded(g).stage.index % pp.size == pp.rank]
         self.modules, self.stages, self.stage_graphs, self.graph_of = [], [], {}, {}
         self.module = nn.Module()  # every parameter and buffer of this rank's stages, original names
         start = time.perf_counter()
@@ -141,20 +105,16 @@ class PipelineStep:
             self.graph_of[module.stage.index] = gm
             inputs, carried = self._example_inputs(module, gm)
             # Passes that name the graph's inputs (overlap) read this stage's; data-parallel
-            # passes without a group of their own use this pipeline's data-parallel group.
-            options_here = {**ctx.options, "input_names": [None if isinstance(s, str) or s.kind != "parameter"
-                                                           else s.target for s in module.stage.inputs]}
-            if self.groups.dp is not None:
-                options_here["process_group"] = self.groups.dp
-            stage_ctx = Context(model=model, example_inputs=inputs, device=ctx.device, backend=ctx.backend,
-                                options=options_here, cost_model=ctx.cost_model)
+            # passes find this pipeline's data-parallel dimension on its mesh.
+            names = [None if isinstance(s, str) or s.kind != "parameter" else s.target for s in module.stage.inputs]
+            stage_ctx = replace(ctx, example_inputs=inputs, input_names=names, mesh=self.dims.mesh or ctx.mesh)
             manager.announce(f"stage{module.stage.index}", gm, stage_ctx)
             run, compiled = compile_graph(gm, inputs, manager, stage_ctx)
             object.__setattr__(module, "run", run)
             outputs = [example_value(n.meta["val"], True) for n in pytree.tree_leaves(gm.graph.output_node().args[0])]
             self.stages.append(PipelineStage(module, module.stage.index, module.stage.num_stages, ctx.device,
                                              input_args=tuple(carried), output_args=tuple(outputs),
-                                             group=self.groups.pp))
+                                             group=pp.group))
             self.modules.append(module)
             self.stage_graphs[module.stage.index] = compiled
             for slot in module.resident:
@@ -163,16 +123,16 @@ class PipelineStep:
         report.compile_seconds = time.perf_counter() - start
         report.sections["pipeline"] = self.layout.table()
         scale = 1.0 / self.microbatches
-        schedule_class = get_schedule_class(options.schedule)
+        schedule_class = get_schedule_class(layout.schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
-        self.schedule = schedule_class(self.stages[0] if single else self.stages, options.microbatches,
+        self.schedule = schedule_class(self.stages[0] if single else self.stages, layout.microbatches,
                                        loss_fn=lambda loss, _target: loss * scale, scale_grads=False)
         self.holds_first = any(s.is_first for s in self.stages)
         self.holds_last = any(s.is_last for s in self.stages)
         # Gradients averaged over data-parallel replicas inside each backward by a pass (overlap), or
         # here after the schedule, in one all-reduce.
-        self.averages_in_graph = any(getattr(p, "communicates", False) for p in manager.passes)
-        self.last_rank = dist.get_global_rank(self.groups.pp, (options.total_stages - 1) % self.groups.ranks)
+        self.averages_in_graph = bool(manager.declared("communicates"))
+        self.last_rank = dist.get_global_rank(pp.group, (layout.total_stages - 1) % pp.size)
 
     def _example_inputs(self, module: StageModule, gm: fx.GraphModule) -> tuple[list, list]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -204,14 +164,14 @@ class PipelineStep:
         self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if self.holds_last else \
             torch.zeros((), device=user[0].device)
-        dist.broadcast(loss, src=self.last_rank, group=self.groups.pp)
+        dist.broadcast(loss, src=self.last_rank, group=self.dims.pp.group)
         for name, group in self.ties:  # a tied parameter's gradient: the sum of its stages' parts
             param = self.module.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
-        if self.groups.dp is not None and not self.averages_in_graph:
-            average_gradients(self.module.parameters(), self.groups.dp)
+        if self.dims.dp is not None and not self.averages_in_graph:
+            average_gradients(self.module.parameters(), self.dims.dp.group)
         return loss
 
     def predict_stages(self, cost_model) -> dict[int, float]:
@@ -239,33 +199,24 @@ class PipelineStep:
         return times
 
 
-def tie_groups(tied: dict, options, groups: PipelineGroups, model: nn.Module) -> list:
+def tie_groups(tied: dict, dims: PipelineDims, model: nn.Module) -> list:
     """(parameter name, process group of the ranks whose stages read it) for each tied parameter
     this rank holds; every rank of the world creates every group, in the same order."""
     if not tied:
         return []
-    world = dist.get_world_size()
-    if hasattr(options.group, "mesh_dim_names"):
-        mesh = options.group
-        pp_last = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1)
-        pipelines = pp_last.reshape(-1, groups.ranks).tolist()  # each replica's pipeline, in stage order
-    elif options.group is None:
-        pipelines = [list(range(world))]
-    else:
+    if dims.pipelines is None:
         ties = [f"{' = '.join(parameter_names(model, name))} read by stages {stages}" for name, stages in tied.items()]
         raise ValueError(f"Pipeline: a parameter read by more than one stage (tied weights): {'; '.join(ties)}; "
                          "with a group of your own picofx cannot sum its gradients: pass a DeviceMesh, untie it, "
                          "or name cuts that keep it in one stage.")
-    me, held = dist.get_rank(), []
+    wanted = []
     for name, stages in sorted(tied.items()):
-        for ranks in pipelines:
-            members = sorted({ranks[s % groups.ranks] for s in stages})
-            if len(members) < 2:
-                continue  # the rank's own stages: autograd already sums them
-            group = dist.new_group(members)
-            if me in members:
-                held.append((name, group))
-    return held
+        for ranks in dims.pipelines:
+            members = sorted({ranks[s % dims.pp.size] for s in stages})
+            if len(members) > 1:  # else the rank's own stages: autograd already sums them
+                wanted.append((name, members))
+    groups = subgroups([members for _, members in wanted])
+    return [(name, group) for (name, _), group in zip(wanted, groups) if group is not None]
 
 
 def check_same_cuts(layout, group: dist.ProcessGroup) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import picofx
+from picofx.parallel.layouts import recorded
 from picofx.capture.export import capture
 from picofx.cost.balance import Unit, balanced_cuts, plan_for
 from picofx.cost.device import Link
@@ -100,7 +101,7 @@ def _split(balance, stages=2, layers=4, virtual=1, schedule="1F1B"):
 
 
 def _stage_parameters(gm):
-    return sorted(s.target for s in gm.meta["picofx_stage"].inputs if not isinstance(s, str) and s.kind == "parameter")
+    return sorted(s.target for s in recorded(gm).stage.inputs if not isinstance(s, str) and s.kind == "parameter")
 
 
 def test_layers_balance_gives_each_stage_equal_layers_and_every_parameter_once():
@@ -109,7 +110,7 @@ def test_layers_balance_gives_each_stage_equal_layers_and_every_parameter_once()
     assert "embedding.weight" in first and not any(p.startswith(("decoder_layers.2", "decoder_layers.3")) for p in first)
     assert "final_proj.weight" in last and not any(p.startswith(("decoder_layers.0", "decoder_layers.1")) for p in last)
     assert sorted(first + last) == sorted(n for n, _ in build("llama-tiny", num_hidden_layers=4).model.named_parameters())
-    assert result.graphs[-1].meta["picofx_stage"].outputs and len(result.graphs[0].meta["picofx_stage"].outputs) == 2
+    assert recorded(result.graphs[-1]).stage.outputs and len(recorded(result.graphs[0]).stage.outputs) == 2
 
 
 def test_module_paths_choose_where_stages_begin():
@@ -120,8 +121,8 @@ def test_module_paths_choose_where_stages_begin():
 
 def test_cost_balance_is_no_slower_than_layers_and_says_why():
     layers, cost = _split("layers", layers=3), _split("cost", layers=3)
-    layer_plan = layers.graphs[0].meta["picofx_pipeline"].plan
-    cost_layout = cost.graphs[0].meta["picofx_pipeline"]
+    layer_plan = recorded(layers.graphs[0]).pipeline.plan
+    cost_layout = recorded(cost.graphs[0]).pipeline
     assert max(s.time for s in cost_layout.plan.stages) <= max(s.time for s in layer_plan.stages)
     table = cost_layout.table()
     assert "bubble" in table and "cut 1: before" in table and "slowest stage" in table
@@ -214,7 +215,7 @@ def test_errors_reach_every_rank_before_or_instead_of_a_hang_and_tied_weights_su
     start = time.monotonic()
     results = run_ranks("errors", 2, tmp_path)
     for rank, r in enumerate(results):
-        assert "the world has 2 ranks but the pipeline 3 stages" in r["world"]
+        assert "world of 2 ranks does not divide into groups of 3 (pp 3)" in r["world"]
         tied = r["tied"]  # the embedding and head are one parameter, read by both stages
         assert tied["loss_error"] is None and tied["grad_errors"] == [], tied
         assert "model.embed_tokens.weight" in tied["parameters"]

@@ -5,12 +5,15 @@ import pytest
 import torch
 from torch import nn
 
+from picofx.parallel.layouts import recorded
 from picofx.capture.export import capture_call
+from picofx.capture.vocabulary import SIGNATURE_META
 from picofx.cost.model import CostModel
 from picofx.manager import Context
 from picofx.optimize import graph_inputs
 from picofx.passes import Pipeline
-from picofx.passes.pipeline import chain_units, keep_loss_only
+from picofx.cost.chain import chain_units
+from picofx.passes.pipeline import keep_loss_only
 from picofx.runtime.unit_clock import measure_units
 
 WIDE, NARROW = 2048, 16  # the wide block's matmuls do 128x the narrow blocks' work, forward and backward
@@ -41,7 +44,7 @@ def _captured(widths, batch: int = 256):
     model = Chain(widths)
     kwargs = {"x": torch.randn(batch, 128), "labels": torch.randn(batch, 128)}
     gm = capture_call(model, (), kwargs, nn.functional.mse_loss)
-    return model, gm, graph_inputs(gm.meta["picofx_signature"], model, (), kwargs)
+    return model, gm, graph_inputs(gm.meta[SIGNATURE_META], model, (), kwargs)
 
 
 def _block_times(widths):
@@ -71,7 +74,7 @@ def test_measured_cuts_leave_the_wide_block_alone_on_its_stage():
     model, gm, inputs = _captured([NARROW, NARROW, WIDE, NARROW])
     ctx = Context(model=model, example_inputs=inputs, device=torch.device("cpu"), cost_model=CostModel())
     result = Pipeline(stages=3, schedule="GPipe", microbatches=4, measure=True)(gm, ctx)
-    layout = result.graphs[0].meta["picofx_pipeline"]
+    layout = recorded(result.graphs[0]).pipeline
     assert result.notes["unit_times"] == "measured"
     firsts = [layout.units[c].label for c in layout.plan.cuts]
     assert firsts[0].startswith("blocks.2") and not firsts[1].startswith("blocks.2"), firsts

@@ -22,6 +22,7 @@ from torch import fx
 
 from picofx.cost.inductor.switches import InductorSwitches
 from picofx.cost.liveness import Schedule
+from picofx.capture.vocabulary import VIEW_OPS
 
 aten = torch.ops.aten
 
@@ -38,10 +39,7 @@ INDEXED_READERS = {aten.gather.default, aten.index.Tensor, aten.scatter_add.defa
                    aten.scatter.value, aten.scatter_reduce.two, aten.index_put.default, aten.where.self}
 INDEXED_LOADS = {aten.gather.default, aten.index.Tensor}  # indirect loads inside a loop kernel
 ELEMENTWISE = {aten.slice_scatter.default, aten.select_scatter.default, aten.constant_pad_nd.default}
-VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-         aten.permute.default, aten.t.default, aten.transpose.int, aten.unsqueeze.default,
-         aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
-         aten.alias.default}
+VIEWS = VIEW_OPS
 
 
 def is_pointwise(node: fx.Node) -> bool:

@@ -1,0 +1,110 @@
+"""What the distributed passes decide and the runtime applies, as types.
+
+A pass records its decision on the graph it rewrote, `layouts_of(gm).buckets = BucketLayout(...)`;
+the runtime reads the same field. One `GraphLayouts` per graph, under one meta key.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+LAYOUTS_META = "picofx_layouts"  # gm.meta: the graph's GraphLayouts
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    name: str  # parameter name (input_<i> where the graph's inputs are not named)
+    shape: tuple
+    dtype: str
+    bucket: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The gradient buckets a backward all-reduces: what every rank's backward must agree on."""
+
+    dim: Any = field(compare=False)  # picofx.parallel.mesh.MeshDim the buckets are reduced over
+    compress: str | None = None
+    entries: tuple[LayoutEntry, ...] = ()
+    pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
+
+    @property
+    def world(self) -> int:
+        return self.dim.size
+
+    def digest(self) -> str:
+        text = repr((self.world, self.compress, self.entries))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def buckets(self) -> list[list[LayoutEntry]]:
+        out: list[list[LayoutEntry]] = []
+        for e in self.entries:
+            if e.bucket == len(out):
+                out.append([])
+            out[e.bucket].append(e)
+        return out
+
+    def first_difference(self, theirs: "BucketLayout", rank: int) -> str:
+        if self.compress != theirs.compress:
+            return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
+        for a, b in zip(self.entries, theirs.entries):
+            if a != b:
+                return (f"first differing parameter: {a.name} {a.dtype}{list(a.shape)} in bucket {a.bucket} here, "
+                        f"{b.name} {b.dtype}{list(b.shape)} in bucket {b.bucket} on rank {rank}")
+        shorter, longer = sorted((self, theirs), key=lambda x: len(x.entries))
+        extra = longer.entries[len(shorter.entries)]
+        where = "here" if longer is self else f"on rank {rank}"
+        return f"first differing parameter: {extra.name} has a gradient {where} only"
+
+
+@dataclass(frozen=True)
+class StageSignature:
+    """What a pipeline stage graph's placeholders and outputs are."""
+
+    index: int
+    num_stages: int
+    inputs: list           # InputSlot (parameter, buffer, constant) or the name of a carried value
+    outputs: list[str]     # names of the carried values it returns (the last stage: the loss)
+
+
+@dataclass
+class PipelineLayout:
+    """Where the pipeline pass cut the step and how its stages run."""
+
+    stages: int                      # pipeline ranks
+    virtual: int                     # stages per rank
+    schedule: str                    # a torch.distributed.pipelining schedule's name
+    microbatches: int
+    mesh_spec: Any                   # what the pass was given: None, a ProcessGroup or a DeviceMesh
+    units: list                      # picofx.cost.balance.Unit, in order
+    plan: Any                        # picofx.cost.balance.PipelinePlan
+    tied: dict[str, list[int]] = field(default_factory=dict)  # parameter -> stages that read it
+
+    @property
+    def total_stages(self) -> int:
+        return self.stages * self.virtual
+
+    def table(self) -> str:
+        return self.plan.table(self.units)
+
+
+@dataclass
+class GraphLayouts:
+    """Every layout recorded on one graph; None where no pass decided one."""
+
+    buckets: BucketLayout | None = None      # pass overlap: the backward's gradient all-reduce
+    stage: StageSignature | None = None      # pass pipeline: this graph is one stage
+    pipeline: PipelineLayout | None = None   # pass pipeline: the whole cut
+
+
+def layouts_of(gm: fx.GraphModule) -> GraphLayouts:
+    """The graph's layouts, made empty on first use."""
+    return gm.meta.setdefault(LAYOUTS_META, GraphLayouts())
+
+
+def recorded(gm: fx.GraphModule) -> GraphLayouts:
+    """The graph's layouts without adding any (an empty one where none was recorded)."""
+    return gm.meta.get(LAYOUTS_META) or GraphLayouts()

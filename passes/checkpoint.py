@@ -42,10 +42,11 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.cost.model import CostModel, StepMemory, is_alias, optimizer_state_bytes, resident_keys
-from picofx.cost.liveness import storage_key, tensor_values
+from picofx.cost.liveness import NodeFacts
 from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.errors import BudgetError
+from picofx.heap import heap_frozen
 from picofx.cost.units import check_budget, format_bytes, parse_budget
 from picofx.capture.vocabulary import traced_module_path
 from picofx.cost.recompute import Segment, analyze, signature
@@ -81,6 +82,7 @@ class Planner:
         self.groups = list(groups.values())
         self.by_name = {n.name: n for n in joint.graph.nodes}
         self.cache: dict[tuple, Prediction] = {}
+        self.facts = NodeFacts()  # each node's storages, asked again by every simulation
 
     def recompute_set(self, levels: tuple) -> frozenset:
         names = frozenset().union(*(seg.options[k].recompute for seg, k in zip(self.segments, levels)))
@@ -94,20 +96,21 @@ class Planner:
         recompute = self.recompute_set(levels)
         fw, bw = predict_partition(self.joint, recompute, self.num_fwd_outputs, self.forward)
         saved = self._saved_per_segment(fw)
-        timelines = self.cost_model.timelines(fw, bw)
-        prediction = Prediction(levels, recompute, self.cost_model.step_memory(fw, bw, self.optimizer_state, timelines),
+        timelines = self.cost_model.timelines(fw, bw, self.facts)
+        prediction = Prediction(levels, recompute,
+                                self.cost_model.step_memory(fw, bw, self.optimizer_state, timelines, self.facts),
                                 saved, self._local_terms(timelines, saved), fw.outputs, bw.steps)
         self.cache[levels] = prediction
         return prediction
 
     def _saved_per_segment(self, fw) -> list[int]:
         """Bytes of the storages the forward returns, by the segment of the node that allocated them."""
-        allocator, resident = {}, resident_keys(fw)
+        allocator, resident = {}, resident_keys(fw, self.facts)
         for node in fw.steps:
-            for t in tensor_values(node.meta.get("val")):
-                if storage_key(t) not in resident:
-                    allocator.setdefault(storage_key(t), (node, t.untyped_storage().nbytes()))
-        returned = {storage_key(t) for out in fw.outputs if out is not None for t in tensor_values(out.meta.get("val"))}
+            for key, nbytes, _ in self.facts.storages(node):
+                if key not in resident:
+                    allocator.setdefault(key, (node, nbytes))
+        returned = {key for out in fw.outputs if out is not None for key, _, _ in self.facts.storages(out)}
         saved = [0] * len(self.segments)
         for key, (node, nbytes) in allocator.items():
             if key in returned and node in self.segment_of:
@@ -237,6 +240,10 @@ class Checkpoint:
             check_budget(self.budget)  # a bad budget fails here, before the model is captured
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        with heap_frozen():  # the simulations allocate millions of small objects
+            return self._plan(gm, ctx)
+
+    def _plan(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         _clear_own_tags(gm)
         cost_model = ctx.cost_model or CostModel(ctx.device)
         params = list(ctx.model.parameters()) if ctx.model is not None else []

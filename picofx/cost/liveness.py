@@ -34,6 +34,59 @@ def tensor_values(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def value_storages(node: fx.Node) -> list[tuple]:
+    """(storage key, storage bytes, dtype) of each tensor of the node's value."""
+    return [(storage_key(t), t.untyped_storage().nbytes(), t.dtype) for t in tensor_values(node.meta.get("val"))]
+
+
+class NodeFacts:
+    """What a simulation reads of each node (its value's storages, its input nodes), computed on
+    the first ask and kept: a planner simulates the same graph's nodes over and over. Valid while
+    the nodes and their values stay as they were; the planner that simulates owns one."""
+
+    def __init__(self):
+        self._storages: dict[fx.Node, list[tuple]] = {}
+        self._inputs: dict[fx.Node, list[fx.Node]] = {}
+        self._memos: dict = {}
+
+    def storages(self, node: fx.Node) -> list[tuple]:
+        found = self._storages.get(node)
+        if found is None:
+            found = self._storages[node] = value_storages(node)
+        return found
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        found = self._inputs.get(node)
+        if found is None:
+            found = self._inputs[node] = node.all_input_nodes
+        return found
+
+    def per_node(self, fn):
+        """`fn(node)` (a node's scratch bytes), each node's answer kept here."""
+        memo = self._memos.setdefault(fn, {})
+
+        def kept(node: fx.Node):
+            if node not in memo:
+                memo[node] = fn(node)
+            return memo[node]
+
+        return kept
+
+
+class FreshFacts:
+    """The same questions as `NodeFacts`, answered from the nodes every time (one-off simulations)."""
+
+    storages = staticmethod(value_storages)
+
+    @staticmethod
+    def inputs(node: fx.Node) -> list[fx.Node]:
+        return node.all_input_nodes
+
+    @staticmethod
+    def per_node(fn):
+        return fn
+
+
 def storage_bytes(node: fx.Node) -> int:
     """Bytes of the storages the node's value lives in (a view counts its whole base)."""
     return sum(t.untyped_storage().nbytes() for t in tensor_values(node.meta.get("val")))
@@ -113,19 +166,26 @@ class Fusion:
 
 
 def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool = True, held=(),
-             workspace=None, fusion: Fusion | None = None) -> Timeline:
+             workspace=None, fusion: Fusion | None = None, facts=None) -> Timeline:
     """Simulate a graph's execution. `resident`: storage keys that are never counted (parameters,
     buffers, the step's inputs). `frees_inputs`: the graph drops its inputs after their last
     use (boxed calling convention); otherwise they stay live until the graph returns. `held`:
     values the caller keeps alive throughout (the forward's outputs during the backward).
     `workspace(node)`: scratch bytes the node's kernel holds while it runs, beyond its outputs.
     `fusion`: the graph runs as a fusing compiler's kernels (values in registers, fused kernels
-    whose inputs live until they end, buffers reused)."""
+    whose inputs live until they end, buffers reused). `facts`: a `NodeFacts` kept across
+    simulations of one graph."""
     s = graph if isinstance(graph, Schedule) else schedule_of(graph)
     s = Schedule([*s.inputs, *held], s.steps, s.outputs)
     fusion = fusion or Fusion()
-    st, owner = _storages(s, resident, fusion.in_registers, fusion.kernel_local)
-    st.reads, st.runs_at = _kernel_reads(s.steps, fusion.in_registers, owner, st.allocates, fusion.kernel_end)
+    facts = facts or FreshFacts()
+    st, owner = _storages(s, resident, fusion.in_registers, fusion.kernel_local, facts)
+    if fusion.in_registers or fusion.kernel_end:
+        st.reads, st.runs_at = _kernel_reads(s.steps, fusion.in_registers, owner, st.allocates, fusion.kernel_end,
+                                             facts)
+    else:  # graph order: each step reads its inputs' storages as it runs
+        st.reads = [{i for arg in facts.inputs(node) for i in owner.get(arg, ())} for node in s.steps]
+        st.runs_at = list(range(len(s.steps)))
     copy_read_by = _add_copies(st, s.steps, owner, fusion.copies)
     st.last_use = [-1] * len(st.size)
     for k, node in enumerate(s.steps):
@@ -145,33 +205,33 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
     return Timeline(s.steps, live, input_bytes, output_bytes, allocated_by)
 
 
-def _storages(s: Schedule, resident: set, in_registers, kernel_local) -> tuple[Storages, dict[fx.Node, list[int]]]:
+def _storages(s: Schedule, resident: set, in_registers, kernel_local,
+              facts) -> tuple[Storages, dict[fx.Node, list[int]]]:
     st = Storages()
     owner: dict[fx.Node, list[int]] = {}  # node -> ids of the storages its tensors live in
     keys = []
 
-    def new_storage(key, t: torch.Tensor, is_counted: bool) -> int:
+    def new_storage(key, nbytes: int, dtype, is_counted: bool) -> int:
         keys.append(key)
-        return st.add(t.untyped_storage().nbytes(), t.dtype, is_counted)
+        return st.add(nbytes, dtype, is_counted)
 
     by_key: dict = {}
     for node in s.inputs:
         ids = []
-        for t in tensor_values(node.meta.get("val")):
-            key = storage_key(t)
+        for key, nbytes, dtype in facts.storages(node):
             if key not in by_key:
-                by_key[key] = new_storage(key, t, key not in resident)
+                by_key[key] = new_storage(key, nbytes, dtype, key not in resident)
                 st.input_of[by_key[key]] = node
             ids.append(by_key[key])
         owner[node] = ids
     st.inputs = set(range(len(st.size)))
     for node in s.steps:
-        inputs = {keys[i]: i for arg in node.all_input_nodes for i in owner.get(arg, ())}
+        values = facts.storages(node)
+        inputs = {keys[i]: i for arg in facts.inputs(node) for i in owner.get(arg, ())} if values else {}
         ids, new = [], []
-        for t in tensor_values(node.meta.get("val")):
-            key = storage_key(t)
+        for key, nbytes, dtype in values:
             if key not in inputs:
-                inputs[key] = new_storage(key, t, node.op != "get_attr" and node not in in_registers
+                inputs[key] = new_storage(key, nbytes, dtype, node.op != "get_attr" and node not in in_registers
                                           and node not in kernel_local)
                 new.append(inputs[key])
                 if node in kernel_local:
@@ -217,14 +277,14 @@ def live_bytes(st: Storages, steps, workspace, counted=None, size=None) -> tuple
     return live, allocated_by
 
 
-def _kernel_reads(steps, in_registers, owner, allocates, kernel_end) -> tuple[list[set[int]], list[int]]:
+def _kernel_reads(steps, in_registers, owner, allocates, kernel_end, facts) -> tuple[list[set[int]], list[int]]:
     """Per step, the storages its kernel reads and the step at which that kernel ends. A value
     kept in registers (or a view of one) is computed inside the kernels of its readers, so its
     own inputs are read there, when the last of those runs."""
     index = {node: k for k, node in enumerate(steps)}
     deferred = set()
     for k, node in enumerate(steps):
-        if node in in_registers or (not allocates[k] and any(a in deferred for a in node.all_input_nodes)):
+        if node in in_registers or (not allocates[k] and any(a in deferred for a in facts.inputs(node))):
             deferred.add(node)
     runs_at = [index[kernel_end[node]] if node in kernel_end else k for k, node in enumerate(steps)]
     for k in reversed(range(len(steps))):
@@ -233,7 +293,7 @@ def _kernel_reads(steps, in_registers, owner, allocates, kernel_end) -> tuple[li
     reads: list[set[int]] = []
     for node in steps:
         ids = set()
-        for arg in node.all_input_nodes:
+        for arg in facts.inputs(node):
             ids.update(reads[index[arg]] if arg in deferred else owner.get(arg, ()))
         reads.append(ids)
     return reads, runs_at

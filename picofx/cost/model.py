@@ -27,7 +27,7 @@ from picofx.capture.vocabulary import module_path, traced_module_path
 from picofx.cost.units import format_bytes
 from picofx.cost.device import Device, device_for
 from picofx.cost.inductor.model import memory_model_for
-from picofx.cost.liveness import Schedule, Timeline, schedule_of, storage_key, tensor_values
+from picofx.cost.liveness import FreshFacts, Schedule, Timeline, schedule_of, storage_key, tensor_values
 from picofx.cost.inductor.workspace import workspace_bytes
 
 # A matmul's backward is two matmuls of its size; a pointwise backward reads and writes about twice.
@@ -154,36 +154,40 @@ class CostModel:
         return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
 
     def step_memory(self, forward: fx.GraphModule | Schedule, backward: fx.GraphModule | Schedule,
-                    optimizer_state: int = 0, timelines: tuple[Timeline, Timeline] | None = None) -> StepMemory:
+                    optimizer_state: int = 0, timelines: tuple[Timeline, Timeline] | None = None,
+                    facts=None) -> StepMemory:
         """The step's memory from its partitioned graphs, or from their predicted schedules
-        (and their `timelines`, where the caller has them already)."""
+        (and their `timelines`, where the caller has them already). `facts`: the
+        `picofx.cost.liveness.NodeFacts` of a caller that simulates one graph many times."""
         fw_s, bw_s = _schedule(forward), _schedule(backward)
-        fw, bw = timelines or self.timelines(fw_s, bw_s)
-        params, others = parameter_bytes(fw_s, bw_s)
+        fw, bw = timelines or self.timelines(fw_s, bw_s, facts)
+        params, others = parameter_bytes(fw_s, bw_s, facts)
         return StepMemory(parameters=params, other_resident=others, optimizer_state=optimizer_state,
-                          saved_activations=saved_bytes(fw_s, bw_s), gradients=bw.output_bytes,
+                          saved_activations=saved_bytes(fw_s, bw_s, facts), gradients=bw.output_bytes,
                           forward_peak=fw.peak, backward_peak=bw.peak,
                           forward_peak_at=_where(fw), backward_peak_at=_where(bw))
 
-    def timelines(self, forward, backward) -> tuple[Timeline, Timeline]:
+    def timelines(self, forward, backward, facts=None) -> tuple[Timeline, Timeline]:
         """The forward's and the backward's; with `holds_outputs`, the forward's user outputs
         (returned values the backward does not take) stay live through the backward."""
         fw_s, bw_s = _schedule(forward), _schedule(backward)
-        resident = resident_keys(fw_s)
+        resident = resident_keys(fw_s, facts)
         taken = {n.name for n in bw_s.inputs}
         held = [n for n in fw_s.outputs if n is not None and n.name not in taken] if self.holds_outputs else []
-        return (self.memory.timeline(fw_s, resident, workspace=self.scratch),
+        scratch = facts.per_node(self.scratch) if facts else self.scratch
+        return (self.memory.timeline(fw_s, resident, workspace=scratch, facts=facts),
                 self.memory.timeline(bw_s, resident, frees_inputs=self.backward_frees_inputs, held=held,
-                                     workspace=self.scratch))
+                                     workspace=scratch, facts=facts))
 
 
 def _schedule(graph) -> Schedule:
     return graph if isinstance(graph, Schedule) else schedule_of(graph)
 
 
-def resident_keys(forward: Schedule) -> set:
+def resident_keys(forward: Schedule, facts=None) -> set:
     """Storage keys of the forward's inputs (parameters, buffers, the step's inputs)."""
-    return {storage_key(t) for n in forward.inputs for t in tensor_values(n.meta.get("val"))}
+    facts = facts or FreshFacts()
+    return {key for n in forward.inputs for key, _, _ in facts.storages(n)}
 
 
 def _where(t: Timeline) -> str:
@@ -196,7 +200,7 @@ def _where(t: Timeline) -> str:
 
 
 
-def parameter_bytes(forward: Schedule, backward: Schedule) -> tuple[int, int]:
+def parameter_bytes(forward: Schedule, backward: Schedule, facts=None) -> tuple[int, int]:
     """(bytes of the inputs that get a gradient, bytes of the other inputs), distinct storages.
     The backward returns one gradient (or None) per forward input, in order."""
     inputs = forward.inputs
@@ -204,28 +208,28 @@ def parameter_bytes(forward: Schedule, backward: Schedule) -> tuple[int, int]:
     grads += [None] * (len(inputs) - len(grads))
     sizes: dict = {}
     with_grad = set()
+    facts = facts or FreshFacts()
     for node, grad in zip(inputs, grads):
-        for t in tensor_values(node.meta.get("val")):
-            key = storage_key(t)
-            sizes[key] = t.untyped_storage().nbytes()
+        for key, nbytes, _ in facts.storages(node):
+            sizes[key] = nbytes
             if grad is not None:
                 with_grad.add(key)
     params = sum(sizes[k] for k in with_grad)
     return params, sum(sizes.values()) - params
 
 
-def saved_bytes(forward: Schedule, backward: Schedule) -> int:
+def saved_bytes(forward: Schedule, backward: Schedule, facts=None) -> int:
     """Distinct storages the forward returns for the backward (the saved activations), not
     counting resident ones (parameters, inputs)."""
-    resident = resident_keys(forward)
+    facts = facts or FreshFacts()
+    resident = resident_keys(forward, facts)
     taken = {n.name for n in backward.inputs}
     sizes = {}
     for arg in forward.outputs:
         if arg is not None and arg.name in taken:
-            for t in tensor_values(arg.meta.get("val")):
-                key = storage_key(t)
+            for key, nbytes, _ in facts.storages(arg):
                 if key not in resident:
-                    sizes[key] = t.untyped_storage().nbytes()
+                    sizes[key] = nbytes
     return sum(sizes.values())
 
 

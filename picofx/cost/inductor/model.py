@@ -34,14 +34,16 @@ class InductorMemoryModel:
     fuses_pointwise = True
 
     def timeline(self, schedule: Schedule, resident: set, *, frees_inputs: bool = True, held=(),
-                 workspace=None) -> Timeline:
+                 workspace=None, facts=None) -> Timeline:
+        """`facts`: a `picofx.cost.liveness.NodeFacts` kept across simulations of one graph."""
         reason = unvouched()
         if reason is not None:
             warn_once(reason)
             return self.measured_timeline(schedule, resident, frees_inputs=frees_inputs, held=held,
                                           workspace=workspace)
         ordered, fusion = inductor_fusion(schedule, InductorSwitches.current())
-        return timeline(ordered, resident, frees_inputs=frees_inputs, held=held, workspace=workspace, fusion=fusion)
+        return timeline(ordered, resident, frees_inputs=frees_inputs, held=held, workspace=workspace, fusion=fusion,
+                        facts=facts)
 
     @staticmethod
     def measured_timeline(schedule: Schedule, resident: set, *, frees_inputs: bool = True, held=(),
@@ -62,8 +64,8 @@ class GraphOrderMemoryModel:
     fuses_pointwise = False
 
     def timeline(self, schedule: Schedule, resident: set, *, frees_inputs: bool = True, held=(),
-                 workspace=None) -> Timeline:
-        return timeline(schedule, resident, frees_inputs=frees_inputs, held=held, workspace=workspace)
+                 workspace=None, facts=None) -> Timeline:
+        return timeline(schedule, resident, frees_inputs=frees_inputs, held=held, workspace=workspace, facts=facts)
 
 
 def memory_model_for(backend: str) -> InductorMemoryModel | GraphOrderMemoryModel:

@@ -118,9 +118,13 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
         node.meta["val"] = inserter.fake_value(node)
         if _dtypes(node.meta["val"]) != before:
             retyped.add(node)
+    checked = set()  # each layer repeats the same calls: one real run answers for all of them
     for node in gm.graph.nodes:
         if node.op == "call_function" and _mixed_by_the_pass(node, traced_dtypes):
-            _check_accepts_dtypes(node)
+            call = _call_key(node)
+            if call not in checked:
+                checked.add(call)
+                _check_accepts_dtypes(node)
     restore = {n: d for n, d in captured.items() if d is not None and dtype_of(n) != d}
     if restore:
         output.args = pytree.tree_map_only(
@@ -154,6 +158,15 @@ def _check_accepts_dtypes(node: fx.Node) -> None:
             node.target(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError) as error:
         _raise_rejected(node, error)
+
+
+def _call_key(node: fx.Node) -> str:
+    """The call `_check_accepts_dtypes` makes for the node (its op, its inputs' shapes and dtypes,
+    its other arguments): equal for nodes that would run the same check."""
+    def described(n):
+        val = n.meta.get("val")
+        return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else val
+    return repr((node.target, pytree.tree_map_only(fx.Node, described, (node.args, node.kwargs))))
 
 
 def _raise_rejected(node: fx.Node, error: Exception):

@@ -25,15 +25,22 @@ from picofx.runtime.distributed import GradientSync, check_layouts, communicates
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
+from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.parallel.layouts import ShardLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
 
-def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict) -> list:
+def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict, shards=None) -> list:
     """The graph's placeholders' values for a call: the model's own parameters and buffers, and the
-    call's tensors made contiguous (compiled code is specialised on the captured strides)."""
+    call's tensors made contiguous (compiled code is specialised on the captured strides). With a
+    ShardLayout (pass shard), its parameters' padded local shards."""
     user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-    return [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
-            for slot in signature.inputs]
+    values = [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
+              for slot in signature.inputs]
+    if shards is None:
+        return values
+    return local_inputs(shards, [slot.target if slot.kind == "parameter" else None for slot in signature.inputs],
+                        values)
 
 
 @dataclass
@@ -43,9 +50,10 @@ class CompiledStep:
     graph_module: fx.GraphModule   # the transformed forward graph, before partitioning
     graphs: dict                   # "joint", "forward", "backward" graphs as the passes left them
     report: Report
+    shards: ShardLayout | None = None  # pass shard: the graph takes these parameters' local shards
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
-        outputs = self.run(graph_inputs(self.signature, model, args, kwargs))
+        outputs = self.run(graph_inputs(self.signature, model, args, kwargs, self.shards))
         user_outputs = []
         with torch.no_grad():
             for (kind, target), value in zip(self.signature.outputs, outputs):
@@ -105,10 +113,15 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend=backend)
         return step
+    shards = recorded(graphs[0]).shards
+    if shards is not None:  # pass shard: the ranks agree on the layout, then the parameters become shards
+        check_layouts({"forward": graphs[0]})
+        apply_shard_layout(shards, model)
+        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
         def peak_of(compiled):
-            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report)
+            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report, shards)
             return measure_step_peak(lambda: step(model, args, kwargs), model, (args, kwargs))
 
         run, stage_graphs = compile_measured(graphs[0], lambda gm: compile_graph(gm, inputs, manager, ctx),
@@ -127,7 +140,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     report.compile_seconds = time.perf_counter() - start
     tell(instruments, "end", backend=backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
-    return CompiledStep(signature, run, graphs[0], stage_graphs, report)
+    return CompiledStep(signature, run, graphs[0], stage_graphs, report, shards)
 
 
 class OptimizedModule(nn.Module):

@@ -61,6 +61,53 @@ class BucketLayout:
 
 
 @dataclass(frozen=True)
+class ShardEntry:
+    name: str              # the model's parameter name
+    shape: tuple           # the whole parameter's shape
+    padded_rows: int       # rows of every rank's shard as the graph takes it (ceil(rows / ranks))
+    dtype: str
+    bucket: int            # the all-gather it travels in
+    requires_grad: bool
+    local_rows: int = field(default=0, compare=False)  # this rank's own rows (DTensor's uneven chunks)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The parameters a sharded step takes as dim-0 shards and gathers: what every rank's graph
+    must agree on."""
+
+    dim: Any = field(compare=False)  # picofx.parallel.mesh.MeshDim the parameters are sharded over
+    reshard_after_forward: bool = True
+    entries: tuple[ShardEntry, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return self.dim.size
+
+    def digest(self) -> str:
+        text = repr((self.world, self.reshard_after_forward, self.entries))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def first_difference(self, theirs: "ShardLayout", rank: int) -> str:
+        if self.reshard_after_forward != theirs.reshard_after_forward:
+            return (f"reshard_after_forward={self.reshard_after_forward} here, "
+                    f"{theirs.reshard_after_forward} on rank {rank}")
+        for a, b in zip(self.entries, theirs.entries):
+            if a != b:
+                return (f"first differing parameter: {a.name} {describe_shard(a)} here, "
+                        f"{b.name} {describe_shard(b)} on rank {rank}")
+        shorter, longer = sorted((self, theirs), key=lambda x: len(x.entries))
+        extra = longer.entries[len(shorter.entries)]
+        where = "here" if longer is self else f"on rank {rank}"
+        return f"first differing parameter: {extra.name} is sharded {where} only"
+
+
+def describe_shard(e: ShardEntry) -> str:
+    return (f"{e.dtype}{list(e.shape)} ({'trainable' if e.requires_grad else 'frozen'}, "
+            f"{e.padded_rows} rows per rank, bucket {e.bucket})")
+
+
+@dataclass(frozen=True)
 class StageSignature:
     """What a pipeline stage graph's placeholders and outputs are."""
 
@@ -98,6 +145,7 @@ class GraphLayouts:
     buckets: BucketLayout | None = None      # pass overlap: the backward's gradient all-reduce
     stage: StageSignature | None = None      # pass pipeline: this graph is one stage
     pipeline: PipelineLayout | None = None   # pass pipeline: the whole cut
+    shards: ShardLayout | None = None        # pass shard: the parameters taken as shards and gathered
 
 
 def layouts_of(gm: fx.GraphModule) -> GraphLayouts:

@@ -9,13 +9,14 @@ mismatch, a capture error) raises the same error on every rank where the cause i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
 from picofx.errors import DistributedError
-from picofx.parallel.layouts import BucketLayout, recorded
+from picofx.parallel.layouts import BucketLayout, ShardLayout, recorded
 
 def launched_world(environ) -> int | None:
     """How many processes torchrun started (its WORLD_SIZE in `environ`, a mapping such as
@@ -36,27 +37,31 @@ def first_failure(message: str | None, group=None) -> tuple[int, str] | None:
     return next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
 
 
-def check_layout(layout: BucketLayout) -> None:
-    """All ranks gather each other's layout digest; on any mismatch every rank raises, naming the
-    first differing parameter (e.g. one frozen on one rank only, or different passes)."""
+def check_layout(layout: BucketLayout | ShardLayout) -> None:
+    """All ranks gather each other's layout (gradient buckets or parameter shards); on any mismatch
+    every rank raises, naming the first differing parameter (e.g. one frozen on one rank only, or
+    different passes)."""
+    mine = layout.digest()
     gathered: list = [None] * layout.world
-    dist.all_gather_object(gathered, (layout.digest(), layout.compress, layout.entries), group=layout.dim.group)
+    # the MeshDim holds process groups, which do not pickle; first_difference does not read it
+    dist.all_gather_object(gathered, (mine, dataclasses.replace(layout, dim=None)), group=layout.dim.group)
     me = layout.dim.rank
-    for rank, (digest, compress, entries) in enumerate(gathered):
-        if digest != layout.digest():
-            theirs = BucketLayout(layout.dim, compress, entries)
+    what, collectives = (("gradient bucket", "all-reduces") if isinstance(layout, BucketLayout)
+                         else ("parameter shard", "all-gathers and reduce-scatters"))
+    for rank, (digest, theirs) in enumerate(gathered):
+        if digest != mine:
             raise DistributedError(
-                f"rank {me}: the gradient bucket layout differs from rank {rank}'s, so their all-reduces "
+                f"rank {me}: the {what} layout differs from rank {rank}'s, so their {collectives} "
                 f"would not match; {layout.first_difference(theirs, rank)}. Every rank must optimize the "
                 f"same model with the same trainable parameters, passes and cost model.")
 
 
 def check_layouts(graphs: dict) -> None:
-    """Check the layout of every graph an overlap pass rewrote (none: nothing to do)."""
+    """Check the layouts of every graph a distributed pass rewrote (none: nothing to do)."""
     for gm in graphs.values():
-        layout = recorded(gm).buckets
-        if layout is not None:
-            check_layout(layout)
+        for layout in (recorded(gm).shards, recorded(gm).buckets):
+            if layout is not None:
+                check_layout(layout)
 
 
 def communicates(graphs: dict) -> bool:

@@ -33,7 +33,9 @@ from picofx.examples.train_args import parse_args, picofx_passes, run_options
 from picofx.examples.train_data import Batches, DataError, load_tokens
 from picofx.examples.train_metrics import Layout, throughput
 from picofx.manager import pass_name
-from picofx.runtime.distributed import DistributedError, first_failure
+from picofx.errors import DistributedError
+from picofx.parallel import ParallelMesh
+from picofx.runtime.distributed import first_failure
 
 # Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
 # and keeps its traceback.
@@ -97,19 +99,16 @@ class Ranks:
             torch.distributed.destroy_process_group()
 
 
-def parallel_passes(args) -> list:
-    """The passes of --dp and --pp, on torchrun's process group."""
+def parallel_passes(args) -> tuple[list, object]:
+    """The passes of --dp and --pp, and the run's mesh of ranks (None in one process)."""
     if args.world == 1:
-        return []
+        return [], None
+    mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=args.device.split(":")[0])
     if args.pp == 1:
-        return ["overlap"]
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(args.device.split(":")[0], (args.dp, args.pp), mesh_dim_names=("dp", "pp"))
+        return ["overlap"], mesh
     pipeline = picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                      virtual=2 if "Interleaved" in args.schedule else 1, group=mesh,
-                                      measure=args.measure_cuts)
-    return [pipeline, *(["overlap"] if args.dp > 1 else [])]  # each stage's grads averaged in its backward
+                                      virtual=2 if "Interleaved" in args.schedule else 1, measure=args.measure_cuts)
+    return [pipeline, *(["overlap"] if args.dp > 1 else [])], mesh  # each stage's grads averaged in its backward
 
 
 def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
@@ -152,7 +151,7 @@ def layout_line(args) -> str:
 
 def setup(args, ranks: Ranks) -> Session:
     """The model, its data, the optimized step and the optimizer, resumed where --resume says."""
-    extra_passes = parallel_passes(args)
+    extra_passes, mesh = parallel_passes(args)
     torch.manual_seed(args.seed)
     positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
     config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
@@ -160,7 +159,7 @@ def setup(args, ranks: Ranks) -> Session:
     batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
     passes = [*picofx_passes(args), *extra_passes]
-    opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend,
+    opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)
     optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's

@@ -1,0 +1,112 @@
+"""Sharded data parallel (ZeRO-3 / FSDP), predicted: memory per rank and step time with the
+parameter all-gathers and gradient reduce-scatters overlapped layer by layer.
+
+Memory per rank = the sharded training state (parameters, gradients, AdamW's two moments: 16
+bytes per parameter in fp32, over the ranks) + the step's activations (as one rank of the
+replicated step predicts them) + the full parameters of the layers gathered at once (the one
+computing and `prefetch` ahead) + one layer's full gradient before its reduce-scatter.
+
+Time: each layer's gather is issued `prefetch` layers ahead, its compute waits for it; in the
+backward each layer is gathered again (`reshard_after_forward`) and its gradient reduce-scattered
+once its backward ends. The link runs one collective at a time, in issue order; compute one
+layer at a time. What the link adds past the compute is the exposed communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from picofx.cost.device import Link
+from picofx.cost.units import format_bytes
+
+ADAMW_STATE_BYTES = 16  # fp32 parameter, gradient and two moments
+
+
+def ring_all_gather_seconds(nbytes: int, world: int, link: Link) -> float:
+    """Ring all-gather of a tensor of `nbytes` in all (each rank holds nbytes/world): world-1 steps."""
+    if world <= 1 or nbytes == 0:
+        return 0.0
+    return (world - 1) / world * nbytes / link.bandwidth + (world - 1) * link.latency
+
+
+ring_reduce_scatter_seconds = ring_all_gather_seconds  # the same steps, summing on the way
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One unit of sharding: its parameters' count and its compute seconds."""
+
+    name: str
+    parameters: int
+    forward_s: float
+    backward_s: float
+
+
+def overlapped(computes: list[float], gathers: list[float], reduces: list[float], prefetch: int) -> float:
+    """Seconds until the last compute and the last collective end. Layer i's gather is issued when
+    layer i-1-prefetch's compute ends (at once for the first ones); its compute starts when the
+    gather and layer i-1's compute are done; its reduce-scatter is issued when its compute ends."""
+    link = compute = 0.0
+    ends: list[float] = []
+    issued: list[tuple[float, float]] = []  # (issue time, seconds) of reduce-scatters waiting for the link
+    for i, (work, gather) in enumerate(zip(computes, gathers)):
+        issue = ends[i - 1 - prefetch] if i - 1 - prefetch >= 0 else 0.0
+        while issued and issued[0][0] <= issue:  # earlier reduce-scatters go first
+            at, seconds = issued.pop(0)
+            link = max(link, at) + seconds
+        link = max(link, issue) + gather
+        compute = max(compute, link if gather else 0.0) + work
+        ends.append(compute)
+        if reduces[i]:
+            issued.append((compute, reduces[i]))
+    for at, seconds in issued:
+        link = max(link, at) + seconds
+    return max(compute, link)
+
+
+@dataclass(frozen=True)
+class ShardPrediction:
+    world: int
+    parameters: int
+    state_bytes: int           # sharded parameters, gradients and moments on one rank
+    activation_bytes: int      # the step's activation peak on one rank
+    gathered_bytes: int        # full parameters gathered at once, and one layer's full gradient
+    compute_s: float
+    step_s: float
+    communication_s: float     # every collective's time, end to end
+
+    @property
+    def memory_per_rank(self) -> int:
+        return self.state_bytes + self.activation_bytes + self.gathered_bytes
+
+    @property
+    def exposed_s(self) -> float:
+        return self.step_s - self.compute_s
+
+    def arithmetic(self) -> list[str]:
+        return [
+            f"state: {self.parameters / 1e9:.2f}B parameters x {ADAMW_STATE_BYTES} bytes / {self.world} ranks = "
+            f"{format_bytes(self.state_bytes)}",
+            f"activations (one rank's micro-batch, predicted): {format_bytes(self.activation_bytes)}",
+            f"gathered layers and one layer's full gradient: {format_bytes(self.gathered_bytes)}",
+            f"memory per rank: {format_bytes(self.memory_per_rank)}",
+            f"compute {self.compute_s * 1e3:.1f} ms + exposed communication {self.exposed_s * 1e3:.1f} ms "
+            f"(of {self.communication_s * 1e3:.1f} ms on the link) = step {self.step_s * 1e3:.1f} ms"]
+
+
+def predict_sharded(layers: list[Layer], activation_bytes: int, world: int, link: Link, *, prefetch: int = 1,
+                    reshard_after_forward: bool = True, gather_bytes_per_parameter: int = 4,
+                    reduce_bytes_per_parameter: int = 4) -> ShardPrediction:
+    """Memory and step time of one rank when `layers` (in forward order) are sharded over `world`."""
+    gather = [ring_all_gather_seconds(layer.parameters * gather_bytes_per_parameter, world, link) for layer in layers]
+    reduce = [ring_reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link)
+              for layer in layers]
+    forward = overlapped([layer.forward_s for layer in layers], gather, [0.0] * len(layers), prefetch)
+    backward_gathers = gather[::-1] if reshard_after_forward else [0.0] * len(layers)
+    backward = overlapped([layer.backward_s for layer in reversed(layers)], backward_gathers, reduce[::-1], prefetch)
+    parameters = sum(layer.parameters for layer in layers)
+    largest = sorted((layer.parameters for layer in layers), reverse=True)
+    gathered = sum(largest[:1 + prefetch]) * gather_bytes_per_parameter + largest[0] * reduce_bytes_per_parameter
+    communication = sum(gather) * (2 if reshard_after_forward else 1) + sum(reduce)
+    return ShardPrediction(world, parameters, -(-parameters * ADAMW_STATE_BYTES // world), activation_bytes, gathered,
+                           sum(layer.forward_s + layer.backward_s for layer in layers), forward + backward,
+                           communication)

@@ -4,8 +4,6 @@ Each returns plain tensors and facts (gathered gradients as full tensors); the t
 compares them with single-process references."""
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -40,6 +38,11 @@ def saved_gathers(forward_graph) -> int:
     return count
 
 
+def row_bytes(model) -> int:
+    """One first-dimension row of every parameter: the most padding a rank can hold."""
+    return sum(p[0].numel() * p.element_size() for p in model.parameters())
+
+
 def facts(model) -> dict:
     """Where the parameters and gradients live after a sharded step."""
     params = dict(model.named_parameters())
@@ -50,25 +53,98 @@ def facts(model) -> dict:
             "local_grad_bytes": sum(p.grad.to_local().numel() * 4 for p in params.values() if p.grad is not None)}
 
 
-def reference_llama_checks(rank: int, world: int, batch: int, backend: str = "eager") -> dict:
+def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: str) -> dict:
     """Shard on the reference LLaMA: one step (loss, gathered gradients, where they live), the
-    graphs' collectives, then AdamW steps (gathered parameters)."""
+    graphs' collectives; AdamW steps with gradient clipping (gathered parameters); the DCP round
+    trip; reshard_after_forward=False on the same model's copy."""
     z = zoo.build("llama-tiny", batch=batch)
-    full_bytes = local_bytes(z.model)
-    names = [n for n, _ in z.model.named_parameters()]
-    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard()], backend=backend,
+    out = {"full_bytes": local_bytes(z.model), "row_bytes": row_bytes(z.model), "names": [n for n, _ in z.model.named_parameters()]}
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard()], backend="eager",
                           loss_fn=z.loss_fn)
-    out = {"forward_ops": op_counts(opt.graphs["forward"]), "backward_ops": op_counts(opt.graphs["backward"]),
-           "saved_gathers": saved_gathers(opt.graphs["forward"]),
-           "notes": {r.name + "." + r.graph_role: r.notes for r in opt.report.records}, "full_bytes": full_bytes}
+    out.update(graph_facts(opt))
     out["loss"] = opt.forward_backward(**shard(z.example_inputs, rank, world))
     out["grads"] = gathered_grads(z.model)
     out.update(facts(z.model))
-    out["names"] = (names, [n for n, _ in opt.named_parameters()])
+    out["opt_names"] = [n for n, _ in opt.named_parameters()]
+    out.update(adamw_steps(opt, z, rank, world))
+    out["state_dict"] = round_trip(opt, checkpoint_dir, rank)
+    out["kept"] = kept_gathers_checks(rank, world, batch)
+    return out
+
+
+def graph_facts(opt) -> dict:
+    return {"forward_ops": op_counts(opt.graphs["forward"]), "backward_ops": op_counts(opt.graphs["backward"]),
+            "saved_gathers": saved_gathers(opt.graphs["forward"]),
+            "notes": {f"{r.stage.value}.{r.graph_role}": r.notes for r in opt.report.records if r.name == "shard"}}
+
+
+def adamw_steps(opt, z, rank: int, world: int, steps: int = 3) -> dict:
+    """AdamW over the sharded parameters, clipping the gradient norm first (as a training loop does)."""
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
-    for step in range(3):
+    norms = []
+    for step in range(steps):
         clear(z.model)
         opt.forward_backward(**shard(later_batch(z.example_inputs, step + 5), rank, world))
+        norms.append(full(torch.nn.utils.clip_grad_norm_(opt.parameters(), max_norm=1.0)))
         optimizer.step()
-    out["params"] = {n: full(p) for n, p in z.model.named_parameters()}
+    state_bytes = sum(v.to_local().numel() * v.element_size() for s in optimizer.state.values()
+                      for v in s.values() if isinstance(v, DTensor))
+    return {"params": {n: full(p) for n, p in z.model.named_parameters()}, "norms": torch.stack(norms),
+            "optimizer_state_bytes": state_bytes}
+
+
+def round_trip(opt, checkpoint_dir: str, rank: int) -> dict | None:
+    """get_model_state_dict + dcp.save from every rank; rank 0 converts the checkpoint to a torch
+    file and loads it into a plain model (strict=True); returns that model's state_dict there."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save(get_model_state_dict(opt), checkpoint_id=f"{checkpoint_dir}/dcp")
+    dist.barrier()
+    if rank != 0:
+        return None
+    dcp_to_torch_save(f"{checkpoint_dir}/dcp", f"{checkpoint_dir}/model.pt")
+    plain = zoo.build("llama-tiny", seed=7).model  # other values: the load must replace all of them
+    plain.load_state_dict(torch.load(f"{checkpoint_dir}/model.pt"), strict=True)
+    return {k: v.clone() for k, v in plain.state_dict().items()}
+
+
+def kept_gathers_checks(rank: int, world: int, batch: int) -> dict:
+    """reshard_after_forward=False: the backward reads the forward's gathered parameters."""
+    z = zoo.build("llama-tiny", batch=batch)
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard(reshard_after_forward=False)],
+                          backend="eager", loss_fn=z.loss_fn)
+    return {**graph_facts(opt), "loss": opt.forward_backward(**shard(z.example_inputs, rank, world)),
+            "grads": gathered_grads(z.model)}
+
+
+def hf_llama_checks(rank: int, world: int, batch: int, vocab_size: int) -> dict:
+    """Shard with fuse on Hugging Face Llama whose vocabulary does not divide by the ranks."""
+    z = zoo.build("hf-llama-tiny", batch=batch, vocab_size=vocab_size)
+    full_bytes, rows = local_bytes(z.model), row_bytes(z.model)
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), ["fuse", Shard()], backend="eager")
+    out = {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": gathered_grads(z.model),
+           "full_bytes": full_bytes, "row_bytes": rows, **facts(z.model), **graph_facts(opt)}
+    out["local_rows"] = {n: p.to_local().shape[0] for n, p in z.model.named_parameters()}
     return out
+
+
+def mismatched_layout(rank: int, world: int) -> float:
+    """Rank 1 freezes one parameter: every rank must refuse before any gather."""
+    z = zoo.build("llama-tiny", batch=2)
+    if rank == 1:
+        z.model.get_parameter("decoder_layers.1.mlp.up_proj.weight").requires_grad_(False)
+    picofx.optimize(z.model, z.example_inputs, [Shard()], backend="eager", loss_fn=z.loss_fn)
+
+
+def inductor_checks(rank: int, world: int, batch: int) -> dict:
+    """Shard under Inductor: loss, gradients and the generated code's collectives."""
+    from torch._inductor.utils import run_and_get_code
+
+    z = zoo.build("llama-tiny", batch=batch)
+    local = shard(z.example_inputs, rank, world)
+    opt, code = run_and_get_code(lambda: picofx.optimize(z.model, local, ["fuse", Shard()], backend="inductor",
+                                                         loss_fn=z.loss_fn))
+    return {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model), "code": code}

@@ -22,8 +22,9 @@ from picofx.runtime.distributed import launched_world
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
-RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches")
-SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp"}
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard")
+SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
+                 "shard": "--shard"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -120,6 +121,9 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (pass pipeline; run under torchrun)")
     p.add_argument("--dp", type=at_least(1),
                    help="data-parallel replicas (run under torchrun); default: all ranks not used by --pp")
+    p.add_argument("--shard", action="store_true",
+                   help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
+                        "as FSDP) instead of each holding a replica (pass overlap)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1F1B", help="pipeline schedule")
     p.add_argument("--microbatches", type=at_least(1), default=4, help="micro-batches per step and replica under --pp")
     p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
@@ -150,7 +154,9 @@ def parse_args(argv=None, doc: str = "", environ=None):
 
 def check_layout(args, world: int | None) -> None:
     """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
-    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("pp", args.pp)) if v not in (None, 1))
+    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("pp", args.pp)) if v not in (None, 1)) + \
+        (" --shard" if args.shard else "")
+    layout = layout.strip()
     args.dp_default = world is not None and args.dp is None
     if world is None:  # one process, not launched by torchrun
         if layout:
@@ -168,6 +174,9 @@ def check_layout(args, world: int | None) -> None:
     elif args.dp * args.pp != world:
         raise ValueError(f"the layout --dp {args.dp} x --pp {args.pp} is {args.dp * args.pp} ranks, but torchrun "
                          f"started {world}: launch with --nproc-per-node {args.dp * args.pp}, or change --dp/--pp")
+    if args.shard and args.pp > 1:
+        raise ValueError("--shard with --pp is not supported yet: run --shard alone (data-parallel ranks that "
+                         "shard), or --dp with --pp (replicas of a pipeline)")
     if args.pp > 1:
         virtual = 2 if "Interleaved" in args.schedule else 1
         if args.microbatches < args.pp * virtual:

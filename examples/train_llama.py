@@ -103,7 +103,10 @@ def parallel_passes(args) -> tuple[list, object]:
     """The passes of --dp and --pp, and the run's mesh of ranks (None in one process)."""
     if args.world == 1:
         return [], None
-    mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=args.device.split(":")[0])
+    device = args.device.split(":")[0]
+    if args.shard:  # the data-parallel ranks shard the model
+        return ["shard"], ParallelMesh.build(dp_shard=args.dp, device_type=device)
+    mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
         return ["overlap"], mesh
     pipeline = picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
@@ -142,6 +145,8 @@ class Session(typing.NamedTuple):
 def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
+    if args.shard:
+        return f"{args.world} ranks: sharded data parallel, each holding 1/{args.dp} of the model, on its own batches"
     if args.pp == 1:
         default = " (the default under torchrun: --dp/--pp choose another layout)" if args.dp_default else ""
         return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{default}"
@@ -216,7 +221,10 @@ def main(argv=None) -> dict:
                          replica=ranks.replica, options=run_options(args))
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
-    if args.pp == 1:
+    if args.shard:  # the parameters are shards: the compiled step gathers them (same shapes, no recompilation)
+        with torch.no_grad():
+            val_loss = s.opt_model(**val).item()
+    elif args.pp == 1:
         with torch.no_grad():
             val_loss = causal_lm_loss(s.model.eval()(val["input_ids"]), val["labels"]).item()
     else:  # a rank holds one stage: the loss comes through the schedule, whose gradients are dropped

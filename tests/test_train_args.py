@@ -28,6 +28,7 @@ def test_one_process_is_one_replica():
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],
      "--microbatches 5 is not a whole number of rounds; pass --microbatches 4"),
+    (["--shard", "--pp", "2"], "--shard with --pp is not supported yet"),
 ])
 def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -48,3 +49,9 @@ def test_memory_budget_becomes_the_checkpoint_pass_budget(text, budget):
     fuse, checkpoint = picofx_passes(args)
     assert fuse == "fuse" and checkpoint == picofx.passes.Checkpoint(budget=budget)
     assert picofx_passes(parse_args(["--passes", "checkpoint"], environ={})) == ["checkpoint"]
+
+
+def test_shard_in_one_process_says_how_to_launch_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--shard"], environ={})
+    assert exit_.value.code == 2 and "--shard runs one process per rank: launch it with torchrun" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""examples/train_llama.py on 2 gloo ranks, data parallel and pipelined: --save then --resume goes
+"""examples/train_llama.py on 2 gloo ranks, data parallel, pipelined and sharded: --save then --resume goes
 on exactly as the run that did not stop, and a pipeline reports the whole model's FLOPs per token."""
 import importlib
 import os
@@ -26,7 +26,7 @@ def straight_then_saved_then_resumed(rank: int, world: int, layout: list, direct
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2"]], ids=["dp", "pp"])
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2"], ["--shard"]], ids=["dp", "pp", "shard"])
 def test_save_and_resume_continue_bit_for_bit(layout, tmp_path):
     results = run_ranks(straight_then_saved_then_resumed, 2, layout, str(tmp_path / "run"), timeout=400,
                         collective_timeout=120)

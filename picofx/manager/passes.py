@@ -175,6 +175,8 @@ def resolve_passes(passes) -> list:
 
 
 def pass_name(p) -> str:
+    if isinstance(p, str):  # a registered name
+        return p
     return getattr(p, "pass_name", None) or getattr(p, "__name__", None) or type(p).__name__.lower()
 
 

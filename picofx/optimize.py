@@ -25,7 +25,7 @@ from picofx.runtime.distributed import GradientSync, check_layouts, communicates
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
-from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.runtime.shard import apply_shard_layout, local_inputs, whole_parameters
 from picofx.parallel.layouts import ShardLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
@@ -98,17 +98,19 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
             cache_note = f"off: {e}"
     tell(instruments, "begin", cached=entry is not None)
     start = time.perf_counter()
-    gm = None if entry else capture_call(model, args, kwargs, loss_fn)
-    signature = cached_signature(entry) if entry else gm.meta[SIGNATURE_META]
-    report = Report(backend=backend, input_key=input_key(args, kwargs), capture_seconds=time.perf_counter() - start,
-                    records=cached_records(entry) if entry else manager.records,
-                    sections={"cache": cache_note} if cache_note else {})
-    inputs = graph_inputs(signature, model, args, kwargs)
-    gm = prepared_graph(entry, inputs, signature) if entry else gm
-    ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model, options=options,
-                          mesh=mesh, gradient_sync=gradient_sync, cache_directory=cache.directory if cache else None)
-    manager.announce("captured", gm, ctx)
-    graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
+    with whole_parameters(model):  # a model an earlier step sharded is captured whole
+        gm = None if entry else capture_call(model, args, kwargs, loss_fn)
+        signature = cached_signature(entry) if entry else gm.meta[SIGNATURE_META]
+        report = Report(backend=backend, input_key=input_key(args, kwargs),
+                        capture_seconds=time.perf_counter() - start, records=cached_records(entry) if entry else manager.records,
+                        sections={"cache": cache_note} if cache_note else {})
+        inputs = graph_inputs(signature, model, args, kwargs)
+        gm = prepared_graph(entry, inputs, signature) if entry else gm
+        ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model, options=options,
+                              mesh=mesh, gradient_sync=gradient_sync,
+                              cache_directory=cache.directory if cache else None)
+        manager.announce("captured", gm, ctx)
+        graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend=backend)

@@ -84,6 +84,15 @@ class ShardLayout:
     def world(self) -> int:
         return self.dim.size
 
+    def device_mesh(self, device_type: str):
+        """The one-dimensional DeviceMesh of the layout's ranks, the DTensors' mesh (made from the
+        dimension's process group where the pass was given a bare group)."""
+        if self.dim.device_mesh is not None:
+            return self.dim.device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.dim.group, device_type, mesh_dim_names=("dp_shard",))
+
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
         text = repr((self.world, self.reshard_after_forward, shared))  # local_rows differ by rank

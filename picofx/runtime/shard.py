@@ -10,21 +10,13 @@ clipping and torch.distributed.checkpoint then work on the model as after FSDP2'
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from picofx.parallel.layouts import ShardLayout
-
-
-def device_mesh_of(layout: ShardLayout, device: torch.device):
-    """The one-dimensional DeviceMesh of the layout's ranks (made from its process group where the
-    pass was given a bare group)."""
-    if layout.dim.device_mesh is not None:
-        return layout.dim.device_mesh
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(layout.dim.group, device.type, mesh_dim_names=("dp_shard",))
 
 
 @torch.no_grad()
@@ -36,7 +28,7 @@ def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
         param = model.get_parameter(entry.name)
         if isinstance(param, DTensor) or id(param) in replaced:
             continue
-        mesh = device_mesh_of(layout, param.device)
+        mesh = layout.device_mesh(param.device.type)
         # src_data_rank=None: every rank takes its chunk of its own copy (no broadcast), as fully_shard does
         local = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
         replaced[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
@@ -46,6 +38,29 @@ def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in replaced:
                 module._parameters[name] = replaced[id(param)]
+
+
+@contextlib.contextmanager
+def whole_parameters(model: nn.Module):
+    """A model an earlier step sharded, with whole parameters in place of its DTensors while a new
+    step is captured (a recapture: new input shapes, eval mode): gathered (a collective over the
+    shard ranks, which recapture together as they train together), then the DTensors put back."""
+    sharded = {id(p): p for p in model.parameters() if isinstance(p, DTensor)}
+    if not sharded:
+        yield
+        return
+    whole = {key: nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad) for key, p in sharded.items()}
+    swapped = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in sharded:
+                module._parameters[name] = whole[id(param)]
+                swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def local_inputs(layout: ShardLayout, names: list, values: list) -> list:

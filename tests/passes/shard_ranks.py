@@ -56,9 +56,10 @@ def facts(model) -> dict:
 def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: str) -> dict:
     """Shard on the reference LLaMA: one step (loss, gathered gradients, where they live), the
     graphs' collectives; AdamW steps with gradient clipping (gathered parameters); the DCP round
-    trip; reshard_after_forward=False on the same model's copy."""
+    trip; reshard_after_forward=False on a fresh model."""
     z = zoo.build("llama-tiny", batch=batch)
-    out = {"full_bytes": local_bytes(z.model), "row_bytes": row_bytes(z.model), "names": [n for n, _ in z.model.named_parameters()]}
+    out = {"full_bytes": local_bytes(z.model), "row_bytes": row_bytes(z.model),
+           "names": [n for n, _ in z.model.named_parameters()]}
     opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard()], backend="eager",
                           loss_fn=z.loss_fn)
     out.update(graph_facts(opt))
@@ -128,6 +129,11 @@ def hf_llama_checks(rank: int, world: int, batch: int, vocab_size: int) -> dict:
     out = {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": gathered_grads(z.model),
            "full_bytes": full_bytes, "row_bytes": rows, **facts(z.model), **graph_facts(opt)}
     out["local_rows"] = {n: p.to_local().shape[0] for n, p in z.model.named_parameters()}
+    clear(z.model)  # a new sequence length: captured again from the sharded model
+    shorter = {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()}
+    out["recaptured_loss"] = opt.forward_backward(**shard(shorter, rank, world))
+    out["recaptured_grads"] = gathered_grads(z.model)
+    out["still_sharded"] = facts(z.model)["local_bytes"] == out["local_bytes"]
     return out
 
 

@@ -123,7 +123,7 @@ def test_reshard_after_forward_false_keeps_gathered_parameters(llama_ranks, llam
     assert kept[0]["saved_gathers"] > 0 and GATHER not in kept[0]["backward_ops"]
 
 
-def test_hf_llama_with_uneven_vocabulary_matches_full_batch():
+def test_hf_llama_with_uneven_vocabulary_and_recapture_match_full_batch():
     vocab = 257  # odd: the embedding and head split 129 + 128 rows, padded to 129 in the graph
     ranks = run_ranks(shard_ranks.hf_llama_checks, 2, BATCH, vocab, timeout=300)
     z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab)
@@ -135,6 +135,12 @@ def test_hf_llama_with_uneven_vocabulary_matches_full_batch():
     assert [r["local_rows"]["model.embed_tokens.weight"] for r in ranks] == [129, 128]
     assert sum(r["local_bytes"] for r in ranks) == ranks[0]["full_bytes"]
     assert all(r["local_bytes"] <= r["full_bytes"] / 2 + r["row_bytes"] for r in ranks)
+    z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab)
+    short_loss = full_batch(z, {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()})
+    assert_mean_loss(ranks, short_loss, "recaptured_loss")
+    for r in ranks:
+        assert_grads(r["recaptured_grads"], grads(z.model), **GRAD)
+        assert r["still_sharded"]
 
 
 def test_layout_mismatch_raises_on_every_rank_within_seconds():

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
+from picofx.heap import heap_frozen
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.rewrite.matcher import prepare
 from picofx.rewrite.pattern_store import PatternStore
@@ -62,6 +63,10 @@ class Fuse:
         return [by_name[r] if isinstance(r, str) else r for r in self.rules]
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        with heap_frozen():  # matching and re-propagation allocate many small objects
+            return self._fuse(gm, ctx)
+
+    def _fuse(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         notes: dict = {}
         near_misses, dropped, tolerances = [], [], []
         rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]

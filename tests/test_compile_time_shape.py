@@ -45,3 +45,46 @@ def test_fuse_work_is_linear_in_layers(work):
     per_layer = (four[work] - two[work]) / 2
     assert four[work] <= 2 * two[work] + 1, (work, two, four)
     assert per_layer <= two[work], (work, two, four)
+
+
+def checkpoint_work(layers: int) -> dict:
+    """What `checkpoint` reads of the joint graph's nodes while it plans: storage facts (once per
+    node for all its simulations, not once per simulation) and simulations run."""
+    import picofx
+    from picofx.cost import liveness
+    from picofx.passes import Checkpoint
+    from picofx.passes.checkpoint import Checkpoint as CheckpointPass
+
+    config = dataclasses.replace(CONFIGS["tiny"], num_hidden_layers=layers)
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (4, 128))
+    counts = {"storages_read": 0, "planning": False}
+    read, plan = liveness.value_storages, CheckpointPass._plan
+
+    def counted_read(node):
+        counts["storages_read"] += counts["planning"]
+        return read(node)
+
+    def counted_plan(self, gm, ctx):
+        counts["planning"], counts["joint_nodes"] = True, len(gm.graph.nodes)
+        try:
+            return plan(self, gm, ctx)
+        finally:
+            counts["planning"] = False
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PICOFX_CACHE", "0")
+        patch.setattr(liveness, "value_storages", counted_read)
+        patch.setattr(CheckpointPass, "_plan", counted_plan)
+        opt = picofx.optimize(Llama(config), {"input_ids": ids, "labels": ids}, [Checkpoint(budget=0.9)],
+                              backend="eager", loss_fn=causal_lm_loss, verify=None)
+    counts["simulations"] = next(r for r in opt.report.records if r.name == "checkpoint").notes["simulations"]
+    return counts
+
+
+def test_checkpoint_work_is_linear_in_layers():
+    two, four = checkpoint_work(2), checkpoint_work(4)
+    assert two["simulations"] > 1
+    for counts in (two, four):  # each node's storages read once, however many simulations
+        assert counts["storages_read"] <= counts["joint_nodes"], counts
+    assert four["simulations"] <= two["simulations"] + 2, (two, four)

@@ -76,7 +76,9 @@ class NodeFacts:
 class FreshFacts:
     """The same questions as `NodeFacts`, answered from the nodes every time (one-off simulations)."""
 
-    storages = staticmethod(value_storages)
+    @staticmethod
+    def storages(node: fx.Node) -> list[tuple]:
+        return value_storages(node)
 
     @staticmethod
     def inputs(node: fx.Node) -> list[fx.Node]:

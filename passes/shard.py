@@ -27,7 +27,8 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import input_slot, is_parameter, is_view, viewed_source
+from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of, viewed_source
+from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
@@ -53,8 +54,10 @@ class Shard:
     """mesh: the ranks to shard over: a mesh dimension's name, a one-dimensional DeviceMesh or a
     ProcessGroup (None: the run's mesh's dp_shard dimension, else every rank).
     reshard_after_forward: gather again in the backward (True) or keep the gathered parameters
-    from the forward (False). bucket, prefetch: accepted for FSDP2's surface; every parameter is
-    gathered on its own, just before its first use, for now. mixed_precision: not yet (None)."""
+    from the forward (False). bucket: which parameters share one all-gather: "auto" (a decoder
+    layer's; FSDP2's unit), bytes or a size string ("16MiB"), or 0 (one gather per parameter).
+    prefetch: issue a bucket's gather this many buckets before its first use (0: just before it),
+    so it overlaps the previous layer's compute. mixed_precision: not yet (None)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -69,6 +72,10 @@ class Shard:
         if self.mixed_precision is not None:
             raise NotImplementedError("Shard(mixed_precision=...) is not supported yet; combine Shard with the "
                                       "'precision' pass for bf16 compute.")
+        if self.bucket not in ("auto", 0):
+            parse_budget(self.bucket)
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"Shard(prefetch={self.prefetch!r}): give a count of buckets, 0 or more")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         if ctx.stage is Stage.FORWARD:
@@ -82,55 +89,134 @@ class Shard:
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim = resolve_dim(self.mesh, ctx.mesh, "dp_shard", "the shard pass")
         mode = fake_mode_of(gm)
-        entries = []
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        params = []  # (first use, placeholder, whole shape) in the order the forward first reads them
         for node in [n for n in gm.graph.nodes if is_parameter(n)]:
             val = node.meta["val"]
             if val.dim() == 0:
                 raise NotImplementedError(f"Shard: parameter {input_slot(node).target} is a scalar; only "
                                           "parameters with a first dimension are sharded.")
+            first = min(node.users, key=order.__getitem__) if node.users else None
+            params.append((first, node, tuple(val.shape)))
+            with mode:  # the placeholder now takes this rank's padded shard
+                node.meta["val"] = torch.empty((padded_rows(val.shape[0], dim.size), *val.shape[1:]),
+                                               dtype=val.dtype, device=val.device)
+        params.sort(key=lambda p: order[p[0]] if p[0] is not None else len(order))
+        buckets = self.buckets([p for p in params if p[0] is not None])
+        entries = []
+        for k, bucket in enumerate(buckets):
+            for first, node, shape in bucket:
+                name = input_slot(node).target
+                entries.append(ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype),
+                                          k, ctx.model.get_parameter(name).requires_grad,
+                                          local_rows(shape[0], dim.size, dim.rank)))
+        issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
+        gathers = [issue_gather(gm.graph, bucket, dim, issued[k]) for k, bucket in enumerate(buckets)]
+        for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
+            wait_and_unpack(gm.graph, bucket, gathered, dim)
+        for first, node, shape in (p for p in params if p[0] is None):  # read by nothing: sharded all the same
             name = input_slot(node).target
-            rows, padded = val.shape[0], padded_rows(val.shape[0], dim.size)
-            requires_grad = ctx.model.get_parameter(name).requires_grad
-            entries.append(ShardEntry(name, tuple(val.shape), padded, str(val.dtype), len(entries), requires_grad,
-                                      local_rows(rows, dim.size, dim.rank)))
-            with mode:
-                node.meta["val"] = torch.empty((padded, *val.shape[1:]), dtype=val.dtype, device=val.device)
-            self.gather_before_first_use(gm, node, rows, dim)
+            entries.append(ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype), -1,
+                                      ctx.model.get_parameter(name).requires_grad,
+                                      local_rows(shape[0], dim.size, dim.rank)))
         gm.graph.eliminate_dead_code()
         layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries))
-        padding = sum(e.padded_rows * dim.size - e.shape[0] for e in entries)
-        return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "padded_rows": padding,
-                                 "reshard_after_forward": self.reshard_after_forward})
+        return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
+                                 "prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
+                                 "gathers": [describe_bucket(b, issued[k], dim.size) for k, b in enumerate(buckets)]})
 
-    def gather_before_first_use(self, gm: fx.GraphModule, node: fx.Node, rows: int, dim: MeshDim) -> None:
-        users = list(node.users)
-        if not users:
-            return
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        first = min(users, key=order.__getitem__)
-        graph = gm.graph
-        with graph.inserting_before(first):
-            gathered = graph.call_function(GATHER, (node, dim.size, dim.group_name))
-            full = graph.call_function(c10d.wait_tensor.default, (gathered,))
-            if padded_rows(rows, dim.size) * dim.size != rows:
-                full = graph.call_function(aten.slice.Tensor, (full, 0, 0, rows))
-        for user in users:
-            user.replace_input_with(node, full)
+    def buckets(self, params: list) -> list[list]:
+        """Parameters in first-use order, cut into gathers: "auto": one per decoder layer, and one
+        per run of parameters outside the layers (the embedding; the final norm and head); a size:
+        consecutive parameters up to that many bytes; 0: one per parameter. Never mixing dtypes."""
+        limit = None if self.bucket == "auto" else 0 if self.bucket == 0 else parse_budget(self.bucket)
+        out: list[list] = []
+        size = 0
+        for param in params:
+            first, node, shape = param
+            val = node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            if out:
+                last = out[-1][-1]
+                same_dtype = last[1].meta["val"].dtype == val.dtype
+                fits = (layer_of(last[0]) == layer_of(first) if limit is None else size + nbytes <= limit)
+                if same_dtype and fits:
+                    out[-1].append(param)
+                    size += nbytes
+                    continue
+            out.append([param])
+            size = nbytes
+        return out
 
     def tag_regather(self, gm: fx.GraphModule) -> PassResult:
-        """Recompute each gather, its wait and every view of the gathered parameter (a transposed
-        weight is what a matmul's backward reads) in the backward instead of saving them."""
+        """Recompute each gather in the backward instead of saving what it gathered: the gather,
+        the flattening of its shards, its wait and every view or copy of the gathered rows (a
+        transposed weight is what a matmul's backward reads)."""
         tagged = 0
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is GATHER:
-                waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
-                pending = [node, *waits]
+                pending = [node, *[a for a in node.all_input_nodes if a.op == "call_function"]]
+                pending += [a for n in pending[1:] for a in n.all_input_nodes if a.op == "call_function"]
+                pending += [u for u in node.users if u.target is c10d.wait_tensor.default]
                 while pending:
                     n = pending.pop()
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    pending += [u for u in n.users if is_view(u)]
+                    pending += [u for u in n.users if is_view(u) or is_copy(u)]
                 tagged += 1
         return PassResult(tagged > 0, {"regathered": tagged})
+
+
+def is_copy(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
+
+
+def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node) -> fx.Node:
+    """All-gather the bucket's padded shards as one flat tensor, issued before node `before`:
+
+        flat = cat([shard.reshape(-1) for shard in bucket])     # (M,), M = the shards' numel
+        gathered = all_gather(flat, N, group)                   # (N * M,): rank r's shards at r * M
+    """
+    shards = [node for _, node, _ in bucket]
+    with graph.inserting_before(before):
+        flat = shards[0] if len(shards) == 1 else graph.call_function(
+            aten.cat.default, ([graph.call_function(aten.reshape.default, (s, [-1])) for s in shards],))
+        return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
+
+
+def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshDim) -> None:
+    """Wait for the bucket's gather before its first use and cut each whole parameter out of it,
+    `rows = gathered.view(N, M); whole_i = rows[:, off_i:off_i + m_i].reshape(N * P_i, ...)[:rows_i]`;
+    the parameters' readers read those instead."""
+    shards = [node for _, node, _ in bucket]
+    with graph.inserting_before(bucket[0][0]):
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        if len(shards) > 1:
+            rows = graph.call_function(aten.view.default,
+                                       (waited, [dim.size, sum(s.meta["val"].numel() for s in shards)]))
+        offset, wholes = 0, []
+        for (_, node, shape), shard in zip(bucket, (s.meta["val"] for s in shards)):
+            whole = waited
+            if len(shards) > 1:
+                piece = graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + shard.numel()))
+                whole = graph.call_function(aten.reshape.default,
+                                            (piece, [dim.size * shard.shape[0], *shard.shape[1:]]))
+                offset += shard.numel()
+            if shard.shape[0] * dim.size != shape[0]:
+                whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
+            wholes.append(whole)
+    flat = gathered.args[0]
+    own = {gathered, flat, *flat.all_input_nodes}  # the nodes that read the shards themselves
+    for node, whole in zip(shards, wholes):
+        for user in [u for u in node.users if u not in own]:
+            user.replace_input_with(node, whole)
+
+
+def describe_bucket(bucket: list, issued: fx.Node, world: int) -> str:
+    names = [input_slot(node).target for _, node, _ in bucket]
+    nbytes = sum(node.meta["val"].numel() * node.meta["val"].element_size() for _, node, _ in bucket) * world
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"{shown}: {nbytes / 2**20:.2f} MiB gathered, issued before {issued.name}, "
+            f"awaited before {bucket[0][0].name}")
 
 
 def average_gradients(gm: fx.GraphModule) -> PassResult:

@@ -73,8 +73,14 @@ def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: st
     return out
 
 
+def collective_order(gm) -> list[str]:
+    """The forward graph's gathers and waits in order ("gather", "wait")."""
+    return ["gather" if "all_gather" in str(n.target) else "wait" for n in gm.graph.nodes
+            if n.op == "call_function" and ("all_gather" in str(n.target) or n.target == WAIT)]
+
+
 def graph_facts(opt) -> dict:
-    return {"forward_ops": op_counts(opt.graphs["forward"]), "backward_ops": op_counts(opt.graphs["backward"]),
+    return {"forward_order": collective_order(opt.graphs["forward"]),"forward_ops": op_counts(opt.graphs["forward"]), "backward_ops": op_counts(opt.graphs["backward"]),
             "saved_gathers": saved_gathers(opt.graphs["forward"]),
             "notes": {f"{r.stage.value}.{r.graph_role}": r.notes for r in opt.report.records if r.name == "shard"}}
 
@@ -113,10 +119,12 @@ def round_trip(opt, checkpoint_dir: str, rank: int) -> dict | None:
 
 
 def kept_gathers_checks(rank: int, world: int, batch: int) -> dict:
-    """reshard_after_forward=False: the backward reads the forward's gathered parameters."""
+    """reshard_after_forward=False: the backward reads the forward's gathered parameters; one
+    gather per parameter, each issued just before its first use."""
     z = zoo.build("llama-tiny", batch=batch)
-    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard(reshard_after_forward=False)],
-                          backend="eager", loss_fn=z.loss_fn)
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world),
+                          [Shard(reshard_after_forward=False, bucket=0, prefetch=0)], backend="eager",
+                          loss_fn=z.loss_fn)
     return {**graph_facts(opt), "loss": opt.forward_backward(**shard(z.example_inputs, rank, world)),
             "grads": gathered_grads(z.model)}
 

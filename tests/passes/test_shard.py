@@ -79,14 +79,18 @@ def test_reference_llama_matches_full_batch(llama_ranks, llama_reference):
         assert_grads(r["grads"], expected, **GRAD)
 
 
-def test_graphs_gather_parameters_and_reduce_scatter_gradients(llama_ranks):
+def test_graphs_gather_a_bucket_per_layer_and_prefetch(llama_ranks):
     r = llama_ranks[0]
-    count = len(r["names"])
-    assert r["forward_ops"][GATHER] == count  # every parameter gathered once in the forward
-    assert r["backward_ops"][SCATTER] == count
-    assert r["notes"]["partitioned.backward"]["averaged_gradients"] == count
-    # reshard_after_forward: the backward gathers again (the embedding's backward needs no weight)
-    assert r["saved_gathers"] == 0 and r["backward_ops"][GATHER] >= count - 2
+    notes = r["notes"]["forward.forward"]
+    layers = 2  # llama-tiny: the embedding, two decoder layers, the final norm with the head
+    assert notes["buckets"] == layers + 2 and len(notes["gathers"]) == layers + 2
+    assert r["forward_ops"][GATHER] == layers + 2 and r["backward_ops"][SCATTER] == layers + 2
+    assert r["notes"]["partitioned.backward"]["averaged_gradients"] == len(r["names"])
+    # prefetch=1: each gather is issued before the previous bucket's wait
+    order = r["forward_order"]
+    assert order[:3] == ["gather", "gather", "wait"] and order.count("gather") == layers + 2
+    # reshard_after_forward: nothing gathered is saved; the backward gathers again (not the embedding)
+    assert r["saved_gathers"] == 0 and r["backward_ops"][GATHER] == layers + 1
 
 
 def test_parameters_gradients_and_optimizer_state_are_sharded(llama_ranks):
@@ -121,6 +125,8 @@ def test_reshard_after_forward_false_keeps_gathered_parameters(llama_ranks, llam
     for r in kept:
         assert_grads(r["grads"], expected, **GRAD)
     assert kept[0]["saved_gathers"] > 0 and GATHER not in kept[0]["backward_ops"]
+    count = len(llama_ranks[0]["names"])  # bucket=0, prefetch=0: per parameter, issued just before use
+    assert kept[0]["forward_order"] == ["gather", "wait"] * count
 
 
 def test_hf_llama_with_uneven_vocabulary_and_recapture_match_full_batch():

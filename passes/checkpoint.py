@@ -46,7 +46,7 @@ from picofx.cost.liveness import NodeFacts
 from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.errors import BudgetError
-from picofx.heap import heap_frozen
+from picofx.runtime.heap import heap_frozen
 from picofx.cost.units import check_budget, format_bytes, parse_budget
 from picofx.capture.vocabulary import traced_module_path
 from picofx.cost.recompute import Segment, analyze, signature

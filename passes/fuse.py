@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
-from picofx.heap import heap_frozen
+from picofx.runtime.heap import heap_frozen
 from picofx.manager import Context, PassResult, Stage, register_pass
 from picofx.rewrite.matcher import prepare
 from picofx.rewrite.pattern_store import PatternStore

@@ -274,29 +274,54 @@ def candidate_trace_keys(candidates: list[Match]) -> list[tuple]:
 
 def prepare(graph: fx.Graph, rules: list[Rule], store=None) -> None:
     """Trace ahead, in two exports, what applying `rules` to `graph` will need: every rule's
-    patterns, then the traces for the candidates each rule has in the graph as it is now (a rule
-    whose pattern contains another rule's fused op traces its own later). `store` as trace_patterns."""
+    patterns, then the traces for the candidates each rule checks first in the graph as it is now
+    (a rule whose pattern contains another rule's fused op traces its own later). `store` as
+    trace_patterns."""
     trace_patterns(rules, store)
-    trace_keys([key for rule in rules for pattern in pattern_graphs(rule)
-                for key in candidate_trace_keys(find_candidates(graph, rule, pattern))])
+    trace_keys([key for rule in rules for key in candidate_trace_keys(first_per_site(rule_candidates(graph, rule)))])
+
+
+def rule_candidates(graph: fx.Graph, rule: Rule) -> list[Match]:
+    """Every pattern's candidates, in the order they are checked."""
+    return [c for pattern in pattern_graphs(rule) for c in find_candidates(graph, rule, pattern)]
+
+
+def first_per_site(candidates: list[Match]) -> list[Match]:
+    """The first candidate for each set of covered nodes: several variants of a rule often match
+    one site, and once one is accepted the others are never checked, nor traced."""
+    firsts: dict[frozenset, Match] = {}
+    for candidate in candidates:
+        firsts.setdefault(frozenset(candidate.covered), candidate)
+    return list(firsts.values())
 
 
 def find_matches(graph: fx.Graph, rule: Rule) -> tuple[list[Match], list[NearMiss]]:
-    """The accepted, non-overlapping matches of `rule` in graph order, and the rejected candidates."""
+    """The accepted, non-overlapping matches of `rule` in graph order, and the rejected candidates.
+    Each site's candidates are checked in order until one is accepted; they are traced in rounds
+    (each site's next candidate, all in one export), so a site never traces a candidate after the
+    one it accepts."""
     accepted: dict[frozenset, Match] = {}
     rejected: dict[frozenset, NearMiss] = {}
-    candidates = [c for pattern in pattern_graphs(rule) for c in find_candidates(graph, rule, pattern)]
-    trace_keys(candidate_trace_keys(candidates))
-    for candidate in candidates:
-        key = frozenset(candidate.covered)
-        if key in accepted:
-            continue
-        verdict = check(candidate)
-        if verdict is None:
-            accepted[key] = candidate
-            rejected.pop(key, None)
-        elif key not in rejected:
-            rejected[key] = NearMiss(rule.name, candidate.describe(), *verdict)
+    candidates = rule_candidates(graph, rule)
+    first_seen = {}
+    for i, candidate in enumerate(candidates):
+        first_seen.setdefault(frozenset(candidate.covered), i)
+    pending = candidates
+    while pending:
+        round_ = first_per_site(pending)
+        trace_keys(candidate_trace_keys(round_))
+        for candidate in round_:
+            key = frozenset(candidate.covered)
+            verdict = check(candidate)
+            if verdict is None:
+                accepted[key] = candidate
+            elif key not in rejected:
+                rejected[key] = NearMiss(rule.name, candidate.describe(), *verdict)
+        checked = {id(c) for c in round_}
+        pending = [c for c in pending if id(c) not in checked and frozenset(c.covered) not in accepted]
+    for key in accepted:
+        rejected.pop(key, None)
+    rejected = dict(sorted(rejected.items(), key=lambda kv: first_seen[kv[0]]))
     order = {n: i for i, n in enumerate(graph.nodes)}
     chosen, taken = [], set()
     for match in sorted(accepted.values(), key=lambda m: min(order[n] for n in m.covered)):

@@ -4,13 +4,16 @@ The backward graph's gradient outputs are grouped into buckets in the order the 
 produces them. Per bucket, right after its last gradient:
 
     flat = cat([g.reshape(-1) for g in bucket])      # (bucket numel,)
-    flat = flat.to(bf16)                              # compress="bf16" only
     work = _c10d_functional.all_reduce(flat, "sum", group_name)    # issued, not waited for
 
 and just before the graph returns (as late as the gradients' consumers allow):
 
-    flat = wait_tensor(work).to(grad dtype) / world   # gloo has no "avg": sum, then divide
+    flat = wait_tensor(work) / world                  # gloo has no "avg": sum, then divide
     grads = [piece.view(shape) for piece in split(flat, numels)]
+
+With `compress`, a compressor (passes/overlap_compress.py) writes the exchange instead: bf16,
+int8 blocks, top-k, PowerSGD, and the embedding's gradient as rows ("sparse_rows"); their state
+between steps lives in a CompressionState the runtime resets (`opt.reset_compression()`).
 
 so the all-reduce of one bucket runs while the backward computes the next. Under no_sync
 (`ctx.gradient_sync == "local"`) the pass adds nothing; after a no_sync phase
@@ -20,7 +23,8 @@ graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulat
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +37,21 @@ from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
 
+from picofx.passes.overlap_compress import (BucketIn, CompressionState, Emitter, SparseRows, embedding_rows, parse_compress,
+                                     ring_bytes, rows_worth_it)
+
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
-COMPRESSED = {"bf16": torch.bfloat16}
 
 
 @register_pass("overlap", Stage.PARTITIONED)
 @dataclass(frozen=True)
 class Overlap:
     """bucket: "auto" (from the cost model), bytes, or a size string ("25MiB"); first_bucket: the
-    first bucket's size, small so communication starts early; compress: None or "bf16" (all-reduce
-    in bf16, gradients back in their own dtype); group: the ranks to average over: a mesh dimension's
-    name, a one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate
-    dimension, else every rank)."""
+    first bucket's size, small so communication starts early; compress: None, "bf16", "int8",
+    "int8:ef", "topk:F", "powersgd:R", "sparse_rows" or "sparse_rows+KIND" (see
+    passes/overlap_compress.py); group: the ranks to average over: a mesh dimension's name, a
+    one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate dimension,
+    else every rank)."""
 
     bucket: int | str = "auto"
     first_bucket: int | str = "1MiB"
@@ -53,10 +59,11 @@ class Overlap:
     group: Any = None
     info = PassInfo(Stage.PARTITIONED, mesh_dims=("dp_replicate",), communicates=True)
     stage = info.stage
+    # compressor state per optimized model: shared by every graph the model's runs compile
+    states: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.compress not in (None, *COMPRESSED):
-            raise ValueError(f"Overlap(compress={self.compress!r}): use None or one of {sorted(COMPRESSED)}")
+        object.__setattr__(self, "spec", parse_compress(self.compress))
         if self.bucket != "auto":
             parse_budget(self.bucket)
 
@@ -70,14 +77,45 @@ class Overlap:
         grads = gradients_in_order(gm, ctx.input_names)
         if not grads:
             return PassResult(False, {"buckets": 0})
-        plan = self.plan(gm, grads, ctx, dim.size)
-        layouts_of(gm).buckets = self.rewrite(gm, grads, plan, dim, accumulate=mode == "sync_accumulated")
-        return PassResult(True, {**plan.notes(), "compress": self.compress, "gradient_sync": mode})
+        accumulate = mode == "sync_accumulated"
+        rows, rows_note = self.sparse_rows(grads, accumulate, dim.size)
+        plan = self.plan(gm, grads, ctx, dim.size, rows)
+        codecs = [SparseRows() if rows is not None and b.first == rows else self.spec.other for b in plan.buckets]
+        state = self.states.setdefault(ctx.model, CompressionState(dim.rank))
+        layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), rows, accumulate)
+        layouts_of(gm).buckets = layout
+        notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, **wire}
+        if self.spec.rows:
+            notes["embedding_rows"] = rows_note
+        return PassResult(True, notes)
 
-    def plan(self, gm, grads, ctx: Context, world: int):
-        """Bucket bounds (auto: from the cost model) and their predicted timing, in bytes on the wire."""
-        wire = [g[1].meta["val"].numel() * (COMPRESSED[self.compress].itemsize if self.compress
-                                             else g[1].meta["val"].element_size()) for g in grads]
+    def sparse_rows(self, grads, accumulate: bool, world: int) -> tuple[int | None, str]:
+        """Which gradient goes as rows (its index in `grads`), and why it does or does not."""
+        if not self.spec.rows:
+            return None, "off"
+        index, why = embedding_rows(grads, accumulate)
+        if index is None:
+            return None, why
+        fewer, sparse, dense = rows_worth_it(grads[index][1], world)
+        name = grads[index][2]
+        if not fewer:
+            return None, f"dense: {name} as rows is {sparse} bytes per rank, the table {dense}"
+        return index, f"sparse: {name} as rows is {sparse} bytes per rank instead of {dense}"
+
+    def wire_bytes(self, codec, members, world: int) -> int:
+        """Bytes each rank sends for one bucket with `codec`."""
+        if isinstance(codec, SparseRows):
+            node = members[0][1]
+            return rows_worth_it(node, world)[1]
+        shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
+        return codec.wire_bytes(shapes, members[0][1].meta["val"].element_size(), world)
+
+    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None):
+        """Bucket bounds (auto: from the cost model) and their predicted timing, in all-reduce
+        bytes that take as long as what the compressor sends (the embedding as rows: its own bucket)."""
+        ring = lambda b: b * world / (2 * (world - 1)) if world > 1 else b  # noqa: E731
+        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else self.spec.other, [g], world)))
+                for i, g in enumerate(grads)]
         ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
         items = [Gradient(g[2], b, t) for g, b, t in zip(grads, wire, ready)]
         link = link_for(ctx.cost_model.device, world)
@@ -86,39 +124,40 @@ class Overlap:
             bounds = [b.last for b in plan_buckets(items, total, world, link, first).buckets]
         else:
             bounds = fixed_bounds(items, parse_budget(self.bucket), first)
-        bounds = sorted(set(bounds) | set(dtype_runs(grads)))
+        alone = [] if rows is None else [i for i in (rows - 1, rows) if i >= 0]
+        bounds = sorted(set(bounds) | set(dtype_runs(grads)) | set(alone))
         return schedule(items, bounds, total, world, link)
 
-    def rewrite(self, gm, grads, plan, dim: MeshDim, accumulate: bool) -> BucketLayout:
+    def rewrite(self, gm, grads, plan, codecs, em: Emitter, rows: int | None, accumulate: bool):
         graph = gm.graph
         output = graph.output_node()
         outputs = list(output.args[0])
-        entries, pending_names, works = [], [], []
-        for k, bucket in enumerate(plan.buckets):
+        entries, pending_names, exchanges, report = [], [], [], []
+        for k, (bucket, codec) in enumerate(zip(plan.buckets, codecs)):
             members = grads[bucket.first:bucket.last + 1]  # in production order: the last one is made last
-            dtype = members[0][1].meta["val"].dtype
+            val = members[0][1].meta["val"]
             with graph.inserting_before(members[-1][1].next):  # right after the bucket's last gradient
                 flats = [graph.call_function(aten.reshape.default, (node, [-1])) for _, node, _ in members]
                 flat = graph.call_function(aten.cat.default, (flats,)) if len(flats) > 1 else flats[0]
                 if accumulate:
                     name = f"overlap_pending_{k}"
-                    gm.register_buffer(name, torch.zeros(flat_numel(members), dtype=dtype,
-                                                         device=members[0][1].meta["val"].device), persistent=False)
+                    gm.register_buffer(name, torch.zeros(flat_numel(members), dtype=val.dtype, device=val.device),
+                                       persistent=False)
                     pending_names.append(name)
                     flat = graph.call_function(aten.add.Tensor, (flat, graph.get_attr(name)))
-                if self.compress:
-                    flat = graph.call_function(torch.ops.prims.convert_element_type.default,
-                                               (flat, COMPRESSED[self.compress]))
-                work = graph.call_function(c10d.all_reduce.default, (flat, "sum", dim.group_name))
-            works.append((work, members, dtype))
+                shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
+                source = members[0][1] if isinstance(codec, SparseRows) else None
+                exchange = codec.exchange(em, BucketIn(flat, [m[2] for m in members], shapes, val.dtype,
+                                                       val.device, source))
+                next(exchange)  # issues the bucket's first collective here
+            exchanges.append((exchange, members))
             entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
                         for _, node, name in members]
-        for work, members, dtype in works:  # waits last: nothing but the outputs reads them
-            with graph.inserting_before(output):
-                flat = graph.call_function(c10d.wait_tensor.default, (work,))
-                if self.compress:
-                    flat = graph.call_function(torch.ops.prims.convert_element_type.default, (flat, dtype))
-                flat = graph.call_function(aten.div.Tensor, (flat, dim.size))
+            report.append({"bucket": k, "compressor": codec.label, "wire_bytes": self.wire_bytes(codec, members, em.world),
+                           "fp32_ring_bytes": ring_bytes(4 * flat_numel(members), em.world)})
+        results = self.finish([e for e, _ in exchanges], graph, output)
+        with graph.inserting_before(output):
+            for flat, (_, members) in zip(results, exchanges):
                 numels = [node.meta["val"].numel() for _, node, _ in members]
                 pieces = graph.call_function(aten.split_with_sizes.default, (flat, numels))
                 for i, (pos, node, _) in enumerate(members):
@@ -126,8 +165,34 @@ class Overlap:
                     outputs[pos] = graph.call_function(aten.view.default, (piece, list(node.meta["val"].shape)))
         output.args = (outputs,)
         graph.eliminate_dead_code()
-        return BucketLayout(dim=dim, compress=self.compress, entries=tuple(entries), pending=tuple(pending_names))
+        layout = BucketLayout(dim=em.dim, compress=self.compress, entries=tuple(entries),
+                              pending=tuple(pending_names), codecs=tuple(c.label for c in codecs), state=em.state)
+        return layout, wire_notes(report)
 
+    @staticmethod
+    def finish(exchanges: list, graph: fx.Graph, output: fx.Node) -> list[fx.Node]:
+        """Run each bucket's remaining rounds before the output, round by round over the buckets,
+        so a bucket's next collective is issued before the following bucket's waits."""
+        results: dict[int, fx.Node] = {}
+        active = list(enumerate(exchanges))
+        with graph.inserting_before(output):
+            while active:
+                still = []
+                for k, exchange in active:
+                    try:
+                        next(exchange)
+                        still.append((k, exchange))
+                    except StopIteration as done:
+                        results[k] = done.value
+                active = still
+        return [results[k] for k in range(len(exchanges))]
+
+
+def wire_notes(report: list[dict]) -> dict:
+    sent = sum(r["wire_bytes"] for r in report)
+    ring = sum(r["fp32_ring_bytes"] for r in report)
+    return {"compression": report, "wire_bytes": sent, "fp32_ring_bytes": ring,
+            "wire_ratio": round(sent / ring, 4) if ring else 1.0}
 
 
 def flat_numel(members) -> int:

@@ -21,7 +21,7 @@ from picofx.parallel.mesh import ParallelMesh, mesh_for
 from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
                                   cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
-from picofx.runtime.distributed import GradientSync, check_layouts, communicates
+from picofx.runtime.distributed import GradientSync, check_layouts, communicates, compression_state
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
@@ -207,6 +207,18 @@ class OptimizedModule(nn.Module):
         gradients without communication; the first backward after it all-reduces the accumulated
         sum (compiles a variant of the step for each, once)."""
         return self._sync.no_sync()
+
+    @property
+    def compression(self):
+        """The gradient compressors' state kept between steps (error-feedback residuals, PowerSGD's
+        Q; pass overlap's `compress`), or None. Save it with the model's DCP checkpoint:
+        `dcp.save({"model": ..., "compression": opt.compression})`; it loads in place."""
+        return next((s for step in self._steps.values() if (s := compression_state(step.graphs))), None)
+
+    def reset_compression(self) -> None:
+        """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value."""
+        if self.compression is not None:
+            self.compression.reset()
 
     @property
     def report(self) -> Report:

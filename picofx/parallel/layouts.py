@@ -30,13 +30,15 @@ class BucketLayout:
     compress: str | None = None
     entries: tuple[LayoutEntry, ...] = ()
     pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
+    codecs: tuple[str, ...] = ()  # per bucket, how it travels ("none", "int8", "sparse_rows", ...)
+    state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the graph updates
 
     @property
     def world(self) -> int:
         return self.dim.size
 
     def digest(self) -> str:
-        text = repr((self.world, self.compress, self.entries))
+        text = repr((self.world, self.compress, self.entries, self.codecs))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def buckets(self) -> list[list[LayoutEntry]]:
@@ -50,6 +52,8 @@ class BucketLayout:
     def first_difference(self, theirs: "BucketLayout", rank: int) -> str:
         if self.compress != theirs.compress:
             return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
+        if self.codecs != theirs.codecs and self.entries == theirs.entries:
+            return f"bucket compressors {list(self.codecs)} here, {list(theirs.codecs)} on rank {rank}"
         for a, b in zip(self.entries, theirs.entries):
             if a != b:
                 return (f"first differing parameter: {a.name} {a.dtype}{list(a.shape)} in bucket {a.bucket} here, "

@@ -43,8 +43,9 @@ def check_layout(layout: BucketLayout | ShardLayout) -> None:
     different passes)."""
     mine = layout.digest()
     gathered: list = [None] * layout.world
-    # the MeshDim holds process groups, which do not pickle; first_difference does not read it
-    dist.all_gather_object(gathered, (mine, dataclasses.replace(layout, dim=None)), group=layout.dim.group)
+    # the MeshDim holds process groups, which do not pickle; first_difference reads neither it nor the state
+    plain = dataclasses.replace(layout, dim=None, **({"state": None} if isinstance(layout, BucketLayout) else {}))
+    dist.all_gather_object(gathered, (mine, plain), group=layout.dim.group)
     me = layout.dim.rank
     what, collectives = (("gradient bucket", "all-reduces") if isinstance(layout, BucketLayout)
                          else ("parameter shard", "all-gathers and reduce-scatters"))
@@ -62,6 +63,13 @@ def check_layouts(graphs: dict) -> None:
         for layout in (recorded(gm).shards, recorded(gm).buckets):
             if layout is not None:
                 check_layout(layout)
+
+
+def compression_state(graphs: dict):
+    """The gradient compressors' state (passes/overlap_compress.CompressionState) the graphs
+    update, or None where no bucket keeps any."""
+    states = (recorded(gm).buckets.state for gm in graphs.values() if recorded(gm).buckets is not None)
+    return next((s for s in states if s is not None and s.tensors), None)
 
 
 def communicates(graphs: dict) -> bool:

@@ -187,5 +187,5 @@ def test_bucket_plans():
 
 def test_options_are_checked():
     with pytest.raises(ValueError, match="compress"):
-        Overlap(compress="int8")
+        Overlap(compress="int4")
     assert copy.copy(Overlap(bucket="25MiB")).bucket == "25MiB"

@@ -1,0 +1,430 @@
+"""overlap_compress: how one gradient bucket of the overlap pass travels between the ranks.
+
+A compressor writes, into the backward graph, the nodes that exchange one bucket's flat gradient
+and returns the node holding its average over the ranks, identical on every rank. Its `exchange`
+is a generator: the nodes up to its first `yield` go where the bucket is ready (they issue its
+first collective); each later part goes just before the graph returns, one round over all
+buckets at a time, so each wait comes as late as the next round allows.
+
+Spelling of `Overlap(compress=...)`: None, "bf16", "int8" (per-block int8; "int8:ef" adds error
+feedback), "topk:F" (the fraction F of entries with the largest magnitude), "powersgd:R" (rank-R
+factors of matrix gradients), or "sparse_rows" alone or before one of those with a "+"
+("sparse_rows+int8"): the embedding gradient as (token ids, rows), the other buckets as named.
+
+State that outlives a step (error-feedback residuals, PowerSGD's Q) is one tensor per parameter
+in a CompressionState, which the graphs hold as buffers and update in place.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+convert = torch.ops.prims.convert_element_type.default
+
+
+def ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends in a ring all-reduce of `nbytes`: 2(n-1)/n of them."""
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+class CompressionState:
+    """Compressor tensors kept between steps: residuals (this rank's own) and PowerSGD's Q
+    (the same on every rank). A DCP `Stateful`: `dcp.save({"model": ..., "compression": state})`
+    saves each rank's residuals under its own keys ("rank<r>/..."); loading needs the same world."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def tensor(self, key: str, make) -> torch.Tensor:
+        if key not in self.tensors:
+            self.tensors[key] = make()
+            self.initial[key] = self.tensors[key].clone()
+        return self.tensors[key]
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Residuals back to zero, Q back to its first value (as after optimize)."""
+        for key, value in self.tensors.items():
+            value.copy_(self.initial[key])
+
+    def saved_name(self, key: str) -> str:
+        return f"rank{self.rank}/{key}" if key.startswith("residual") else key
+
+    def state_dict(self) -> dict:
+        return {self.saved_name(k): v for k, v in self.tensors.items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in self.tensors.items():
+            value.copy_(state[self.saved_name(key)])
+
+
+class Emitter:
+    """Adds nodes to a backward graph at its current insertion point, over one mesh dimension."""
+
+    def __init__(self, gm: fx.GraphModule, dim, state: CompressionState):
+        self.gm, self.graph, self.state, self.dim = gm, gm.graph, state, dim
+        self.world, self.group = dim.size, dim.group_name
+
+    def __call__(self, target, *args, **kwargs) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def wait(self, work: fx.Node) -> fx.Node:
+        return self(c10d.wait_tensor.default, work)
+
+    def all_reduce(self, x: fx.Node) -> fx.Node:
+        return self(c10d.all_reduce.default, x, "sum", self.group)
+
+    def all_gather(self, x: fx.Node) -> fx.Node:
+        return self(c10d.all_gather_into_tensor.default, x, self.world, self.group)
+
+    def all_to_all(self, x: fx.Node, rows: int) -> fx.Node:
+        """Dim 0 (`rows` long) cut into one chunk per rank: rank r receives every rank's chunk r."""
+        split = [rows // self.world] * self.world
+        return self(c10d.all_to_all_single.default, x, split, split, self.group)
+
+    def split(self, flat: fx.Node, shapes: list) -> list[fx.Node]:
+        pieces = self(aten.split_with_sizes.default, flat, [math.prod(s) for s in shapes])
+        return [self(aten.view.default, self(operator.getitem, pieces, i), list(s)) for i, s in enumerate(shapes)]
+
+    def kept(self, key: str, make) -> fx.Node:
+        """A get_attr of the state tensor `key` (made by `make()` the first time)."""
+        attr = "compress_" + re.sub(r"\W", "_", key)
+        if attr not in self.gm._buffers:
+            self.gm.register_buffer(attr, self.state.tensor(key, make), persistent=False)
+        return self.graph.get_attr(attr)
+
+    def store(self, kept: fx.Node, value: fx.Node) -> None:
+        self(aten.copy_.default, kept, value)
+
+    def residual(self, bucket: "BucketIn") -> list[fx.Node]:
+        return [self.kept(f"residual/{name}", lambda s=shape: torch.zeros(s, dtype=bucket.dtype, device=bucket.device))
+                for name, shape in zip(bucket.names, bucket.shapes)]
+
+    def flat_of(self, nodes: list[fx.Node]) -> fx.Node:
+        flats = [self(aten.reshape.default, n, [-1]) for n in nodes]
+        return self(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+
+
+@dataclass
+class BucketIn:
+    """One bucket as a compressor sees it: its flat gradient and what it is made of."""
+
+    flat: fx.Node
+    names: list[str]
+    shapes: list[tuple]
+    dtype: torch.dtype
+    device: torch.device
+    source: fx.Node | None = None  # SparseRows: the embedding_dense_backward node
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@dataclass(frozen=True)
+class Dense:
+    """All-reduce of the flat bucket (in `cast`, e.g. bf16, when given), divided by the world."""
+
+    cast: torch.dtype | None = None
+
+    @property
+    def label(self) -> str:
+        return "bf16" if self.cast == torch.bfloat16 else "none"
+
+    def wire_bytes(self, shapes, itemsize: int, world: int) -> int:
+        return ring_bytes(sum(math.prod(s) for s in shapes) * (self.cast.itemsize if self.cast else itemsize), world)
+
+    def exchange(self, em: Emitter, b: BucketIn):
+        x = em(convert, b.flat, self.cast) if self.cast else b.flat
+        work = em.all_reduce(x)
+        yield
+        out = em.wait(work)
+        if self.cast:
+            out = em(convert, out, b.dtype)
+        return em(aten.div.Tensor, out, em.world)
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """Lossless: each rank's (token id, gradient row) pairs all-gathered and added into a zero
+    table; chosen for the embedding only where that is fewer bytes (see `rows_worth_it`)."""
+
+    label = "sparse_rows"
+
+    def wire_bytes(self, rows: int, hidden: int, itemsize: int, world: int) -> int:
+        return (world - 1) * rows * (hidden * itemsize + 4)  # ring all-gather of rows and int32 ids
+
+    def exchange(self, em: Emitter, b: BucketIn):
+        grad_rows, indices, vocab, padding_idx = b.source.args[:4]
+        hidden = b.shapes[0][1]
+        ids = em(convert, em(aten.reshape.default, indices, [-1]), torch.int32)
+        rows = em(aten.reshape.default, grad_rows, [-1, hidden])
+        rows = em(convert, rows, b.dtype)
+        if padding_idx >= 0:  # as embedding_dense_backward: the padding row gets no gradient
+            keep = em(aten.ne.Scalar, ids, padding_idx)
+            rows = em(aten.mul.Tensor, rows, em(aten.unsqueeze.default, em(convert, keep, b.dtype), -1))
+        id_work, row_work = em.all_gather(ids), em.all_gather(rows)
+        yield
+        table = em(aten.zeros.default, [vocab, hidden], dtype=b.dtype, device=b.device)
+        table = em(aten.index_add.default, table, 0, em.wait(id_work), em.wait(row_work))
+        return em(aten.reshape.default, em(aten.div.Tensor, table, em.world), [-1])
+
+
+def quantize(em: Emitter, blocks: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """Per-row absmax int8: (int8 values, fp32 scale per row), value ~= int8 * scale."""
+    amax = em(aten.amax.default, em(aten.abs.default, blocks), [-1], True)
+    scale = em(aten.clamp_min.default, em(aten.div.Tensor, amax, 127.0), 1e-30)
+    q = em(aten.clamp.default, em(aten.round.default, em(aten.div.Tensor, blocks, scale)), -127.0, 127.0)
+    return em(convert, q, torch.int8), scale
+
+
+def dequantize(em: Emitter, q: fx.Node, scale: fx.Node) -> fx.Node:
+    return em(aten.mul.Tensor, em(convert, q, torch.float32), scale)
+
+
+@dataclass(frozen=True)
+class Int8:
+    """qgZ's scheme: blocks of `block` entries quantized with one fp32 scale each; an all-to-all
+    gives each rank every rank's copy of its slice, which it dequantizes, sums in fp32 and
+    averages; the averaged slices, quantized again, are all-gathered, and every rank dequantizes
+    the same bytes. With `feedback`, each rank's first quantization error is added next step."""
+
+    block: int = 256
+    feedback: bool = False
+
+    @property
+    def label(self) -> str:
+        return "int8:ef" if self.feedback else "int8"
+
+    def starts(self, shapes) -> list[int]:
+        """Where each tensor starts in the quantized layout: every tensor on whole blocks of its
+        own, so that a small gradient never shares a scale with a large neighbour's."""
+        out, at = [], 0
+        for s in shapes:
+            out.append(at)
+            at += -(-math.prod(s) // self.block) * self.block
+        return out + [at]
+
+    def padded(self, shapes, world: int) -> int:
+        unit = self.block * world
+        return -(-self.starts(shapes)[-1] // unit) * unit
+
+    def wire_bytes(self, shapes, itemsize: int, world: int) -> int:
+        n = self.padded(shapes, world)
+        quantized = n + 4 * (n // self.block)  # int8 values and fp32 scales
+        return 2 * (world - 1) * quantized // world  # all-to-all of all of it, then all-gather of one slice each
+
+    def to_blocks(self, em: Emitter, flat: fx.Node, b: BucketIn) -> fx.Node:
+        n, starts = self.padded(b.shapes, em.world), self.starts(b.shapes)
+        pieces = em(aten.split_with_sizes.default, flat, [math.prod(s) for s in b.shapes])
+        padded = [em(aten.constant_pad_nd.default, em(operator.getitem, pieces, i),
+                     [0, starts[i + 1] - starts[i] - math.prod(s) + (n - starts[-1] if i == len(b.shapes) - 1 else 0)])
+                  for i, s in enumerate(b.shapes)]
+        return em(aten.view.default, em(aten.cat.default, padded) if len(padded) > 1 else padded[0],
+                  [n // self.block, self.block])
+
+    def from_blocks(self, em: Emitter, blocks: fx.Node, b: BucketIn) -> fx.Node:
+        flat, starts = em(aten.reshape.default, blocks, [-1]), self.starts(b.shapes)
+        pieces = [em(aten.slice.Tensor, flat, 0, start, start + math.prod(s)) for start, s in zip(starts, b.shapes)]
+        return em(aten.cat.default, pieces) if len(pieces) > 1 else pieces[0]
+
+    def exchange(self, em: Emitter, b: BucketIn):
+        x = em(convert, b.flat, torch.float32) if b.dtype != torch.float32 else b.flat
+        if self.feedback:
+            residual = em.residual(b)
+            x = em(aten.add.Tensor, x, em(convert, em.flat_of(residual), torch.float32))
+        blocks = self.to_blocks(em, x, b)
+        rows = self.padded(b.shapes, em.world) // self.block
+        q, scale = quantize(em, blocks)
+        if self.feedback:
+            error = self.from_blocks(em, em(aten.sub.Tensor, blocks, dequantize(em, q, scale)), b)
+            for kept, piece in zip(residual, em.split(em(convert, error, b.dtype), b.shapes)):
+                em.store(kept, piece)
+        q_work, scale_work = em.all_to_all(q, rows), em.all_to_all(scale, rows)
+        yield
+        mine = rows // em.world
+        copies = em(aten.view.default, dequantize(em, em.wait(q_work), em.wait(scale_work)), [em.world, mine, self.block])
+        mean = em(aten.div.Tensor, em(aten.sum.dim_IntList, copies, [0]), em.world)
+        q2, scale2 = quantize(em, mean)
+        q_work, scale_work = em.all_gather(q2), em.all_gather(scale2)
+        yield
+        out = self.from_blocks(em, dequantize(em, em.wait(q_work), em.wait(scale_work)), b)
+        return em(convert, out, b.dtype) if b.dtype != torch.float32 else out
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The `fraction` of entries (plus last step's residual) with the largest magnitude, sent as
+    (int32 index, value) pairs by all-gather and added into zeros; the rest is the new residual."""
+
+    fraction: float
+
+    @property
+    def label(self) -> str:
+        return f"topk:{self.fraction:g}"
+
+    def kept_count(self, numel: int) -> int:
+        return max(1, math.ceil(self.fraction * numel))
+
+    def wire_bytes(self, shapes, itemsize: int, world: int) -> int:
+        return (world - 1) * self.kept_count(sum(math.prod(s) for s in shapes)) * (4 + itemsize)
+
+    def exchange(self, em: Emitter, b: BucketIn):
+        residual = em.residual(b)
+        x = em(aten.add.Tensor, b.flat, em.flat_of(residual))
+        index = em(operator.getitem, em(aten.topk.default, em(aten.abs.default, x), self.kept_count(b.numel)), 1)
+        values = em(aten.index_select.default, x, 0, index)
+        left = em(aten.index_fill.int_Scalar, x, 0, index, 0.0)
+        for kept, piece in zip(residual, em.split(left, b.shapes)):
+            em.store(kept, piece)
+        index_work, value_work = em.all_gather(em(convert, index, torch.int32)), em.all_gather(values)
+        yield
+        zeros = em(aten.zeros.default, [b.numel], dtype=b.dtype, device=b.device)
+        summed = em(aten.index_add.default, zeros, 0, em.wait(index_work), em.wait(value_work))
+        return em(aten.div.Tensor, summed, em.world)
+
+
+@dataclass(frozen=True)
+class PowerSGD:
+    """Rank-`rank` factors of each matrix gradient M (plus its residual): P = M Q, all-reduced
+    and orthonormalized; Q = M^T P, all-reduced and averaged; the average is P Q^T, and M - P Q^T
+    the residual. Q starts the next step from this one's. Vectors, and matrices too small to gain,
+    are all-reduced as they are. One all-reduce per bucket and round."""
+
+    rank: int
+
+    @property
+    def label(self) -> str:
+        return f"powersgd:{self.rank}"
+
+    def compresses(self, shape) -> bool:
+        if len(shape) < 2:
+            return False
+        rows, cols = shape[0], math.prod(shape[1:])
+        return (rows + cols) * self.rank < rows * cols
+
+    def wire_bytes(self, shapes, itemsize: int, world: int) -> int:
+        numel = sum((s[0] + math.prod(s[1:])) * self.rank if self.compresses(s) else math.prod(s) for s in shapes)
+        return ring_bytes(numel * itemsize, world)
+
+    def exchange(self, em: Emitter, b: BucketIn):
+        grads = em.split(b.flat, b.shapes)
+        matrices = [i for i, s in enumerate(b.shapes) if self.compresses(s)]
+        plain = [i for i in range(len(grads)) if i not in matrices]
+        plain_work = em.all_reduce(em.flat_of([grads[i] for i in plain])) if plain else None
+        ms, qs, residuals, ps = {}, {}, {}, {}
+        for i in matrices:
+            rows, cols = b.shapes[i][0], math.prod(b.shapes[i][1:])
+            residuals[i] = em.kept(f"residual/{b.names[i]}", lambda r=rows, c=cols: torch.zeros(
+                r, c, dtype=b.dtype, device=b.device))
+            qs[i] = em.kept(f"powersgd{self.rank}/{b.names[i]}", lambda c=cols: first_q(c, self.rank, b.dtype, b.device))
+            ms[i] = em(aten.add.Tensor, em(aten.reshape.default, grads[i], [rows, cols]), residuals[i])
+            ps[i] = em(aten.mm.default, ms[i], qs[i])
+        p_work = em.all_reduce(em.flat_of([ps[i] for i in matrices])) if matrices else None
+        yield
+        if matrices:
+            summed = em.split(em.wait(p_work), [(b.shapes[i][0], self.rank) for i in matrices])
+            for i, p in zip(matrices, summed):
+                ps[i] = em(operator.getitem, em(aten.linalg_qr.default, p, "reduced"), 0)
+            new_q = [em(aten.mm.default, em(aten.t.default, ms[i]), ps[i]) for i in matrices]
+            q_work = em.all_reduce(em.flat_of(new_q))
+        yield
+        out = {}
+        if plain:
+            mean = em(aten.div.Tensor, em.wait(plain_work), em.world)
+            out.update(zip(plain, em.split(mean, [b.shapes[i] for i in plain])))
+        if matrices:
+            q_mean = em(aten.div.Tensor, em.wait(q_work), em.world)
+            q_shapes = [(math.prod(b.shapes[i][1:]), self.rank) for i in matrices]
+            for i, q in zip(matrices, em.split(q_mean, q_shapes)):
+                approx = em(aten.mm.default, ps[i], em(aten.t.default, q))
+                em.store(qs[i], q)
+                em.store(residuals[i], em(aten.sub.Tensor, ms[i], approx))
+                out[i] = approx
+        return em.flat_of([out[i] for i in range(len(grads))])
+
+
+def first_q(cols: int, rank: int, dtype, device) -> torch.Tensor:
+    """The same orthonormal start on every rank (a fixed seed), as torch's PowerSGD hook."""
+    q = torch.randn(cols, rank, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    return torch.linalg.qr(q).Q.to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    """`compress` parsed: whether the embedding goes as rows, and the other buckets' compressor."""
+
+    rows: bool
+    other: Any = field(default_factory=Dense)
+
+
+KINDS = 'None, "bf16", "int8", "int8:ef", "topk:F" (0 < F < 1), "powersgd:R" (R >= 1), "sparse_rows", "sparse_rows+KIND"'
+
+
+def parse_compress(spec: str | None) -> CompressSpec:
+    if spec is None:
+        return CompressSpec(False)
+    if not isinstance(spec, str):
+        raise ValueError(f"Overlap(compress={spec!r}): a string, one of {KINDS}")
+    parts = spec.split("+")
+    rows = parts[0] == "sparse_rows"
+    rest = parts[1:] if rows else parts
+    if len(rest) > 1:
+        raise ValueError(f"Overlap(compress={spec!r}): at most 'sparse_rows+KIND'; use one of {KINDS}")
+    if not rest:
+        return CompressSpec(True)
+    return CompressSpec(rows, compressor(rest[0], spec))
+
+
+def compressor(kind: str, spec: str):
+    name, _, arg = kind.partition(":")
+    try:
+        if kind == "bf16":
+            return Dense(torch.bfloat16)
+        if name == "int8" and arg in ("", "ef"):
+            return Int8(feedback=arg == "ef")
+        if name == "topk" and 0 < float(arg) < 1:
+            return TopK(float(arg))
+        if name == "powersgd" and int(arg) >= 1:
+            return PowerSGD(int(arg))
+    except ValueError:
+        pass
+    raise ValueError(f"Overlap(compress={spec!r}): {kind!r} is not a compressor; use one of {KINDS}")
+
+
+def embedding_rows(grads: list, accumulate: bool) -> tuple[int | None, str]:
+    """The index (in `grads`) of the gradient that is exactly an embedding's backward, or None,
+    and why. Tied embeddings (the head adds its own gradient), scale_grad_by_freq and gradients
+    accumulated under no_sync are dense tables."""
+    found = [i for i, (_, node, _) in enumerate(grads) if node.target == aten.embedding_dense_backward.default]
+    if not found:
+        tied = [name for _, node, name in grads if any(a.target == aten.embedding_dense_backward.default
+                                                       for a in node.all_input_nodes)]
+        return None, (f"dense: {tied[0]}'s gradient also has the tied head's, a dense table" if tied
+                      else "dense: no gradient is an embedding's backward")
+    i = found[0]
+    if grads[i][1].args[4]:
+        return None, "dense: scale_grad_by_freq"
+    if accumulate:
+        return None, "dense: gradients accumulated under no_sync are a dense table"
+    return i, "sparse"
+
+
+def rows_worth_it(node: fx.Node, world: int) -> tuple[bool, int, int]:
+    """(sparse is fewer bytes, sparse bytes, dense bytes) per rank for an embedding gradient."""
+    table = node.meta["val"]
+    tokens = node.args[1].meta["val"].numel()
+    sparse = SparseRows().wire_bytes(tokens, table.shape[1], table.element_size(), world)
+    dense = ring_bytes(table.numel() * table.element_size(), world)
+    return sparse < dense, sparse, dense

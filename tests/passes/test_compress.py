@@ -1,0 +1,144 @@
+"""Gradient compression in the overlap pass (passes/overlap_compress.py) on two gloo ranks.
+
+One spawn runs every compressor on the reference LLaMA (tests/passes/compress_ranks.py); the
+comparisons happen here. Tolerances: sparse_rows is exact up to fp32 summation order (rtol 1e-5);
+int8 (blocks of 256, quantized twice) within 3% per gradient tensor, normwise; every lossy
+compressor leaves both ranks with bit-identical gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from picofx.passes import Overlap
+from picofx.passes.overlap_compress import Int8, PowerSGD, TopK, parse_compress
+
+import compress_ranks
+from spawn_ranks import run_ranks
+
+BATCH = 4  # two ranks of 2
+EXACT = dict(rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("compress_dcp"))
+    return run_ranks(compress_ranks.compressor_checks, 2, BATCH, directory, timeout=420)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_identical_on_ranks(ranks, kind: str, *steps: str):
+    for step in steps:
+        a, b = ranks[0][kind][step], ranks[1][kind][step]
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{kind} {step} {name} differs between ranks"
+
+
+def test_sparse_rows_equals_uncompressed(ranks):
+    for r in ranks:
+        for step in ("first", "second"):
+            for name, g in r["None"][step].items():
+                torch.testing.assert_close(r["sparse_rows"][step][name], g, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+        notes = r["sparse_rows"]["notes"]
+        assert notes["embedding_rows"].startswith("sparse: embedding.weight"), notes["embedding_rows"]
+        rows = [b for b in notes["compression"] if b["compressor"] == "sparse_rows"]
+        assert len(rows) == 1 and rows[0]["wire_bytes"] < rows[0]["fp32_ring_bytes"] / 3
+
+
+def test_tied_embedding_stays_dense(ranks):
+    for r in ranks:
+        notes = r["tied"]["sparse_rows"]["notes"]
+        assert notes["embedding_rows"].startswith("dense:") and "tied" in notes["embedding_rows"], notes
+        assert all(b["compressor"] == "none" for b in notes["compression"])
+        for name, g in r["tied"]["None"]["grads"].items():
+            torch.testing.assert_close(r["tied"]["sparse_rows"]["grads"][name], g, **EXACT)
+
+
+def test_int8_close_to_uncompressed_and_identical_on_ranks(ranks):
+    for kind in ("sparse_rows+int8", "int8:ef"):
+        assert_identical_on_ranks(ranks, kind, "first", "second")
+        for name, g in ranks[0]["None"]["first"].items():
+            assert relative_error(ranks[0][kind]["first"][name], g) <= 0.03, (kind, name)
+        assert not torch.equal(ranks[0][kind]["first"]["final_proj.weight"], ranks[0]["None"]["first"]["final_proj.weight"])
+    assert ranks[0]["sparse_rows+int8"]["notes"]["wire_ratio"] <= 0.30
+    assert ranks[0]["int8:ef"]["notes"]["wire_ratio"] <= 0.30
+
+
+@pytest.mark.parametrize("kind", ["topk:0.01", "powersgd:4", "int8:ef"])
+def test_error_feedback_carries_over_and_resets(ranks, kind):
+    assert_identical_on_ranks(ranks, kind, "first", "second", "second_after_reset")
+    for r in ranks:
+        result = r[kind]
+        residuals = {k: v for k, v in result["state"].items() if k.startswith("residual/")}
+        assert residuals and any(v.abs().sum() > 0 for v in residuals.values())
+        assert all(v.abs().sum() == 0 for k, v in result["reset_state"].items() if k.startswith("residual/"))
+        for key, value in result["state"].items():  # DCP restored each rank's own residuals and the shared Q
+            assert torch.equal(result["loaded_state"][key], value), key
+        # the second step sent last step's residual too; after the reset it does not
+        assert any(not torch.equal(result["second"][n], result["second_after_reset"][n]) for n in result["second"])
+    if kind == "powersgd:4":  # Q is warm-started: the same on both ranks, not its first value after a step
+        q = [k for k in ranks[0][kind]["state"] if k.startswith("powersgd")]
+        assert q and all(torch.equal(ranks[0][kind]["state"][k], ranks[1][kind]["state"][k]) for k in q)
+        assert any(not torch.equal(ranks[0][kind]["state"][k], ranks[0][kind]["reset_state"][k]) for k in q)
+
+
+def test_wire_bytes_against_fp32_ring(ranks):
+    notes = {kind: ranks[0][kind]["notes"] for kind in compress_ranks.KINDS if kind}
+    assert notes["topk:0.01"]["wire_ratio"] <= 0.05
+    assert notes["powersgd:4"]["wire_ratio"] < 0.5
+    assert notes["sparse_rows"]["wire_ratio"] < 1.0
+    for n in notes.values():
+        assert n["wire_bytes"] == sum(b["wire_bytes"] for b in n["compression"])
+
+
+def test_compress_spellings():
+    assert parse_compress("sparse_rows+int8").rows and parse_compress("sparse_rows+int8").other == Int8()
+    assert parse_compress("int8:ef").other == Int8(feedback=True)
+    assert parse_compress("topk:0.01").other == TopK(0.01) and parse_compress("powersgd:4").other == PowerSGD(4)
+    assert parse_compress("sparse_rows").rows and not parse_compress("bf16").rows
+    for bad in ("int4", "topk:2", "topk:x", "powersgd:0", "sparse_rows+int8+topk:0.1", "int8+sparse_rows", 8):
+        with pytest.raises(ValueError, match="compress"):
+            Overlap(compress=bad)
+
+
+def test_block_layout_keeps_tensors_apart():
+    codec = Int8(block=256)
+    shapes = [(64,), (32, 64), (300,)]
+    assert codec.starts(shapes) == [0, 256, 2304, 2816]
+    assert codec.padded(shapes, 2) == 3072  # a whole number of blocks per rank
+    assert codec.wire_bytes(shapes, 4, 2) == 3072 + 4 * 12  # int8 and fp32 scales, half each way
+
+
+@pytest.mark.slow
+def test_training_converges_like_uncompressed():
+    """30 AdamW steps on fresh token walks (lr 3e-3), mean loss of the last 5 steps against
+    uncompressed. The issue's margins are for 200 steps (int8 3%, top-k 0.01 and PowerSGD 4 10%,
+    tools/bench_compress.py); after 30 the lossy ones still lag more, so these bounds are measured
+    ones with room: sparse_rows equal, int8 1%, PowerSGD 40%, top-k 60%."""
+    kinds = (None, "sparse_rows", "int8", "topk:0.01", "powersgd:4")
+    ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 30, 3e-3, timeout=420)
+    mean = {k: sum(v["losses"][-5:]) / 5 for k, v in ranks[0].items()}
+    base = mean["None"]
+    assert mean["None"] < ranks[0]["None"]["losses"][0] - 1.0  # it learns
+    assert mean["sparse_rows"] == pytest.approx(base, rel=1e-4)
+    assert mean["int8"] == pytest.approx(base, rel=0.01)
+    assert mean["powersgd:4"] < 1.4 * base and mean["topk:0.01"] < 1.6 * base
+    for kind in kinds[2:]:  # replicas stay bit-identical through the optimizer
+        a, b = ranks[0][str(kind)]["params"], ranks[1][str(kind)]["params"]
+        assert all(torch.equal(a[n], b[n]) for n in a), kind
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_collectives():
+    kinds = ("sparse_rows+int8", "topk:0.01", "powersgd:4")
+    ranks = run_ranks(compress_ranks.inductor_checks, 2, BATCH, kinds, timeout=590, collective_timeout=300)
+    eager = run_ranks(compress_ranks.inductor_checks, 2, BATCH, kinds, "eager", timeout=300)
+    for kind in kinds:
+        code = "\n".join(ranks[0][kind]["code"])
+        assert "all_to_all_single" in code or "all_gather_into_tensor" in code or "all_reduce" in code, kind
+        for step in ("first", "second"):
+            for name, g in eager[0][kind][step].items():
+                assert relative_error(ranks[0][kind][step][name], g) <= 1e-3, (kind, step, name)
+                assert torch.equal(ranks[0][kind][step][name], ranks[1][kind][step][name]), (kind, name)

@@ -5,3 +5,4 @@ from picofx.passes.checkpoint import Checkpoint  # noqa: F401  (registers "check
 from picofx.passes.overlap import Overlap  # noqa: F401  (registers "overlap")
 from picofx.passes.pipeline import Pipeline  # noqa: F401  (registers "pipeline")
 from picofx.passes.shard import Shard  # noqa: F401  (registers "shard")
+from picofx.passes.tensor_parallel import TensorParallel  # noqa: F401  (registers "tensor_parallel")

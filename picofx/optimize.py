@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from picofx.capture.explain import argument_name, call_arguments
 from picofx.capture.export import Signature, capture_call, input_changes, input_key, split_inputs
@@ -26,6 +27,7 @@ from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
 from picofx.runtime.shard import apply_shard_layout, local_inputs, whole_parameters
+from picofx.runtime.tensor_parallel import apply_tensor_parallel_layout
 from picofx.parallel.layouts import ShardLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
@@ -37,10 +39,10 @@ def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: di
     user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     values = [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
               for slot in signature.inputs]
-    if shards is None:
-        return values
-    return local_inputs(shards, [slot.target if slot.kind == "parameter" else None for slot in signature.inputs],
-                        values)
+    if shards is not None:
+        values = local_inputs(shards, [slot.target if slot.kind == "parameter" else None
+                                       for slot in signature.inputs], values)
+    return [v.to_local() if isinstance(v, DTensor) else v for v in values]  # placed parameters: their pieces
 
 
 @dataclass
@@ -119,6 +121,11 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     if shards is not None:  # pass shard: the ranks agree on the layout, then the parameters become shards
         check_layouts({"forward": graphs[0]})
         apply_shard_layout(shards, model)
+        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
+    placed = recorded(graphs[0]).tensor_parallel
+    if placed is not None:  # pass tensor_parallel: the ranks agree on the plan, then the parameters are placed
+        check_layouts({"forward": graphs[0]})
+        apply_tensor_parallel_layout(placed, model)
         inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)

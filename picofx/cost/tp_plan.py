@@ -166,8 +166,9 @@ def _fail(node: fx.Node, why: str):
     raise NotSplittable(f"{node.name} ({layer_of(node) or 'top level'}): {why}")
 
 
-def walk_column(linear: fx.Node, tp: int) -> set[fx.Node]:
-    """The linears that read `linear`'s split output features (row-parallel); raises NotSplittable."""
+def walk_column(linear: fx.Node, tp: int, split_dims: dict | None = None) -> set[fx.Node]:
+    """The linears that read `linear`'s split output features (row-parallel); raises NotSplittable.
+    `split_dims`, when given, is filled with each node on the way and its split dimension."""
     frontier, rows, seen = [(linear, linear.meta["val"].dim() - 1)], set(), set()
     while frontier:
         node, dim = frontier.pop()
@@ -185,6 +186,8 @@ def walk_column(linear: fx.Node, tp: int) -> set[fx.Node]:
                 continue
             seen.add((user, dim))
             frontier.append((user, split_dim_after(user, node, dim, tp, linear)))
+            if split_dims is not None:
+                split_dims[user] = frontier[-1][1]
     return rows
 
 

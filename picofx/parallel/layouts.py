@@ -152,6 +152,35 @@ class PipelineLayout:
         return self.plan.table(self.units)
 
 
+@dataclass(frozen=True)
+class TensorParallelEntry:
+    name: str             # the model's parameter name
+    style: str            # "colwise", "rowwise", "vocab" or "replicate"
+    split_dim: int | None  # the dimension split across the ranks (None: whole on every rank)
+    shape: tuple          # the whole parameter's shape
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """How a tensor-parallel step splits each parameter over the tp ranks."""
+
+    dim: Any = field(compare=False)  # picofx.parallel.mesh.MeshDim of the tp ranks
+    entries: tuple[TensorParallelEntry, ...] = ()
+
+    @property
+    def world(self) -> int:
+        return self.dim.size
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr((self.world, self.entries)).encode()).hexdigest()
+
+    def first_difference(self, theirs: "TensorParallelLayout", rank: int) -> str:
+        for a, b in zip(self.entries, theirs.entries):
+            if a != b:
+                return f"first differing parameter: {a.name} {a.style} here, {b.name} {b.style} on rank {rank}"
+        return f"{len(self.entries)} parameters here, {len(theirs.entries)} on rank {rank}"
+
+
 @dataclass
 class GraphLayouts:
     """Every layout recorded on one graph; None where no pass decided one."""
@@ -160,6 +189,7 @@ class GraphLayouts:
     stage: StageSignature | None = None      # pass pipeline: this graph is one stage
     pipeline: PipelineLayout | None = None   # pass pipeline: the whole cut
     shards: ShardLayout | None = None        # pass shard: the parameters taken as shards and gathered
+    tensor_parallel: TensorParallelLayout | None = None  # pass tensor_parallel: each parameter's split
 
 
 def layouts_of(gm: fx.GraphModule) -> GraphLayouts:

@@ -47,6 +47,15 @@ class MeshDim:
     def group_name(self) -> str:
         return self.group.group_name
 
+    def as_device_mesh(self, device_type: str):
+        """A one-dimensional DeviceMesh over this dimension (made from its group where it was given
+        as a bare ProcessGroup): the mesh of the DTensors placed on it."""
+        if self.device_mesh is not None:
+            return self.device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.group, device_type, mesh_dim_names=(self.name,))
+
     def ranks(self) -> list[int]:
         """The global ranks of this dimension's group, in its order."""
         if self.group is None:
@@ -166,9 +175,9 @@ def fill_rest(sizes: Mapping[str, int], world: int) -> dict[str, int]:
 
 def mesh_for(requests: list[tuple[tuple[str, ...], int | None]], device_type: str) -> ParallelMesh | None:
     """The run's mesh when the user gave none: each pass asks for its dimensions (and the size of
-    its first one, where it needs a size: a pipeline's stages); the data-parallel dimension a pass
-    asks for takes the ranks left over (dp_replicate where none asks: replicas of the rest). None
-    in a single process, or where no pass asks."""
+    its first one, where it needs a size: a pipeline's stages); the first dimension asked for
+    without a size, data-parallel first, takes the ranks left over (dp_replicate where none is:
+    replicas of the rest). None in a single process, or where no pass asks."""
     if not initialized() or not any(dims for dims, _ in requests):
         return None
     sizes = {name: 1 for name in DIMS}
@@ -176,7 +185,8 @@ def mesh_for(requests: list[tuple[tuple[str, ...], int | None]], device_type: st
         if dims and size is not None:
             sizes[dims[0]] = size
     asked = {name for dims, _ in requests for name in dims}
-    rest = next((name for name in ("dp_shard", "dp_replicate") if name in asked and sizes[name] == 1), "dp_replicate")
+    rest = next((name for name in ("dp_shard", "dp_replicate", "tp") if name in asked and sizes[name] == 1),
+                "dp_replicate")
     if sizes[rest] == 1:
         sizes[rest] = -1
     return ParallelMesh.build(**sizes, device_type=device_type)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from picofx.errors import DistributedError
-from picofx.parallel.layouts import BucketLayout, ShardLayout, recorded
+from picofx.parallel.layouts import BucketLayout, ShardLayout, TensorParallelLayout, recorded
 
 def launched_world(environ) -> int | None:
     """How many processes torchrun started (its WORLD_SIZE in `environ`, a mapping such as
@@ -37,7 +37,7 @@ def first_failure(message: str | None, group=None) -> tuple[int, str] | None:
     return next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
 
 
-def check_layout(layout: BucketLayout | ShardLayout) -> None:
+def check_layout(layout: BucketLayout | ShardLayout | TensorParallelLayout) -> None:
     """All ranks gather each other's layout (gradient buckets or parameter shards); on any mismatch
     every rank raises, naming the first differing parameter (e.g. one frozen on one rank only, or
     different passes)."""
@@ -48,6 +48,7 @@ def check_layout(layout: BucketLayout | ShardLayout) -> None:
     dist.all_gather_object(gathered, (mine, plain), group=layout.dim.group)
     me = layout.dim.rank
     what, collectives = (("gradient bucket", "all-reduces") if isinstance(layout, BucketLayout)
+                         else ("tensor-parallel", "all-reduces") if isinstance(layout, TensorParallelLayout)
                          else ("parameter shard", "all-gathers and reduce-scatters"))
     for rank, (digest, theirs) in enumerate(gathered):
         if digest != mine:
@@ -60,7 +61,7 @@ def check_layout(layout: BucketLayout | ShardLayout) -> None:
 def check_layouts(graphs: dict) -> None:
     """Check the layouts of every graph a distributed pass rewrote (none: nothing to do)."""
     for gm in graphs.values():
-        for layout in (recorded(gm).shards, recorded(gm).buckets):
+        for layout in (recorded(gm).shards, recorded(gm).buckets, recorded(gm).tensor_parallel):
             if layout is not None:
                 check_layout(layout)
 

@@ -1,0 +1,178 @@
+"""tensor_parallel: Megatron tensor parallelism inside the captured step, its plan read from the graph.
+
+Forward stage. The plan (`picofx.cost.tp_plan.infer_plan`, or the user's patterns on top) says
+per parameter: "colwise" (output features split: Shard(0) of the weight and bias), "rowwise"
+(input features split: Shard(1)), "vocab" (embedding rows split) or "replicate". The graph is
+rewritten so that every rank computes on its pieces:
+
+    x = tp_copy(x)                     # before the column-parallel linears reading x: their input
+    q = linear(x, w_q_local)           #   gradient, partial on each rank, is summed in the backward
+    ... views and expands on the way take 1/tp of the heads ...
+    o = tp_reduce(linear(a, w_o_local)) (+ bias)   # the row-parallel partial sums, summed
+    e = tp_reduce(where(in_shard, embedding(w_local, ids - start), 0))   # vocabulary-parallel lookup
+
+`picofx.parallel.collectives` holds the two operators. The decision is recorded as a
+TensorParallelLayout on the graph; the runtime (picofx.runtime.tensor_parallel) makes the model's
+parameters DTensors with those placements and feeds the graph their local pieces.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_reduce / tp_copy)
+from picofx.capture.annotate import fake_mode_of
+from picofx.capture.vocabulary import input_slot, is_parameter, viewed_source
+from picofx.cost.tp_plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
+from picofx.parallel.mesh import resolve_dim
+
+aten = torch.ops.aten
+STYLES = ("colwise", "rowwise", "vocab", "replicate")
+SPLIT_DIM = {"colwise": 0, "vocab": 0, "rowwise": 1}
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+
+
+@register_pass("tensor_parallel")
+@dataclass(frozen=True)
+class TensorParallel:
+    """mesh: the ranks to split over: a mesh dimension's name, a one-dimensional DeviceMesh or a
+    ProcessGroup (None: the run's mesh's tp dimension, else every rank). plan: "auto" (read from the
+    graph) or {parameter-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"}, applied over
+    the inferred plan. sequence_parallel, async_overlap: not built yet (False / ignored)."""
+
+    mesh: Any = None
+    plan: Any = "auto"
+    sequence_parallel: bool = False
+    async_overlap: bool = True
+    info = PassInfo(Stage.FORWARD, mesh_dims=("tp",), communicates=True)
+    stage = info.stage
+
+    def __post_init__(self):
+        if self.plan != "auto" and not (isinstance(self.plan, dict) and set(self.plan.values()) <= set(STYLES)):
+            raise ValueError(f"TensorParallel(plan=...): 'auto' or a dict of parameter-name patterns to one of "
+                             f"{STYLES}, got {self.plan!r}")
+        if self.sequence_parallel:
+            raise NotImplementedError("TensorParallel(sequence_parallel=True) is not built yet.")
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
+        plan = infer_plan(gm, dim.size)
+        for pattern, style in (self.plan.items() if isinstance(self.plan, dict) else ()):
+            for name in plan.parameters:
+                if fnmatch.fnmatch(name, pattern):
+                    plan.parameters[name] = ParameterPlan(style, f"the user's plan: {pattern!r}")
+        check_plan(plan, gm)
+        rewrite(gm, plan, dim)
+        entries = []
+        for node in gm.graph.nodes:
+            if is_parameter(node):
+                name = input_slot(node).target
+                style = plan.style(name)
+                entries.append(TensorParallelEntry(name, style, SPLIT_DIM.get(style), tuple(node.meta["full_shape"])))
+        layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
+        counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
+        return PassResult(True, {"ranks": dim.size, **counts,
+                                 "plan": {name: f"{p.style}: {p.why}" for name, p in plan.parameters.items()}})
+
+
+def check_plan(plan, gm: fx.GraphModule) -> None:
+    """Refuse what the rewrite cannot do yet, naming the parameters and what to do."""
+    if plan.kv_replicated:
+        raise ValueError(f"TensorParallel: tp={plan.tp} does not divide the key/value heads of "
+                         f"{plan.kv_replicated[:2]}...; use a tp that divides the key/value heads.")
+    for node in gm.graph.nodes:
+        if node.target in LINEARS and plan.style(weight_name(node, 1) or "") == "colwise" and \
+                "LM head" in plan.parameters[weight_name(node, 1)].why:
+            # the vocabulary-parallel cross-entropy is not built: keep the head whole
+            plan.parameters[weight_name(node, 1)] = ParameterPlan(
+                "replicate", "LM head kept whole (the vocabulary-parallel cross-entropy is not built yet)")
+    for node in gm.graph.nodes:  # a table read by the embedding and by a whole head (tied) stays whole
+        if node.target is aten.embedding.default and plan.style(weight_name(node, 0) or "") == "vocab":
+            table = viewed_source(node.args[0], through_copies=True)
+            if any(u.target in LINEARS for u in table.users):
+                plan.parameters[weight_name(node, 0)] = ParameterPlan(
+                    "replicate", "tied with the LM head, which is kept whole")
+
+
+def rewrite(gm: fx.GraphModule, plan, dim) -> None:
+    graph, tp = gm.graph, dim.size
+    shrink_placeholders(gm, plan, tp)
+    copies: dict[fx.Node, fx.Node] = {}
+    linears = [n for n in graph.nodes if n.target in LINEARS]
+    walks = {}  # every column's path, read before anything changes (siblings are recognised by their input)
+    for linear in linears:
+        if plan.style(weight_name(linear, 1) or "") == "colwise":
+            walks[linear] = {}
+            walk_column(linear, tp, walks[linear])
+    for linear in linears:
+        style = plan.style(weight_name(linear, 1) or "")
+        if style == "colwise":
+            for node, at in walks[linear].items():
+                if node.target in RESHAPES:
+                    shape = list(node.meta["val"].shape)
+                    shape[at] //= tp
+                    node.args = (node.args[0], shape, *node.args[2:])
+            source = linear.args[0]
+            if source not in copies:
+                with graph.inserting_after(source):
+                    copies[source] = graph.call_function(torch.ops.picofx.tp_copy.default, (source, dim.group_name))
+            linear.replace_input_with(source, copies[source])
+        elif style == "rowwise":
+            bias = linear.args[2] if len(linear.args) > 2 else None
+            linear.args = linear.args[:2]
+            with graph.inserting_after(linear):
+                reduced = graph.call_function(torch.ops.picofx.tp_reduce.default, (linear, dim.group_name))
+            linear.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
+            if bias is not None:
+                with graph.inserting_after(reduced):
+                    biased = graph.call_function(aten.add.Tensor, (reduced, bias))
+                reduced.replace_all_uses_with(biased, delete_user_cb=lambda u: u is not biased)
+    for lookup in [n for n in graph.nodes if n.target is aten.embedding.default]:
+        if plan.style(weight_name(lookup, 0) or "") == "vocab":
+            vocabulary_parallel(graph, lookup, dim)
+
+
+def shrink_placeholders(gm: fx.GraphModule, plan, tp: int) -> None:
+    """Each split parameter's placeholder takes this rank's piece (its fake value resized)."""
+    mode = fake_mode_of(gm)
+    for node in gm.graph.nodes:
+        if not is_parameter(node):
+            continue
+        value = node.meta["val"]
+        node.meta["full_shape"] = tuple(value.shape)
+        axis = SPLIT_DIM.get(plan.style(input_slot(node).target))
+        if axis is None:
+            continue
+        if value.shape[axis] % tp:
+            raise ValueError(f"TensorParallel: {input_slot(node).target} has {value.shape[axis]} "
+                             f"{'rows' if axis == 0 else 'columns'}, which tp={tp} does not divide.")
+        shape = list(value.shape)
+        shape[axis] //= tp
+        with mode:
+            node.meta["val"] = torch.empty(shape, dtype=value.dtype, device=value.device)
+
+
+def vocabulary_parallel(graph: fx.Graph, lookup: fx.Node, dim) -> None:
+    """This rank's rows [start, start + rows) answer the ids that fall in them; the others give
+    zeros; the sum over ranks is the whole lookup."""
+    table, ids = lookup.args[0], lookup.args[1]
+    rows = table.meta["val"].shape[0]
+    start = dim.rank * rows
+    with graph.inserting_before(lookup):
+        local = graph.call_function(aten.sub.Tensor, (ids, start))
+        below = graph.call_function(aten.lt.Scalar, (local, 0))
+        above = graph.call_function(aten.ge.Scalar, (local, rows))
+        outside = graph.call_function(aten.logical_or.default, (below, above))
+        safe = graph.call_function(aten.where.ScalarSelf, (outside, 0, local))
+    lookup.replace_input_with(ids, safe)
+    with graph.inserting_before(lookup.next):
+        mask = graph.call_function(aten.unsqueeze.default, (outside, -1))
+        zeroed = graph.call_function(aten.where.ScalarSelf, (mask, 0.0, lookup))
+        reduced = graph.call_function(torch.ops.picofx.tp_reduce.default, (zeroed, dim.group_name))
+    lookup.replace_all_uses_with(reduced, delete_user_cb=lambda u: u not in (zeroed,))

@@ -1,0 +1,51 @@
+"""What each of two gloo ranks runs for tests/passes/test_tensor_parallel.py: every rank gets the
+same full batch; results go back to the test process, which compares them."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import picofx
+from picofx.examples import real_models, zoo
+from picofx.passes import TensorParallel
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def one_step(z: zoo.ZooModel, backend: str = "eager") -> dict:
+    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel()], backend=backend, loss_fn=z.loss_fn)
+    batch = dict(z.example_inputs)
+    out = opt(**batch)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    placements = {n: str(p.placements[0]) if isinstance(p, DTensor) else "plain" for n, p in z.model.named_parameters()}
+    local = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in z.model.named_parameters()}
+    return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
+            "placements": placements, "local_shapes": local, "notes": next(
+                r.notes for r in opt.report.records if r.name == "tensor_parallel")}
+
+
+def llama(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    return {"reference": one_step(zoo.build("llama-tiny")), "hf": one_step(real_models.hf_model("llama")),
+            "qwen2": one_step(real_models.hf_model("qwen2"))}
+
+
+def adamw_and_checkpoint(rank: int, world: int, directory: str) -> dict:
+    """Three AdamW steps with gradient clipping, then a DCP checkpoint from every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    z = zoo.build("llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel()], backend="eager", loss_fn=z.loss_fn)
+    optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt(**dict(z.example_inputs)).backward()
+        torch.nn.utils.clip_grad_norm_(opt.parameters(), max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    dcp.save(get_model_state_dict(z.model), checkpoint_id=directory)
+    return {"parameters": {n: _full(p) for n, p in z.model.named_parameters()}}
+

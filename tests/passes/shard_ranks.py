@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import picofx
 from picofx.examples import zoo
-from picofx.passes import Shard
+from picofx.passes import Checkpoint, Shard
 from picofx.runtime.shard import local_bytes
 from picofx.capture.vocabulary import viewed_source
 from picofx.testing import op_counts
@@ -70,7 +70,20 @@ def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: st
     out.update(adamw_steps(opt, z, rank, world))
     out["state_dict"] = round_trip(opt, checkpoint_dir, rank)
     out["kept"] = kept_gathers_checks(rank, world, batch)
+    out["composed"] = composed_checks(rank, world, batch)
     return out
+
+
+COMPOSED = ["fuse", "precision", Checkpoint(budget=0.995)]  # a tight budget: sharding already saves the weights
+
+
+def composed_checks(rank: int, world: int, batch: int) -> dict:
+    """fuse + precision + checkpoint, then shard: the gathered gradients of the same optimized step."""
+    z = zoo.build("llama-tiny", batch=batch)
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [*COMPOSED, Shard()], backend="eager",
+                          loss_fn=z.loss_fn)
+    return {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": gathered_grads(z.model),
+            "passes": sorted({r.name for r in opt.report.records if r.changed})}
 
 
 def collective_order(gm) -> list[str]:

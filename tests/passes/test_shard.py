@@ -129,6 +129,19 @@ def test_reshard_after_forward_false_keeps_gathered_parameters(llama_ranks, llam
     assert kept[0]["forward_order"] == ["gather", "wait"] * count
 
 
+def test_composes_with_fuse_precision_and_checkpoint(llama_ranks):
+    """bf16 matmuls: the tolerance of precision (per tensor, normwise), as test_overlap's."""
+    composed = [r["composed"] for r in llama_ranks]
+    assert composed[0]["passes"] == ["checkpoint", "fuse", "precision", "shard"]
+    z = zoo.build("llama-tiny", batch=BATCH)
+    opt = picofx.optimize(z.model, z.example_inputs, shard_ranks.COMPOSED, backend="eager", loss_fn=z.loss_fn)
+    loss = opt.forward_backward(**z.example_inputs)
+    torch.testing.assert_close(torch.stack([r["loss"] for r in composed]).mean(), loss, rtol=1e-2, atol=1e-3)
+    for r in composed:
+        for name, p in z.model.named_parameters():
+            assert (r["grads"][name] - p.grad).norm() <= 2e-2 * p.grad.norm() + 1e-6, name
+
+
 def test_hf_llama_with_uneven_vocabulary_and_recapture_match_full_batch():
     vocab = 257  # odd: the embedding and head split 129 + 128 rows, padded to 129 in the graph
     ranks = run_ranks(shard_ranks.hf_llama_checks, 2, BATCH, vocab, timeout=300)

@@ -49,3 +49,14 @@ def adamw_and_checkpoint(rank: int, world: int, directory: str) -> dict:
     dcp.save(get_model_state_dict(z.model), checkpoint_id=directory)
     return {"parameters": {n: _full(p) for n, p in z.model.named_parameters()}}
 
+
+
+def with_fuse(rank: int, world: int, backend: str) -> dict:
+    """tensor_parallel then fuse: the fused kernels run on each rank's pieces."""
+    z = zoo.build("llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel(), "fuse"], backend=backend, loss_fn=z.loss_fn)
+    loss = opt(**dict(z.example_inputs))
+    loss.backward()
+    fused = next(r.notes for r in opt.report.records if r.name == "fuse")
+    return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
+            "fused": {k: v for k, v in fused.items() if isinstance(v, int)}}

@@ -104,3 +104,15 @@ def test_adamw_clipping_and_a_dcp_checkpoint_work_unchanged(tmp_path):
     plain.load_state_dict(state, strict=True)
     for name, value in expected.items():
         torch.testing.assert_close(plain.get_parameter(name), value, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(backend):
+    ranks = run_ranks(tensor_parallel_ranks.with_fuse, 2, backend, timeout=900, collective_timeout=600)
+    loss, grads = single(zoo.build("llama-tiny"))
+    for rank in ranks:
+        assert rank["fused"]["qkv_projection"] == 2 and rank["fused"]["swiglu"] == 2
+        assert rank["fused"]["grouped_query_attention"] == 2 and rank["fused"]["rms_norm"] == 5
+        torch.testing.assert_close(rank["loss"], loss, **LOSS)
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")

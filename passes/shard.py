@@ -27,7 +27,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of, viewed_source
+from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of
 from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
@@ -36,6 +36,9 @@ from picofx.parallel.mesh import MeshDim, resolve_dim
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
+CAST = aten._to_copy.default
+CASTS = (CAST, torch.ops.prims.convert_element_type.default)  # a dtype cast, before and after decomposition
+GATHER_DTYPES = {"bf16": torch.bfloat16, torch.bfloat16: torch.bfloat16}
 SCATTER = (c10d.reduce_scatter_tensor.default, torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default)
 
 
@@ -57,7 +60,10 @@ class Shard:
     from the forward (False). bucket: which parameters share one all-gather: "auto" (a decoder
     layer's; FSDP2's unit), bytes or a size string ("16MiB"), or 0 (one gather per parameter).
     prefetch: issue a bucket's gather this many buckets before its first use (0: just before it),
-    so it overlaps the previous layer's compute. mixed_precision: not yet (None)."""
+    so it overlaps the previous layer's compute. mixed_precision: None, or "bf16" (FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16) with reduce_dtype left to it): fp32 shards, the master
+    copy, are gathered in bf16 and their gradients reduce-scattered in bf16; the graph computes in
+    the dtype it did (list "precision" before "shard" to compute in bf16)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -69,9 +75,9 @@ class Shard:
     stage = info.stage
 
     def __post_init__(self):
-        if self.mixed_precision is not None:
-            raise NotImplementedError("Shard(mixed_precision=...) is not supported yet; combine Shard with the "
-                                      "'precision' pass for bf16 compute.")
+        if self.mixed_precision not in (None, *GATHER_DTYPES):
+            raise NotImplementedError(f"Shard(mixed_precision={self.mixed_precision!r}): give None or 'bf16' "
+                                      "(gradients reduced in fp32 are not supported yet).")
         if self.bucket not in ("auto", 0):
             parse_budget(self.bucket)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -111,7 +117,8 @@ class Shard:
                                           k, ctx.model.get_parameter(name).requires_grad,
                                           local_rows(shape[0], dim.size, dim.rank)))
         issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
-        gathers = [issue_gather(gm.graph, bucket, dim, issued[k]) for k, bucket in enumerate(buckets)]
+        wire = GATHER_DTYPES.get(self.mixed_precision)
+        gathers = [issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
         for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
             wait_and_unpack(gm.graph, bucket, gathered, dim)
         for first, node, shape in (p for p in params if p[0] is None):  # read by nothing: sharded all the same
@@ -120,9 +127,11 @@ class Shard:
                                       ctx.model.get_parameter(name).requires_grad,
                                       local_rows(shape[0], dim.size, dim.rank)))
         gm.graph.eliminate_dead_code()
-        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries))
+        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries),
+                                            str(wire) if wire else None)
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
-                                 "prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
+                                 "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
+                                 "reshard_after_forward": self.reshard_after_forward,
                                  "gathers": [describe_bucket(b, issued[k], dim.size) for k, b in enumerate(buckets)]})
 
     def buckets(self, params: list) -> list[list]:
@@ -161,7 +170,7 @@ class Shard:
                 while pending:
                     n = pending.pop()
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    pending += [u for u in n.users if is_view(u) or is_copy(u)]
+                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in CASTS]
                 tagged += 1
         return PassResult(tagged > 0, {"regathered": tagged})
 
@@ -170,16 +179,19 @@ def is_copy(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
 
 
-def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node) -> fx.Node:
+def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node, wire) -> fx.Node:
     """All-gather the bucket's padded shards as one flat tensor, issued before node `before`:
 
         flat = cat([shard.reshape(-1) for shard in bucket])     # (M,), M = the shards' numel
+        flat = flat.to(wire)                                    # mixed precision only
         gathered = all_gather(flat, N, group)                   # (N * M,): rank r's shards at r * M
     """
     shards = [node for _, node, _ in bucket]
     with graph.inserting_before(before):
         flat = shards[0] if len(shards) == 1 else graph.call_function(
             aten.cat.default, ([graph.call_function(aten.reshape.default, (s, [-1])) for s in shards],))
+        if wire is not None and shards[0].meta["val"].dtype != wire and shards[0].meta["val"].is_floating_point():
+            flat = graph.call_function(CAST, (flat,), {"dtype": wire})
         return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
 
 
@@ -203,9 +215,12 @@ def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshD
                 offset += shard.numel()
             if shard.shape[0] * dim.size != shape[0]:
                 whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
+            if gathered.args[0].target is CAST:  # gathered in the wire dtype: back to the parameter's
+                whole = graph.call_function(CAST, (whole,), {"dtype": shard.dtype})
             wholes.append(whole)
     flat = gathered.args[0]
     own = {gathered, flat, *flat.all_input_nodes}  # the nodes that read the shards themselves
+    own |= {a for n in flat.all_input_nodes for a in n.all_input_nodes} if flat.target is CAST else set()
     for node, whole in zip(shards, wholes):
         for user in [u for u in node.users if u not in own]:
             user.replace_input_with(node, whole)
@@ -228,7 +243,9 @@ def average_gradients(gm: fx.GraphModule) -> PassResult:
     for pos, node in enumerate(outputs):
         if not isinstance(node, fx.Node):
             continue
-        waited = viewed_source(node)
+        waited = node
+        while waited.op == "call_function" and (is_view(waited) or waited.target in CASTS):
+            waited = waited.args[0]  # through views and mixed precision's cast back to the parameter's dtype
         if waited.target is not c10d.wait_tensor.default or getattr(waited.args[0], "target", None) not in SCATTER:
             continue
         group_size = waited.args[0].args[2]

@@ -67,23 +67,37 @@ def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: st
     out["grads"] = gathered_grads(z.model)
     out.update(facts(z.model))
     out["opt_names"] = [n for n, _ in opt.named_parameters()]
+    clear(z.model)  # accumulation: no_sync is accepted; each backward still reduce-scatters into the shards
+    with opt.no_sync():
+        opt.forward_backward(**shard(z.example_inputs, rank, world))
+    opt.forward_backward(**shard(later_batch(z.example_inputs, 3), rank, world))
+    out["accumulated"] = gathered_grads(z.model)
     out.update(adamw_steps(opt, z, rank, world))
     out["state_dict"] = round_trip(opt, checkpoint_dir, rank)
     out["kept"] = kept_gathers_checks(rank, world, batch)
     out["composed"] = composed_checks(rank, world, batch)
+    out["mixed"] = composed_checks(rank, world, batch, Shard(mixed_precision="bf16"))
     return out
 
 
 COMPOSED = ["fuse", "precision", Checkpoint(budget=0.995)]  # a tight budget: sharding already saves the weights
 
 
-def composed_checks(rank: int, world: int, batch: int) -> dict:
-    """fuse + precision + checkpoint, then shard: the gathered gradients of the same optimized step."""
+def composed_checks(rank: int, world: int, batch: int, sharding=Shard()) -> dict:
+    """fuse + precision + checkpoint, then shard: the gathered gradients of the same optimized step,
+    and the dtypes its collectives move."""
     z = zoo.build("llama-tiny", batch=batch)
-    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [*COMPOSED, Shard()], backend="eager",
+    opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [*COMPOSED, sharding], backend="eager",
                           loss_fn=z.loss_fn)
     return {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": gathered_grads(z.model),
-            "passes": sorted({r.name for r in opt.report.records if r.changed})}
+            "passes": sorted({r.name for r in opt.report.records if r.changed}),
+            "gathered": collective_dtypes(opt.graphs["forward"], "all_gather"),
+            "reduced": collective_dtypes(opt.graphs["backward"], "reduce_scatter"),
+            "param_dtypes": sorted({str(p.dtype) for p in z.model.parameters()})}
+
+
+def collective_dtypes(gm, kind: str) -> list[str]:
+    return sorted({str(n.meta["val"].dtype) for n in gm.graph.nodes if kind in str(n.target)})
 
 
 def collective_order(gm) -> list[str]:

@@ -79,6 +79,14 @@ def test_reference_llama_matches_full_batch(llama_ranks, llama_reference):
         assert_grads(r["grads"], expected, **GRAD)
 
 
+def test_accumulation_sums_micro_batches(llama_ranks, llama_reference):
+    _, first = llama_reference
+    z = zoo.build("llama-tiny", batch=BATCH)
+    full_batch(z, later_batch(z.example_inputs, 3))
+    for r in llama_ranks:
+        assert_grads(r["accumulated"], {n: first[n] + p.grad for n, p in z.model.named_parameters()}, **GRAD)
+
+
 def test_graphs_gather_a_bucket_per_layer_and_prefetch(llama_ranks):
     r = llama_ranks[0]
     notes = r["notes"]["forward.forward"]
@@ -129,10 +137,15 @@ def test_reshard_after_forward_false_keeps_gathered_parameters(llama_ranks, llam
     assert kept[0]["forward_order"] == ["gather", "wait"] * count
 
 
-def test_composes_with_fuse_precision_and_checkpoint(llama_ranks):
-    """bf16 matmuls: the tolerance of precision (per tensor, normwise), as test_overlap's."""
-    composed = [r["composed"] for r in llama_ranks]
+@pytest.mark.parametrize("case", ["composed", "mixed"])
+def test_composes_with_fuse_precision_and_checkpoint(llama_ranks, case):
+    """bf16 matmuls: the tolerance of precision (per tensor, normwise), as test_overlap's. "mixed":
+    Shard(mixed_precision="bf16") gathers and reduce-scatters in bf16; the master copy stays fp32."""
+    composed = [r[case] for r in llama_ranks]
     assert composed[0]["passes"] == ["checkpoint", "fuse", "precision", "shard"]
+    wire = ["torch.bfloat16"] if case == "mixed" else ["torch.float32"]
+    assert composed[0]["gathered"] == wire and composed[0]["reduced"] == wire
+    assert composed[0]["param_dtypes"] == ["torch.float32"]
     z = zoo.build("llama-tiny", batch=BATCH)
     opt = picofx.optimize(z.model, z.example_inputs, shard_ranks.COMPOSED, backend="eager", loss_fn=z.loss_fn)
     loss = opt.forward_backward(**z.example_inputs)
@@ -179,7 +192,9 @@ def test_no_process_group_says_how_to_launch():
 
 def test_options_are_checked():
     with pytest.raises(NotImplementedError, match="mixed_precision"):
-        Shard(mixed_precision="bf16")
+        Shard(mixed_precision="fp16")
+    with pytest.raises(ValueError, match="prefetch"):
+        Shard(prefetch=-1)
     assert picofx.manager.pass_info(Shard()).mesh_dims == ("dp_shard",)
 
 

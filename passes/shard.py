@@ -1,18 +1,20 @@
 """shard: sharded data parallel (ZeRO-3, as FSDP2 shards) inside the captured step.
 
 Forward stage: every parameter placeholder takes this rank's dim-0 shard, padded to the common
-row count P = ceil(rows / N), instead of the whole tensor. Before the parameter's first use:
+row count P = ceil(rows / N), instead of the whole tensor. The parameters, in the order the
+forward first reads them, are cut into buckets (a decoder layer's by default); each bucket's shards
+travel in one all-gather, issued `prefetch` buckets ahead and waited just before first use:
 
-    gathered = _c10d_functional_autograd.all_gather_into_tensor(shard, N, group)   # (N*P, ...)
-    full = slice(wait_tensor(gathered), 0, 0, rows)                                 # the parameter
+    gathered = _c10d_functional_autograd.all_gather_into_tensor(cat(shards), N, group)
+    whole_i = wait_tensor(gathered).view(N, M)[:, off_i:off_i + m_i].reshape(N * P_i, ...)[:rows_i]
 
 The autograd all-gather's backward is a reduce-scatter (sum), so the backward hands each rank the
 gradient of its own padded shard. Partitioned stage (backward graph): those gradients are divided
-by N, since gloo has no "avg" (DDP's average). Joint stage, with reshard_after_forward: the gather
-nodes are tagged for recomputation, so the backward gathers again instead of keeping the whole
-parameters alive between forward and backward. The decision is recorded as a ShardLayout on the
-forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor shards
-and feeds the graph their padded local pieces.
+by N, since gloo has no "avg" (DDP's average). Joint stage, with reshard_after_forward: the gathers
+and what views them are tagged for recomputation, so the backward gathers again instead of keeping
+the whole parameters alive between forward and backward. The decision is recorded as a ShardLayout
+on the forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor
+shards and feeds the graph their padded local pieces.
 
 List `shard` after the passes that rewrite the forward graph (fuse, precision): they see the
 parameters gathered.
@@ -109,23 +111,14 @@ class Shard:
                                                dtype=val.dtype, device=val.device)
         params.sort(key=lambda p: order[p[0]] if p[0] is not None else len(order))
         buckets = self.buckets([p for p in params if p[0] is not None])
-        entries = []
-        for k, bucket in enumerate(buckets):
-            for first, node, shape in bucket:
-                name = input_slot(node).target
-                entries.append(ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype),
-                                          k, ctx.model.get_parameter(name).requires_grad,
-                                          local_rows(shape[0], dim.size, dim.rank)))
+        unread = [p for p in params if p[0] is None]  # sharded all the same, in no bucket
+        entries = [shard_entry(ctx, node, shape, k, dim) for k, bucket in [*enumerate(buckets), (-1, unread)]
+                   for _, node, shape in bucket]
         issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
         wire = GATHER_DTYPES.get(self.mixed_precision)
         gathers = [issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
         for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
             wait_and_unpack(gm.graph, bucket, gathered, dim)
-        for first, node, shape in (p for p in params if p[0] is None):  # read by nothing: sharded all the same
-            name = input_slot(node).target
-            entries.append(ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype), -1,
-                                      ctx.model.get_parameter(name).requires_grad,
-                                      local_rows(shape[0], dim.size, dim.rank)))
         gm.graph.eliminate_dead_code()
         layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries),
                                             str(wire) if wire else None)
@@ -177,6 +170,12 @@ class Shard:
 
 def is_copy(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
+
+
+def shard_entry(ctx: Context, node: fx.Node, shape: tuple, bucket: int, dim: MeshDim) -> ShardEntry:
+    name = input_slot(node).target
+    return ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype), bucket,
+                      ctx.model.get_parameter(name).requires_grad, local_rows(shape[0], dim.size, dim.rank))
 
 
 def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node, wire) -> fx.Node:

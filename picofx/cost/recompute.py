@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
 import torch
 from torch import fx
 
@@ -129,7 +130,9 @@ def tradeoff(segment: Segment, needed: set, forward: set, seconds: Callable[[fx.
         # every priced capacity is set again here, and minimum_cut leaves its graph as it was
         for v, b in save_bytes.items():
             graph[(v, "in")][(v, "out")]["capacity"] = price * b
-        _, (reachable, _) = nx.minimum_cut(graph, "source", "sink")
+        # any maximum flow leaves the same source side (the least minimum cut); Boykov-Kolmogorov
+        # finds one in half the time of the default preflow-push on these small graphs
+        _, (reachable, _) = nx.minimum_cut(graph, "source", "sink", flow_func=boykov_kolmogorov)
         recompute = {v for v in segment.nodes if (v, "in") not in reachable}
         recompute = _required(recompute, needed, members)
         saved = {v for v in segment.nodes if (v, "in") in reachable and (v, "out") not in reachable}

@@ -31,6 +31,8 @@ from picofx.cost.tp_plan import LINEARS, ParameterPlan, infer_plan, walk_column,
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
 from picofx.parallel.mesh import resolve_dim
+from picofx.passes.fuse import Fuse
+from picofx.passes.tensor_parallel_loss import fused_losses, vocabulary_parallel_loss
 
 aten = torch.ops.aten
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -67,8 +69,11 @@ class TensorParallel:
             for name in plan.parameters:
                 if fnmatch.fnmatch(name, pattern):
                     plan.parameters[name] = ParameterPlan(style, f"the user's plan: {pattern!r}")
-        check_plan(plan, gm)
+        heads = fuse_heads(gm, plan, ctx)
+        check_plan(plan, gm, heads)
         rewrite(gm, plan, dim)
+        for fused in heads:
+            vocabulary_parallel_loss(gm.graph, fused, dim.rank, dim.group_name)
         entries = []
         for node in gm.graph.nodes:
             if is_parameter(node):
@@ -81,17 +86,28 @@ class TensorParallel:
                                  "plan": {name: f"{p.style}: {p.why}" for name, p in plan.parameters.items()}})
 
 
-def check_plan(plan, gm: fx.GraphModule) -> None:
-    """Refuse what the rewrite cannot do yet, naming the parameters and what to do."""
+def fuse_heads(gm: fx.GraphModule, plan, ctx: Context) -> list[fx.Node]:
+    """The LM heads whose loss fuse's loss rule recognises, as fused loss nodes (the others stay)."""
+    if not any("LM head" in p.why for p in plan.parameters.values() if p.style in ("colwise", "vocab")):
+        return []
+    Fuse(rules=("linear_cross_entropy",))(gm, ctx)
+    return fused_losses(gm.graph)
+
+
+def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
+    """Refuse what the rewrite cannot do, naming the parameters and what to do; keep whole an LM
+    head whose loss is none the vocabulary-parallel cross-entropy computes (and its tied table)."""
     if plan.kv_replicated:
         raise ValueError(f"TensorParallel: tp={plan.tp} does not divide the key/value heads of "
                          f"{plan.kv_replicated[:2]}...; use a tp that divides the key/value heads.")
-    for node in gm.graph.nodes:
-        if node.target in LINEARS and plan.style(weight_name(node, 1) or "") == "colwise" and \
-                "LM head" in plan.parameters[weight_name(node, 1)].why:
-            # the vocabulary-parallel cross-entropy is not built: keep the head whole
-            plan.parameters[weight_name(node, 1)] = ParameterPlan(
-                "replicate", "LM head kept whole (the vocabulary-parallel cross-entropy is not built yet)")
+    split_heads = {weight_name(h, 1) for h in heads}
+    for head in heads:
+        if weight_name(head, 2):
+            plan.parameters[weight_name(head, 2)] = ParameterPlan("colwise", f"bias of the LM head {weight_name(head, 1)}")
+    for name, p in list(plan.parameters.items()):
+        if "LM head" in p.why and name not in split_heads:
+            plan.parameters[name] = ParameterPlan("replicate", "LM head kept whole: its loss is not a "
+                                                  "cross-entropy the vocabulary-parallel loss computes")
     for node in gm.graph.nodes:  # a table read by the embedding and by a whole head (tied) stays whole
         if node.target is aten.embedding.default and plan.style(weight_name(node, 0) or "") == "vocab":
             table = viewed_source(node.args[0], through_copies=True)

@@ -52,3 +52,14 @@ def _copy_backward(ctx, grad):
 
 tp_reduce.register_autograd(_reduce_backward, setup_context=_setup)
 tp_copy.register_autograd(_copy_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("picofx::tp_max", mutates_args=())
+def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    """The elementwise maximum over the group's ranks (no gradient: for softmax statistics)."""
+    return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "max", group))
+
+
+@tp_max.register_fake
+def _(x, group):
+    return torch.empty_like(x)

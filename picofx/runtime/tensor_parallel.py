@@ -21,12 +21,17 @@ from picofx.parallel.layouts import TensorParallelLayout
 def apply_tensor_parallel_layout(layout: TensorParallelLayout, model: nn.Module) -> None:
     """Place each of the layout's parameters (once: a parameter that is a DTensor already stays);
     tied parameters (one tensor under several names) stay tied."""
+    split: dict[int, int | None] = {}  # a tied parameter (several names) takes the split one of its names has
+    for entry in layout.entries:
+        key = id(model.get_parameter(entry.name))
+        if split.get(key) is None:
+            split[key] = entry.split_dim
     replaced: dict[int, nn.Parameter] = {}
     for entry in layout.entries:
         param = model.get_parameter(entry.name)
         if isinstance(param, DTensor) or id(param) in replaced:
             continue
-        placement = Replicate() if entry.split_dim is None else Shard(entry.split_dim)
+        placement = Replicate() if split[id(param)] is None else Shard(split[id(param)])
         mesh = layout.dim.as_device_mesh(param.device.type)
         value = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
         replaced[id(param)] = nn.Parameter(value, requires_grad=param.requires_grad)

@@ -22,15 +22,18 @@ def one_step(z: zoo.ZooModel, backend: str = "eager") -> dict:
     loss.backward()
     placements = {n: str(p.placements[0]) if isinstance(p, DTensor) else "plain" for n, p in z.model.named_parameters()}
     local = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in z.model.named_parameters()}
+    widest = max((n.meta["val"].shape[-1] for n in opt.graph_module.graph.nodes
+                  if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 1), default=0)
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
-            "placements": placements, "local_shapes": local, "notes": next(
+            "placements": placements, "local_shapes": local, "widest": widest, "notes": next(
                 r.notes for r in opt.report.records if r.name == "tensor_parallel")}
 
 
 def llama(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     return {"reference": one_step(zoo.build("llama-tiny")), "hf": one_step(real_models.hf_model("llama")),
-            "qwen2": one_step(real_models.hf_model("qwen2"))}
+            "qwen2": one_step(real_models.hf_model("qwen2")),
+            "tied": one_step(real_models.hf_model("llama", tie_word_embeddings=True))}
 
 
 def adamw_and_checkpoint(rank: int, world: int, directory: str) -> dict:

@@ -31,7 +31,8 @@ def llama_ranks():
 
 @pytest.mark.parametrize("case, build", [("reference", lambda: zoo.build("llama-tiny")),
                                          ("hf", lambda: real_models.hf_model("llama")),
-                                         ("qwen2", lambda: real_models.hf_model("qwen2"))])
+                                         ("qwen2", lambda: real_models.hf_model("qwen2")),
+                                         ("tied", lambda: real_models.hf_model("llama", tie_word_embeddings=True))])
 def test_loss_and_gathered_gradients_equal_the_single_process_run(llama_ranks, case, build):
     torch.manual_seed(0)
     loss, grads = single(build())
@@ -54,8 +55,17 @@ def test_parameters_are_dtensors_placed_as_megatron_under_their_own_names(llama_
     assert shapes["decoder_layers.0.attention.q_proj.weight"] == (32, 64)  # 64 output features over 2 ranks
     assert shapes["decoder_layers.0.mlp.down_proj.weight"] == (64, 88)
     notes = result["notes"]
-    assert notes["colwise"] == 10 and notes["rowwise"] == 4 and notes["vocab"] == 1
+    assert notes["colwise"] == 11 and notes["rowwise"] == 4 and notes["vocab"] == 1
+    assert placements["final_proj.weight"] == "S(0)" and shapes["final_proj.weight"] == (128, 64)  # 256 rows
     assert "out_proj" in notes["plan"]["decoder_layers.0.attention.q_proj.weight"]
+    assert result["widest"] == 256 // 2  # the local logits; no tensor holds the 256 of a token
+
+
+def test_tied_embedding_and_head_share_one_row_split(llama_ranks):
+    result = llama_ranks[0]["tied"]
+    tied = [n for n, p in result["placements"].items() if n in ("model.embed_tokens.weight", "lm_head.weight")]
+    assert tied and all(result["placements"][n] == "S(0)" for n in tied)
+    assert all(result["local_shapes"][n] == (128, 64) for n in tied)
 
 
 def test_a_plan_tp_cannot_run_is_refused_before_anything_communicates():

@@ -157,13 +157,15 @@ def kept_gathers_checks(rank: int, world: int, batch: int) -> dict:
 
 
 def hf_llama_checks(rank: int, world: int, batch: int, vocab_size: int) -> dict:
-    """Shard with fuse on Hugging Face Llama whose vocabulary does not divide by the ranks."""
-    z = zoo.build("hf-llama-tiny", batch=batch, vocab_size=vocab_size)
+    """Shard with fuse on Hugging Face Llama whose vocabulary does not divide by the ranks and
+    whose head shares the embedding's weight."""
+    z = zoo.build("hf-llama-tiny", batch=batch, vocab_size=vocab_size, tie_word_embeddings=True)
     full_bytes, rows = local_bytes(z.model), row_bytes(z.model)
     opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), ["fuse", Shard()], backend="eager")
     out = {"loss": opt.forward_backward(**shard(z.example_inputs, rank, world)), "grads": gathered_grads(z.model),
            "full_bytes": full_bytes, "row_bytes": rows, **facts(z.model), **graph_facts(opt)}
     out["local_rows"] = {n: p.to_local().shape[0] for n, p in z.model.named_parameters()}
+    out["still_tied"] = z.model.lm_head.weight is z.model.model.embed_tokens.weight
     clear(z.model)  # a new sequence length: captured again from the sharded model
     shorter = {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()}
     out["recaptured_loss"] = opt.forward_backward(**shard(shorter, rank, world))

@@ -155,19 +155,20 @@ def test_composes_with_fuse_precision_and_checkpoint(llama_ranks, case):
             assert (r["grads"][name] - p.grad).norm() <= 2e-2 * p.grad.norm() + 1e-6, name
 
 
-def test_hf_llama_with_uneven_vocabulary_and_recapture_match_full_batch():
+def test_hf_llama_with_uneven_tied_vocabulary_and_recapture_match_full_batch():
     vocab = 257  # odd: the embedding and head split 129 + 128 rows, padded to 129 in the graph
     ranks = run_ranks(shard_ranks.hf_llama_checks, 2, BATCH, vocab, timeout=300)
-    z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab)
+    z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab, tie_word_embeddings=True)
     loss = full_batch(z, z.example_inputs)
     assert_mean_loss(ranks, loss)
     for r in ranks:
         assert_grads(r["grads"], grads(z.model), **GRAD)
         assert r["dtensor_params"] and r["dtensor_grads"]
     assert [r["local_rows"]["model.embed_tokens.weight"] for r in ranks] == [129, 128]
+    assert all(r["still_tied"] for r in ranks)
     assert sum(r["local_bytes"] for r in ranks) == ranks[0]["full_bytes"]
     assert all(r["local_bytes"] <= r["full_bytes"] / 2 + r["row_bytes"] for r in ranks)
-    z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab)
+    z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab, tie_word_embeddings=True)
     short_loss = full_batch(z, {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()})
     assert_mean_loss(ranks, short_loss, "recaptured_loss")
     for r in ranks:

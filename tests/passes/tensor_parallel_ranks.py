@@ -63,3 +63,20 @@ def with_fuse(rank: int, world: int, backend: str) -> dict:
     fused = next(r.notes for r in opt.report.records if r.name == "fuse")
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
             "fused": {k: v for k, v in fused.items() if isinstance(v, int)}}
+
+
+def with_data_parallel(rank: int, world: int) -> dict:
+    """4 ranks as 2 data-parallel replicas x 2 tensor-parallel ranks: each replica its own batch,
+    gradients split over tp and averaged over the replicas (pass overlap) inside the backward."""
+    from picofx.parallel import ParallelMesh
+
+    mesh = ParallelMesh.build(dp_replicate=2, tp=2)
+    replica = mesh.dim("dp_replicate").rank
+    z = zoo.build("llama-tiny", batch=2, seed=0)
+    batch = {k: v.roll(replica * 3, dims=-1).contiguous() for k, v in dict(z.example_inputs).items()}
+    opt = picofx.optimize(z.model, batch, [TensorParallel(), "overlap"], backend="eager", loss_fn=z.loss_fn,
+                          mesh=mesh)
+    loss = opt(**batch)
+    loss.backward()
+    return {"loss": loss.detach(), "replica": replica,
+            "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()}}

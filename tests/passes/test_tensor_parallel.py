@@ -126,3 +126,22 @@ def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(back
         torch.testing.assert_close(rank["loss"], loss, **LOSS)
         for name, grad in grads.items():
             torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
+    ranks = run_ranks(tensor_parallel_ranks.with_data_parallel, 4, timeout=600, collective_timeout=300)
+    z = zoo.build("llama-tiny", batch=2, seed=0)
+    batches = [{k: v.roll(r * 3, dims=-1).contiguous() for k, v in dict(z.example_inputs).items()} for r in (0, 1)]
+    losses, summed = [], {}
+    for batch in batches:  # the replicas' batches one after the other: gradients of the mean loss
+        z.model.zero_grad(set_to_none=True)
+        loss = z.loss_fn(z.model(batch["input_ids"]), batch["labels"])
+        loss.backward()
+        losses.append(loss.detach())
+        for n, p in z.model.named_parameters():
+            summed[n] = summed.get(n, 0) + p.grad / 2
+    assert sorted(r["replica"] for r in ranks) == [0, 0, 1, 1]
+    for rank in ranks:
+        torch.testing.assert_close(rank["loss"], losses[rank["replica"]], **LOSS)
+        for name, grad in summed.items():
+            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")

@@ -29,7 +29,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of
+from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of_path
 from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
@@ -135,13 +135,14 @@ class Shard:
         out: list[list] = []
         size = 0
         for param in params:
-            first, node, shape = param
+            node = param[1]
             val = node.meta["val"]
             nbytes = val.numel() * val.element_size()
             if out:
                 last = out[-1][-1]
                 same_dtype = last[1].meta["val"].dtype == val.dtype
-                fits = (layer_of(last[0]) == layer_of(first) if limit is None else size + nbytes <= limit)
+                fits = (layer_of_parameter(last[1]) == layer_of_parameter(node) if limit is None
+                        else size + nbytes <= limit)
                 if same_dtype and fits:
                     out[-1].append(param)
                     size += nbytes
@@ -170,6 +171,11 @@ class Shard:
 
 def is_copy(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
+
+
+def layer_of_parameter(node: fx.Node) -> str | None:
+    """The decoder layer a parameter belongs to, by its name (a fused op reading it may span two)."""
+    return layer_of_path(input_slot(node).target)
 
 
 def shard_entry(ctx: Context, node: fx.Node, shape: tuple, bucket: int, dim: MeshDim) -> ShardEntry:

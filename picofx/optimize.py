@@ -104,7 +104,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         gm = None if entry else capture_call(model, args, kwargs, loss_fn)
         signature = cached_signature(entry) if entry else gm.meta[SIGNATURE_META]
         report = Report(backend=backend, input_key=input_key(args, kwargs),
-                        capture_seconds=time.perf_counter() - start, records=cached_records(entry) if entry else manager.records,
+                        capture_seconds=time.perf_counter() - start,
+                        records=cached_records(entry) if entry else manager.records,
                         sections={"cache": cache_note} if cache_note else {})
         inputs = graph_inputs(signature, model, args, kwargs)
         gm = prepared_graph(entry, inputs, signature) if entry else gm

@@ -18,7 +18,7 @@ parameters DTensors with those placements and feeds the graph their local pieces
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,9 @@ class TensorParallel:
     """mesh: the ranks to split over: a mesh dimension's name, a one-dimensional DeviceMesh or a
     ProcessGroup (None: the run's mesh's tp dimension, else every rank). plan: "auto" (read from the
     graph) or {parameter-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"}, applied over
-    the inferred plan. sequence_parallel, async_overlap: not built yet (False / ignored)."""
+    the inferred plan. sequence_parallel: norms and residual adds on sequence shards (an all-gather
+    before each column-parallel block, a reduce-scatter after each row-parallel one). async_overlap:
+    not built yet (ignored)."""
 
     mesh: Any = None
     plan: Any = "auto"
@@ -59,8 +61,6 @@ class TensorParallel:
         if self.plan != "auto" and not (isinstance(self.plan, dict) and set(self.plan.values()) <= set(STYLES)):
             raise ValueError(f"TensorParallel(plan=...): 'auto' or a dict of parameter-name patterns to one of "
                              f"{STYLES}, got {self.plan!r}")
-        if self.sequence_parallel:
-            raise NotImplementedError("TensorParallel(sequence_parallel=True) is not built yet.")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
@@ -71,9 +71,16 @@ class TensorParallel:
                     plan.parameters[name] = ParameterPlan(style, f"the user's plan: {pattern!r}")
         heads = fuse_heads(gm, plan, ctx)
         check_plan(plan, gm, heads)
-        rewrite(gm, plan, dim)
+        exchange = Exchange(dim, SEQUENCE_DIM if self.sequence_parallel else None)
+        if self.sequence_parallel:
+            check_sequence_parallel(gm, plan, dim.size)
+        rewrite(gm, plan, exchange)
         for fused in heads:
-            vocabulary_parallel_loss(gm.graph, fused, dim.rank, dim.group_name)
+            vocabulary_parallel_loss(gm.graph, fused, dim.rank, exchange.join)
+        notes = {}
+        if self.sequence_parallel:
+            notes["sequence_parallel_saves"] = f"{exchange.saved_bytes(gm.graph) / 2**20:.2f} MiB of activations"
+            exchange.sum_shard_gradients(gm.graph, plan)
         entries = []
         for node in gm.graph.nodes:
             if is_parameter(node):
@@ -82,8 +89,85 @@ class TensorParallel:
                 entries.append(TensorParallelEntry(name, style, SPLIT_DIM.get(style), tuple(node.meta["full_shape"])))
         layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
-        return PassResult(True, {"ranks": dim.size, **counts,
+        return PassResult(True, {"ranks": dim.size, **counts, **notes,
                                  "plan": {name: f"{p.style}: {p.why}" for name, p in plan.parameters.items()}})
+
+
+SEQUENCE_DIM = 1  # the residual stream is (batch, sequence, hidden)
+
+
+@dataclass
+class Exchange:
+    """The collectives the rewrite inserts: where split features join (before column-parallel
+    linears) and where partial sums leave (after row-parallel ones, the vocabulary-parallel
+    lookup). Tensor parallel: tp_copy and tp_reduce. Sequence parallel: the residual stream
+    between them lives on sequence shards, so an all-gather joins and a reduce-scatter leaves."""
+
+    dim: Any
+    sequence_dim: int | None = None
+    leaving: list = field(default_factory=list)
+    joining: list = field(default_factory=list)
+
+    def join(self, graph: fx.Graph, x: fx.Node) -> fx.Node:
+        if self.sequence_dim is None:
+            node = graph.call_function(torch.ops.picofx.tp_copy.default, (x, self.dim.group_name))
+        else:
+            node = graph.call_function(torch.ops.picofx.sp_gather.default,
+                                       (x, self.sequence_dim, self.dim.size, self.dim.group_name))
+        self.joining.append(node)
+        return node
+
+    def leave(self, graph: fx.Graph, y: fx.Node) -> fx.Node:
+        if self.sequence_dim is None:
+            node = graph.call_function(torch.ops.picofx.tp_reduce.default, (y, self.dim.group_name))
+        else:
+            node = graph.call_function(torch.ops.picofx.sp_scatter.default,
+                                       (y, self.sequence_dim, self.dim.size, self.dim.group_name))
+        self.leaving.append(node)
+        return node
+
+    def sharded_region(self) -> set:
+        """The nodes between a reduce-scatter and the next all-gather: they run on sequence shards."""
+        region, frontier = set(), [u for n in self.leaving for u in n.users]
+        while frontier:
+            node = frontier.pop()
+            if node in region or node in self.joining or node.op == "output":
+                continue
+            region.add(node)
+            frontier += list(node.users)
+        return region
+
+    def saved_bytes(self, graph: fx.Graph) -> float:
+        """Activations the residual stream keeps per rank less under sequence parallelism: the
+        (whole-sequence) bytes of its nodes times (tp - 1) / tp."""
+        return sum(n.meta.get("bytes", 0) for n in self.sharded_region()) * (self.dim.size - 1) / self.dim.size
+
+    def sum_shard_gradients(self, graph: fx.Graph, plan) -> None:
+        """A whole parameter read on sequence shards (a norm's weight, a row's bias) gets a partial
+        gradient on each rank, from its tokens: tp_copy sums them in the backward."""
+        region = self.sharded_region()
+        for node in list(graph.nodes):
+            if is_parameter(node) and plan.style(input_slot(node).target) == "replicate":
+                inside = [u for u in node.users if u in region]
+                if inside:
+                    with graph.inserting_after(node):
+                        summed = graph.call_function(torch.ops.picofx.tp_copy.default, (node, self.dim.group_name))
+                    for user in inside:
+                        user.replace_input_with(node, summed)
+
+
+def check_sequence_parallel(gm: fx.GraphModule, plan, tp: int) -> None:
+    """The residual stream starts at a vocabulary-parallel lookup (its partial rows reduce-scattered)
+    and its sequence divides over the ranks."""
+    lookups = [n for n in gm.graph.nodes if n.target is aten.embedding.default and weight_name(n, 0)]
+    if not lookups or any(plan.style(weight_name(n, 0)) != "vocab" for n in lookups):
+        raise ValueError("TensorParallel(sequence_parallel=True): the token embedding must be split over the "
+                         "vocabulary (plan 'vocab'), where the residual stream's sequence shards begin.")
+    for lookup in lookups:
+        shape = tuple(lookup.meta["val"].shape)
+        if len(shape) != 3 or shape[SEQUENCE_DIM] % tp:
+            raise ValueError(f"TensorParallel(sequence_parallel=True): the residual stream {shape} must be "
+                             f"(batch, sequence, hidden) with a sequence tp={tp} divides.")
 
 
 def fuse_heads(gm: fx.GraphModule, plan, ctx: Context) -> list[fx.Node]:
@@ -116,8 +200,8 @@ def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
                     "replicate", "tied with the LM head, which is kept whole")
 
 
-def rewrite(gm: fx.GraphModule, plan, dim) -> None:
-    graph, tp = gm.graph, dim.size
+def rewrite(gm: fx.GraphModule, plan, exchange: Exchange) -> None:
+    graph, tp = gm.graph, exchange.dim.size
     shrink_placeholders(gm, plan, tp)
     copies: dict[fx.Node, fx.Node] = {}
     linears = [n for n in graph.nodes if n.target in LINEARS]
@@ -137,13 +221,13 @@ def rewrite(gm: fx.GraphModule, plan, dim) -> None:
             source = linear.args[0]
             if source not in copies:
                 with graph.inserting_after(source):
-                    copies[source] = graph.call_function(torch.ops.picofx.tp_copy.default, (source, dim.group_name))
+                    copies[source] = exchange.join(graph, source)
             linear.replace_input_with(source, copies[source])
         elif style == "rowwise":
             bias = linear.args[2] if len(linear.args) > 2 else None
             linear.args = linear.args[:2]
             with graph.inserting_after(linear):
-                reduced = graph.call_function(torch.ops.picofx.tp_reduce.default, (linear, dim.group_name))
+                reduced = exchange.leave(graph, linear)
             linear.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
             if bias is not None:
                 with graph.inserting_after(reduced):
@@ -151,7 +235,7 @@ def rewrite(gm: fx.GraphModule, plan, dim) -> None:
                 reduced.replace_all_uses_with(biased, delete_user_cb=lambda u: u is not biased)
     for lookup in [n for n in graph.nodes if n.target is aten.embedding.default]:
         if plan.style(weight_name(lookup, 0) or "") == "vocab":
-            vocabulary_parallel(graph, lookup, dim)
+            vocabulary_parallel(graph, lookup, exchange)
 
 
 def shrink_placeholders(gm: fx.GraphModule, plan, tp: int) -> None:
@@ -174,12 +258,12 @@ def shrink_placeholders(gm: fx.GraphModule, plan, tp: int) -> None:
             node.meta["val"] = torch.empty(shape, dtype=value.dtype, device=value.device)
 
 
-def vocabulary_parallel(graph: fx.Graph, lookup: fx.Node, dim) -> None:
+def vocabulary_parallel(graph: fx.Graph, lookup: fx.Node, exchange: Exchange) -> None:
     """This rank's rows [start, start + rows) answer the ids that fall in them; the others give
     zeros; the sum over ranks is the whole lookup."""
     table, ids = lookup.args[0], lookup.args[1]
     rows = table.meta["val"].shape[0]
-    start = dim.rank * rows
+    start = exchange.dim.rank * rows
     with graph.inserting_before(lookup):
         local = graph.call_function(aten.sub.Tensor, (ids, start))
         below = graph.call_function(aten.lt.Scalar, (local, 0))
@@ -190,5 +274,5 @@ def vocabulary_parallel(graph: fx.Graph, lookup: fx.Node, dim) -> None:
     with graph.inserting_before(lookup.next):
         mask = graph.call_function(aten.unsqueeze.default, (outside, -1))
         zeroed = graph.call_function(aten.where.ScalarSelf, (mask, 0.0, lookup))
-        reduced = graph.call_function(torch.ops.picofx.tp_reduce.default, (zeroed, dim.group_name))
+        reduced = exchange.leave(graph, zeroed)
     lookup.replace_all_uses_with(reduced, delete_user_cb=lambda u: u not in (zeroed,))

@@ -29,9 +29,10 @@ def fused_losses(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.target is LINEAR_CROSS_ENTROPY]
 
 
-def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, group: str) -> None:
+def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, join) -> None:
     """Replace the fused loss node `fused` (its weight already this rank's rows) by the
-    vocabulary-parallel computation."""
+    vocabulary-parallel computation; `join(graph, x)` makes the node that brings the hidden state
+    in (tp_copy, or the sequence-parallel all-gather)."""
     a = normalize_function(fused.target, fused.args, fused.kwargs, normalize_to_only_use_kwargs=True).kwargs
     x, weight, bias, labels = a["x"], a["weight"], a.get("bias"), a["labels"]
     rows, width = weight.meta["val"].shape
@@ -41,7 +42,8 @@ def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, group: 
         return graph.call_function(target, args)
 
     with graph.inserting_before(fused):
-        x = op(torch.ops.picofx.tp_copy.default, x, group)
+        x = join(graph, x)
+        group = x.args[-1]  # the tp ranks' process group name, the join's last argument
         tokens = op(aten.reshape.default, x, [-1, width])
         flat_labels = op(aten.reshape.default, labels, [-1])
         logits = op(aten.linear.default, tokens, weight, *([bias] if bias is not None else []))

@@ -63,3 +63,54 @@ def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
 @tp_max.register_fake
 def _(x, group):
     return torch.empty_like(x)
+
+
+# Megatron's sequence parallelism: the residual stream (norms, residual adds) runs on sequence shards.
+#   picofx::sp_gather(x, dim, ranks, group)   forward: all-gather along `dim`; backward: reduce-scatter (sum)
+#   picofx::sp_scatter(x, dim, ranks, group)  forward: reduce-scatter (sum) along `dim`; backward: all-gather
+
+
+def _gather(x: torch.Tensor, dim: int, ranks: int, group: str) -> torch.Tensor:
+    parts = c10d.wait_tensor(c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), ranks, group))
+    return parts.movedim(0, dim).contiguous()
+
+
+def _scatter(x: torch.Tensor, dim: int, ranks: int, group: str) -> torch.Tensor:
+    part = c10d.wait_tensor(c10d.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", ranks, group))
+    return part.movedim(0, dim).contiguous()
+
+
+def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("picofx::sp_gather", mutates_args=())
+def sp_gather(x: torch.Tensor, dim: int, ranks: int, group: str) -> torch.Tensor:
+    return _gather(x, dim, ranks, group)
+
+
+@sp_gather.register_fake
+def _(x, dim, ranks, group):
+    return _resized(x, dim, ranks)
+
+
+@torch.library.custom_op("picofx::sp_scatter", mutates_args=())
+def sp_scatter(x: torch.Tensor, dim: int, ranks: int, group: str) -> torch.Tensor:
+    return _scatter(x, dim, ranks, group)
+
+
+@sp_scatter.register_fake
+def _(x, dim, ranks, group):
+    return _resized(x, dim, 1 / ranks)
+
+
+def _setup_sequence(ctx, inputs, output):
+    ctx.dim, ctx.ranks, ctx.group = inputs[1], inputs[2], inputs[3]
+
+
+sp_gather.register_autograd(lambda ctx, grad: (sp_scatter(grad, ctx.dim, ctx.ranks, ctx.group), None, None, None),
+                            setup_context=_setup_sequence)
+sp_scatter.register_autograd(lambda ctx, grad: (sp_gather(grad, ctx.dim, ctx.ranks, ctx.group), None, None, None),
+                             setup_context=_setup_sequence)

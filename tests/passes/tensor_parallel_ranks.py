@@ -14,8 +14,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def one_step(z: zoo.ZooModel, backend: str = "eager") -> dict:
-    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel()], backend=backend, loss_fn=z.loss_fn)
+def one_step(z: zoo.ZooModel, backend: str = "eager", **options) -> dict:
+    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel(**options)], backend=backend, loss_fn=z.loss_fn)
     batch = dict(z.example_inputs)
     out = opt(**batch)
     loss = out if isinstance(out, torch.Tensor) else out.loss
@@ -33,7 +33,9 @@ def llama(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     return {"reference": one_step(zoo.build("llama-tiny")), "hf": one_step(real_models.hf_model("llama")),
             "qwen2": one_step(real_models.hf_model("qwen2")),
-            "tied": one_step(real_models.hf_model("llama", tie_word_embeddings=True))}
+            "tied": one_step(real_models.hf_model("llama", tie_word_embeddings=True)),
+            "sequence": one_step(zoo.build("llama-tiny"), sequence_parallel=True),
+            "hf sequence": one_step(real_models.hf_model("llama"), sequence_parallel=True)}
 
 
 def adamw_and_checkpoint(rank: int, world: int, directory: str) -> dict:

@@ -32,7 +32,9 @@ def llama_ranks():
 @pytest.mark.parametrize("case, build", [("reference", lambda: zoo.build("llama-tiny")),
                                          ("hf", lambda: real_models.hf_model("llama")),
                                          ("qwen2", lambda: real_models.hf_model("qwen2")),
-                                         ("tied", lambda: real_models.hf_model("llama", tie_word_embeddings=True))])
+                                         ("tied", lambda: real_models.hf_model("llama", tie_word_embeddings=True)),
+                                         ("sequence", lambda: zoo.build("llama-tiny")),
+                                         ("hf sequence", lambda: real_models.hf_model("llama"))])
 def test_loss_and_gathered_gradients_equal_the_single_process_run(llama_ranks, case, build):
     torch.manual_seed(0)
     loss, grads = single(build())
@@ -59,6 +61,12 @@ def test_parameters_are_dtensors_placed_as_megatron_under_their_own_names(llama_
     assert placements["final_proj.weight"] == "S(0)" and shapes["final_proj.weight"] == (128, 64)  # 256 rows
     assert "out_proj" in notes["plan"]["decoder_layers.0.attention.q_proj.weight"]
     assert result["widest"] == 256 // 2  # the local logits; no tensor holds the 256 of a token
+
+
+def test_sequence_parallel_runs_the_residual_stream_on_sequence_shards(llama_ranks):
+    notes = llama_ranks[0]["sequence"]["notes"]
+    assert float(notes["sequence_parallel_saves"].split()[0]) > 0
+    assert llama_ranks[0]["sequence"]["widest"] == 256 // 2
 
 
 def test_tied_embedding_and_head_share_one_row_split(llama_ranks):

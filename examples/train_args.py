@@ -22,9 +22,10 @@ from picofx.runtime.distributed import launched_world
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
-RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard")
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard", "tp",
+               "sequence_parallel")
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
-                 "shard": "--shard"}
+                 "shard": "--shard", "tensor_parallel": "--tp"}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -121,6 +122,10 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (pass pipeline; run under torchrun)")
     p.add_argument("--dp", type=at_least(1),
                    help="data-parallel replicas (run under torchrun); default: all ranks not used by --pp")
+    p.add_argument("--tp", type=at_least(1), default=1,
+                   help="tensor-parallel ranks (pass tensor_parallel, plan read from the graph; run under torchrun)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="under --tp, norms and residual adds on sequence shards (Megatron's sequence parallelism)")
     p.add_argument("--shard", action="store_true",
                    help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
                         "as FSDP) instead of each holding a replica (pass overlap)")
@@ -154,26 +159,34 @@ def parse_args(argv=None, doc: str = "", environ=None):
 
 def check_layout(args, world: int | None) -> None:
     """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
-    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("pp", args.pp)) if v not in (None, 1)) + \
+    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
+                      if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
     layout = layout.strip()
     args.dp_default = world is not None and args.dp is None
     if world is None:  # one process, not launched by torchrun
         if layout:
-            ranks = (args.dp or 1) * args.pp
+            ranks = (args.dp or 1) * args.pp * args.tp
             raise ValueError(f"{layout} runs one process per rank: launch it with torchrun, e.g. torchrun "
                              f"--nproc-per-node {ranks} examples/train_llama.py {layout}")
         args.dp, args.world = 1, 1
         return
     args.world = world
+    model_ranks = args.pp * args.tp  # the ranks one replica of the model spans
     if args.dp is None:
-        if world % args.pp:
-            raise ValueError(f"--pp {args.pp} does not divide the {world} ranks torchrun started: "
-                             f"use --nproc-per-node {args.pp * max(1, world // args.pp)}, or another --pp")
-        args.dp = world // args.pp
-    elif args.dp * args.pp != world:
-        raise ValueError(f"the layout --dp {args.dp} x --pp {args.pp} is {args.dp * args.pp} ranks, but torchrun "
-                         f"started {world}: launch with --nproc-per-node {args.dp * args.pp}, or change --dp/--pp")
+        if world % model_ranks:
+            raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide the {world} ranks torchrun started: "
+                             f"use --nproc-per-node {model_ranks * max(1, world // model_ranks)}, or another layout")
+        args.dp = world // model_ranks
+    elif args.dp * model_ranks != world:
+        raise ValueError(f"the layout --dp {args.dp} x --tp {args.tp} x --pp {args.pp} is {args.dp * model_ranks} "
+                         f"ranks, but torchrun started {world}: launch with --nproc-per-node {args.dp * model_ranks}, "
+                         "or change --dp/--tp/--pp")
+    if args.tp > 1 and (args.pp > 1 or args.shard):
+        raise ValueError("--tp with --pp or --shard is not supported yet: use --tp with --dp (replicas of a "
+                         "tensor-parallel model)")
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.shard and args.pp > 1:
         raise ValueError("--shard with --pp is not supported yet: run --shard alone (data-parallel ranks that "
                          "shard), or --dp with --pp (replicas of a pipeline)")

@@ -59,7 +59,8 @@ class Ranks:
                 self.owns_group = True
             self.rank = dist.get_rank()
             self.agreement = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREEMENT_SECONDS))
-        self.replica = self.rank // args.pp  # the ranks of one pipeline share its batches
+        # the mesh is (pp, dp, tp), outermost first: the ranks of one replica (its stages, its tp ranks) share its batches
+        self.replica = (self.rank // args.tp) % args.dp
         self.speaks = self.rank == 0
 
     def say(self, *args, **kwargs) -> None:
@@ -106,6 +107,10 @@ def parallel_passes(args) -> tuple[list, object]:
     device = args.device.split(":")[0]
     if args.shard:  # the data-parallel ranks shard the model
         return ["shard"], ParallelMesh.build(dp_shard=args.dp, device_type=device)
+    if args.tp > 1:  # each replica spans --tp ranks; the replicas average their gradients in the backward
+        mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
+        tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
+        return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
         return ["overlap"], mesh
@@ -147,6 +152,10 @@ def layout_line(args) -> str:
         return "one process"
     if args.shard:
         return f"{args.world} ranks: sharded data parallel, each holding 1/{args.dp} of the model, on its own batches"
+    if args.tp > 1:
+        replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
+        sequence = " with sequence parallelism" if args.sequence_parallel else ""
+        return f"{args.world} ranks: {args.tp}-way tensor parallel{sequence}{replicas}"
     if args.pp == 1:
         default = " (the default under torchrun: --dp/--pp choose another layout)" if args.dp_default else ""
         return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{default}"
@@ -163,7 +172,8 @@ def setup(args, ranks: Ranks) -> Session:
     model = Llama(config).to(args.device)
     batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
-    passes = [*picofx_passes(args), *extra_passes]
+    tensor_parallel = [p for p in extra_passes if isinstance(p, picofx.passes.TensorParallel)]
+    passes = [*tensor_parallel, *picofx_passes(args), *[p for p in extra_passes if p not in tensor_parallel]]  # tp sees the linears fuse replaces
     opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)
@@ -221,7 +231,7 @@ def main(argv=None) -> dict:
                          replica=ranks.replica, options=run_options(args))
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
-    if args.shard:  # the parameters are shards: the compiled step gathers them (same shapes, no recompilation)
+    if args.shard or args.tp > 1:  # the parameters are pieces: the compiled step puts them together
         with torch.no_grad():
             val_loss = s.opt_model(**val).item()
     elif args.pp == 1:

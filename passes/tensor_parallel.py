@@ -63,6 +63,10 @@ class TensorParallel:
                              f"{STYLES}, got {self.plan!r}")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        fused = sorted({str(n.target) for n in gm.graph.nodes if str(n.target).startswith(FUSED_PROJECTIONS)})
+        if fused:
+            raise ValueError(f"tensor_parallel reads the linears that fuse replaced ({', '.join(fused)}): list it "
+                             "before fuse, passes=[TensorParallel(), 'fuse', ...]; fuse then fuses each rank's pieces.")
         dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
         plan = infer_plan(gm, dim.size)
         for pattern, style in (self.plan.items() if isinstance(self.plan, dict) else ()):
@@ -86,13 +90,15 @@ class TensorParallel:
             if is_parameter(node):
                 name = input_slot(node).target
                 style = plan.style(name)
-                entries.append(TensorParallelEntry(name, style, SPLIT_DIM.get(style), tuple(node.meta["full_shape"])))
+                why = plan.parameters[name].why if name in plan.parameters else ""
+                entries.append(TensorParallelEntry(name, style, SPLIT_DIM.get(style), tuple(node.meta["full_shape"]), why))
         layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
-        return PassResult(True, {"ranks": dim.size, **counts, **notes,
-                                 "plan": {name: f"{p.style}: {p.why}" for name, p in plan.parameters.items()}})
+        return PassResult(True, {"ranks": dim.size, **counts, **notes})
 
 
+FUSED_PROJECTIONS = ("picofx.silu_mul", "picofx.gelu_mul", "picofx.rms_norm", "picofx.add_rms_norm", "picofx.rope",
+                     "picofx.linear_cross_entropy")  # the ops fuse leaves: it ran first
 SEQUENCE_DIM = 1  # the residual stream is (batch, sequence, hidden)
 
 

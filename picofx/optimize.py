@@ -127,6 +127,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     if placed is not None:  # pass tensor_parallel: the ranks agree on the plan, then the parameters are placed
         check_layouts({"forward": graphs[0]})
         apply_tensor_parallel_layout(placed, model)
+        report.sections["tensor_parallel"] = placed.table()
         inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)

@@ -22,8 +22,10 @@ def test_one_process_is_one_replica():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "3"], "--pp 3 does not divide the 4 ranks"),
-    (["--dp", "3"], "the layout --dp 3 x --pp 1 is 3 ranks, but torchrun started 4"),
+    (["--pp", "3"], "--pp 3 x --tp 1 does not divide the 4 ranks"),
+    (["--dp", "3"], "the layout --dp 3 x --tp 1 x --pp 1 is 3 ranks, but torchrun started 4"),
+    (["--tp", "2", "--pp", "2"], "--tp with --pp or --shard is not supported yet"),
+    (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],

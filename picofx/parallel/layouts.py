@@ -89,15 +89,6 @@ class ShardLayout:
     def world(self) -> int:
         return self.dim.size
 
-    def device_mesh(self, device_type: str):
-        """The one-dimensional DeviceMesh of the layout's ranks, the DTensors' mesh (made from the
-        dimension's process group where the pass was given a bare group)."""
-        if self.dim.device_mesh is not None:
-            return self.dim.device_mesh
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(self.dim.group, device_type, mesh_dim_names=("dp_shard",))
-
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
         text = repr((self.world, self.reshard_after_forward, self.gather_dtype, shared))  # local_rows differ by rank
@@ -161,6 +152,7 @@ class TensorParallelEntry:
     style: str            # "colwise", "rowwise", "vocab" or "replicate"
     split_dim: int | None  # the dimension split across the ranks (None: whole on every rank)
     shape: tuple          # the whole parameter's shape
+    why: str = field(default="", compare=False, repr=False)  # the plan's reason
 
 
 @dataclass(frozen=True)
@@ -176,6 +168,10 @@ class TensorParallelLayout:
 
     def digest(self) -> str:
         return hashlib.sha256(repr((self.world, self.entries)).encode()).hexdigest()
+
+    def table(self) -> str:
+        width = max((len(e.name) for e in self.entries), default=0)
+        return "\n".join(f"{e.name.ljust(width)}  {e.style:9s}  {e.why}" for e in self.entries)
 
     def first_difference(self, theirs: "TensorParallelLayout", rank: int) -> str:
         for a, b in zip(self.entries, theirs.entries):

@@ -28,7 +28,7 @@ def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
         param = model.get_parameter(entry.name)
         if isinstance(param, DTensor) or id(param) in replaced:
             continue
-        mesh = layout.device_mesh(param.device.type)
+        mesh = layout.dim.as_device_mesh(param.device.type)
         # src_data_rank=None: every rank takes its chunk of its own copy (no broadcast), as fully_shard does
         local = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
         replaced[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)

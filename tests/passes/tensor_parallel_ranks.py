@@ -26,7 +26,8 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", **options) -> dict:
                   if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 1), default=0)
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
             "placements": placements, "local_shapes": local, "widest": widest, "notes": next(
-                r.notes for r in opt.report.records if r.name == "tensor_parallel")}
+                r.notes for r in opt.report.records if r.name == "tensor_parallel"),
+            "plan": opt.report.sections["tensor_parallel"]}
 
 
 def llama(rank: int, world: int) -> dict:

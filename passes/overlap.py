@@ -78,43 +78,42 @@ class Overlap:
         if not grads:
             return PassResult(False, {"buckets": 0})
         accumulate = mode == "sync_accumulated"
-        rows, rows_note = self.sparse_rows(grads, accumulate, dim.size)
-        plan = self.plan(gm, grads, ctx, dim.size, rows)
+        rows, source, rows_note = self.sparse_rows(grads, accumulate, dim.size)
+        plan = self.plan(gm, grads, ctx, dim.size, rows, source)
         codecs = [SparseRows() if rows is not None and b.first == rows else self.spec.other for b in plan.buckets]
         state = self.states.setdefault(ctx.model, CompressionState(dim.rank))
-        layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), rows, accumulate)
+        layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), source, accumulate)
         layouts_of(gm).buckets = layout
         notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, **wire}
         if self.spec.rows:
             notes["embedding_rows"] = rows_note
         return PassResult(True, notes)
 
-    def sparse_rows(self, grads, accumulate: bool, world: int) -> tuple[int | None, str]:
-        """Which gradient goes as rows (its index in `grads`), and why it does or does not."""
+    def sparse_rows(self, grads, accumulate: bool, world: int):
+        """Which gradient goes as rows (its index in `grads`), its Rows, and why it does or does not."""
         if not self.spec.rows:
-            return None, "off"
-        index, why = embedding_rows(grads, accumulate)
+            return None, None, "off"
+        index, source, why = embedding_rows(grads, accumulate)
         if index is None:
-            return None, why
-        fewer, sparse, dense = rows_worth_it(grads[index][1], world)
+            return None, None, why
+        fewer, sparse, dense = rows_worth_it(source, grads[index][1].meta["val"], world)
         name = grads[index][2]
         if not fewer:
-            return None, f"dense: {name} as rows is {sparse} bytes per rank, the table {dense}"
-        return index, f"sparse: {name} as rows is {sparse} bytes per rank instead of {dense}"
+            return None, None, f"dense: {name} as rows is {sparse} bytes per rank, the table {dense}"
+        return index, source, f"sparse: {name} as rows is {sparse} bytes per rank instead of {dense}"
 
-    def wire_bytes(self, codec, members, world: int) -> int:
+    def wire_bytes(self, codec, members, world: int, source=None) -> int:
         """Bytes each rank sends for one bucket with `codec`."""
         if isinstance(codec, SparseRows):
-            node = members[0][1]
-            return rows_worth_it(node, world)[1]
+            return rows_worth_it(source, members[0][1].meta["val"], world)[1]
         shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
         return codec.wire_bytes(shapes, members[0][1].meta["val"].element_size(), world)
 
-    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None):
+    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None, source=None):
         """Bucket bounds (auto: from the cost model) and their predicted timing, in all-reduce
         bytes that take as long as what the compressor sends (the embedding as rows: its own bucket)."""
         ring = lambda b: b * world / (2 * (world - 1)) if world > 1 else b  # noqa: E731
-        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else self.spec.other, [g], world)))
+        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else self.spec.other, [g], world, source)))
                 for i, g in enumerate(grads)]
         ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
         items = [Gradient(g[2], b, t) for g, b, t in zip(grads, wire, ready)]
@@ -128,7 +127,7 @@ class Overlap:
         bounds = sorted(set(bounds) | set(dtype_runs(grads)) | set(alone))
         return schedule(items, bounds, total, world, link)
 
-    def rewrite(self, gm, grads, plan, codecs, em: Emitter, rows: int | None, accumulate: bool):
+    def rewrite(self, gm, grads, plan, codecs, em: Emitter, source, accumulate: bool):
         graph = gm.graph
         output = graph.output_node()
         outputs = list(output.args[0])
@@ -146,14 +145,14 @@ class Overlap:
                     pending_names.append(name)
                     flat = graph.call_function(aten.add.Tensor, (flat, graph.get_attr(name)))
                 shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
-                source = members[0][1] if isinstance(codec, SparseRows) else None
+                rows = source if isinstance(codec, SparseRows) else None
                 exchange = codec.exchange(em, BucketIn(flat, [m[2] for m in members], shapes, val.dtype,
-                                                       val.device, source))
+                                                       val.device, rows))
                 next(exchange)  # issues the bucket's first collective here
             exchanges.append((exchange, members))
             entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
                         for _, node, name in members]
-            report.append({"bucket": k, "compressor": codec.label, "wire_bytes": self.wire_bytes(codec, members, em.world),
+            report.append({"bucket": k, "compressor": codec.label, "wire_bytes": self.wire_bytes(codec, members, em.world, source),
                            "fp32_ring_bytes": ring_bytes(4 * flat_numel(members), em.world)})
         results = self.finish([e for e, _ in exchanges], graph, output)
         with graph.inserting_before(output):

@@ -125,7 +125,7 @@ class BucketIn:
     shapes: list[tuple]
     dtype: torch.dtype
     device: torch.device
-    source: fx.Node | None = None  # SparseRows: the embedding_dense_backward node
+    source: Any = None  # SparseRows: the gradient's Rows
 
     @property
     def numel(self) -> int:
@@ -166,18 +166,23 @@ class SparseRows:
         return (world - 1) * rows * (hidden * itemsize + 4)  # ring all-gather of rows and int32 ids
 
     def exchange(self, em: Emitter, b: BucketIn):
-        grad_rows, indices, vocab, padding_idx = b.source.args[:4]
-        hidden = b.shapes[0][1]
-        ids = em(convert, em(aten.reshape.default, indices, [-1]), torch.int32)
-        rows = em(aten.reshape.default, grad_rows, [-1, hidden])
+        vocab, hidden = b.shapes[0]
+        padding_idx = b.source.padding_idx
+        ids, rows, mask = b.source.ids, b.source.rows, b.source.mask
+        if mask is not None:  # a dropped row adds zeros at id 0
+            rows = em(aten.where.self, mask, rows, em(aten.full.default, [], 0.0, dtype=b.dtype, device=b.device))
+            ids = em(aten.where.self, em(aten.squeeze.dim, mask, -1), ids, em(aten.full.default, [], 0,
+                                                                              dtype=torch.int64, device=b.device))
+        ids = em(convert, em(aten.reshape.default, ids, [-1]), torch.int32)
+        rows = em(aten.reshape.default, rows, [-1, hidden])
         rows = em(convert, rows, b.dtype)
         if padding_idx >= 0:  # as embedding_dense_backward: the padding row gets no gradient
             keep = em(aten.ne.Scalar, ids, padding_idx)
             rows = em(aten.mul.Tensor, rows, em(aten.unsqueeze.default, em(convert, keep, b.dtype), -1))
         id_work, row_work = em.all_gather(ids), em.all_gather(rows)
         yield
-        table = em(aten.zeros.default, [vocab, hidden], dtype=b.dtype, device=b.device)
-        table = em(aten.index_add.default, table, 0, em.wait(id_work), em.wait(row_work))
+        table = em(aten.full.default, [vocab, hidden], 0.0, dtype=b.dtype, device=b.device)
+        table = em(aten.index_put.default, table, [em(convert, em.wait(id_work), torch.int64)], em.wait(row_work), True)
         return em(aten.reshape.default, em(aten.div.Tensor, table, em.world), [-1])
 
 
@@ -185,7 +190,8 @@ def quantize(em: Emitter, blocks: fx.Node) -> tuple[fx.Node, fx.Node]:
     """Per-row absmax int8: (int8 values, fp32 scale per row), value ~= int8 * scale."""
     amax = em(aten.amax.default, em(aten.abs.default, blocks), [-1], True)
     scale = em(aten.clamp_min.default, em(aten.div.Tensor, amax, 127.0), 1e-30)
-    q = em(aten.clamp.default, em(aten.round.default, em(aten.div.Tensor, blocks, scale)), -127.0, 127.0)
+    q = em(aten.clamp_max.default, em(aten.clamp_min.default, em(aten.round.default, em(aten.div.Tensor, blocks, scale)),
+                                      -127.0), 127.0)
     return em(convert, q, torch.int8), scale
 
 
@@ -284,14 +290,15 @@ class TopK:
         residual = em.residual(b)
         x = em(aten.add.Tensor, b.flat, em.flat_of(residual))
         index = em(operator.getitem, em(aten.topk.default, em(aten.abs.default, x), self.kept_count(b.numel)), 1)
-        values = em(aten.index_select.default, x, 0, index)
-        left = em(aten.index_fill.int_Scalar, x, 0, index, 0.0)
+        values = em(aten.gather.default, x, 0, index)
+        left = em(aten.scatter.value, x, 0, index, 0.0)
         for kept, piece in zip(residual, em.split(left, b.shapes)):
             em.store(kept, piece)
         index_work, value_work = em.all_gather(em(convert, index, torch.int32)), em.all_gather(values)
         yield
-        zeros = em(aten.zeros.default, [b.numel], dtype=b.dtype, device=b.device)
-        summed = em(aten.index_add.default, zeros, 0, em.wait(index_work), em.wait(value_work))
+        zeros = em(aten.full.default, [b.numel], 0.0, dtype=b.dtype, device=b.device)
+        index = em(convert, em.wait(index_work), torch.int64)
+        summed = em(aten.index_put.default, zeros, [index], em.wait(value_work), True)
         return em(aten.div.Tensor, summed, em.world)
 
 
@@ -330,14 +337,14 @@ class PowerSGD:
                 r, c, dtype=b.dtype, device=b.device))
             qs[i] = em.kept(f"powersgd{self.rank}/{b.names[i]}", lambda c=cols: first_q(c, self.rank, b.dtype, b.device))
             ms[i] = em(aten.add.Tensor, em(aten.reshape.default, grads[i], [rows, cols]), residuals[i])
-            ps[i] = em(aten.mm.default, ms[i], qs[i])
+            ps[i] = em(aten.mm.default, ms[i], orthonormal(em, qs[i]))  # last step's Q, as torch's hook
         p_work = em.all_reduce(em.flat_of([ps[i] for i in matrices])) if matrices else None
         yield
         if matrices:
             summed = em.split(em.wait(p_work), [(b.shapes[i][0], self.rank) for i in matrices])
             for i, p in zip(matrices, summed):
-                ps[i] = em(operator.getitem, em(aten.linalg_qr.default, p, "reduced"), 0)
-            new_q = [em(aten.mm.default, em(aten.t.default, ms[i]), ps[i]) for i in matrices]
+                ps[i] = orthonormal(em, p)
+            new_q = [em(aten.mm.default, em(aten.permute.default, ms[i], [1, 0]), ps[i]) for i in matrices]
             q_work = em.all_reduce(em.flat_of(new_q))
         yield
         out = {}
@@ -348,11 +355,16 @@ class PowerSGD:
             q_mean = em(aten.div.Tensor, em.wait(q_work), em.world)
             q_shapes = [(math.prod(b.shapes[i][1:]), self.rank) for i in matrices]
             for i, q in zip(matrices, em.split(q_mean, q_shapes)):
-                approx = em(aten.mm.default, ps[i], em(aten.t.default, q))
+                approx = em(aten.mm.default, ps[i], em(aten.permute.default, q, [1, 0]))
                 em.store(qs[i], q)
                 em.store(residuals[i], em(aten.sub.Tensor, ms[i], approx))
                 out[i] = approx
         return em.flat_of([out[i] for i in range(len(grads))])
+
+
+def orthonormal(em: Emitter, matrix: fx.Node) -> fx.Node:
+    """An orthonormal basis of the columns' span (QR's Q): the same bytes on every rank given the same input."""
+    return em(operator.getitem, em(aten.linalg_qr.default, matrix, "reduced"), 0)
 
 
 def first_q(cols: int, rank: int, dtype, device) -> torch.Tensor:
@@ -403,28 +415,56 @@ def compressor(kind: str, spec: str):
     raise ValueError(f"Overlap(compress={spec!r}): {kind!r} is not a compressor; use one of {KINDS}")
 
 
-def embedding_rows(grads: list, accumulate: bool) -> tuple[int | None, str]:
-    """The index (in `grads`) of the gradient that is exactly an embedding's backward, or None,
-    and why. Tied embeddings (the head adds its own gradient), scale_grad_by_freq and gradients
-    accumulated under no_sync are dense tables."""
-    found = [i for i, (_, node, _) in enumerate(grads) if node.target == aten.embedding_dense_backward.default]
-    if not found:
-        tied = [name for _, node, name in grads if any(a.target == aten.embedding_dense_backward.default
-                                                       for a in node.all_input_nodes)]
-        return None, (f"dense: {tied[0]}'s gradient also has the tied head's, a dense table" if tied
-                      else "dense: no gradient is an embedding's backward")
-    i = found[0]
-    if grads[i][1].args[4]:
-        return None, "dense: scale_grad_by_freq"
-    if accumulate:
-        return None, "dense: gradients accumulated under no_sync are a dense table"
-    return i, "sparse"
+@dataclass(frozen=True)
+class Rows:
+    """A gradient that is a zero table with rows added at token ids: an embedding's backward,
+    as aten writes it (embedding_dense_backward) or as Inductor decomposes it (index_put with
+    accumulate into zeros, masked or not)."""
+
+    ids: fx.Node       # token ids, any shape
+    rows: fx.Node      # one gradient row per id: (*ids.shape, hidden)
+    padding_idx: int   # rows at this id are dropped (-1: none)
+    mask: fx.Node | None = None  # (*ids.shape, 1): rows where it is False are dropped
 
 
-def rows_worth_it(node: fx.Node, world: int) -> tuple[bool, int, int]:
-    """(sparse is fewer bytes, sparse bytes, dense bytes) per rank for an embedding gradient."""
-    table = node.meta["val"]
-    tokens = node.args[1].meta["val"].numel()
+def rows_of(node: fx.Node) -> Rows | str:
+    """`node` as Rows, or why it is not (a string)."""
+    if node.target == convert and node.args[1] == node.meta["val"].dtype:
+        node = node.args[0]
+    if node.target == aten.embedding_dense_backward.default:
+        grad_rows, ids, _, padding_idx, scale_grad_by_freq = node.args[:5]
+        return "dense: scale_grad_by_freq" if scale_grad_by_freq else Rows(ids, grad_rows, padding_idx)
+    if node.target == aten.index_put.default and len(node.args) > 3 and node.args[3] and len(node.args[1]) == 1:
+        base = node.args[0]
+        if base.target == aten.full.default and base.args[1] == 0 and node.meta["val"].dim() == 2:
+            return Rows(node.args[1][0], node.args[2], -1)
+    if node.target == aten._unsafe_masked_index_put_accumulate.default and len(node.args[2]) == 1:
+        base, mask, (ids,), values = node.args
+        if base.target == aten.full.default and base.args[1] == 0 and node.meta["val"].dim() == 2:
+            return Rows(ids, values, -1, mask)
+    return "dense: not an embedding's backward"
+
+
+def embedding_rows(grads: list, accumulate: bool) -> tuple[int | None, Rows | None, str]:
+    """The index (in `grads`) of the gradient that is an embedding's backward and nothing else,
+    its Rows, and why or why not. Tied embeddings (the head adds its own gradient),
+    scale_grad_by_freq and gradients accumulated under no_sync are dense tables."""
+    for i, (_, node, name) in enumerate(grads):
+        found = rows_of(node)
+        if isinstance(found, Rows):
+            if accumulate:
+                return None, None, "dense: gradients accumulated under no_sync are a dense table"
+            return i, found, "sparse"
+        if found != "dense: not an embedding's backward":
+            return None, None, found
+        if any(isinstance(rows_of(a), Rows) for a in node.all_input_nodes):
+            return None, None, f"dense: {name}'s gradient also has the tied head's, a dense table"
+    return None, None, "dense: no gradient is an embedding's backward"
+
+
+def rows_worth_it(rows: Rows, table: torch.Tensor, world: int) -> tuple[bool, int, int]:
+    """(sparse is fewer bytes, sparse bytes, dense bytes) per rank for an embedding gradient `table`."""
+    tokens = rows.ids.meta["val"].numel()
     sparse = SparseRows().wire_bytes(tokens, table.shape[1], table.element_size(), world)
     dense = ring_bytes(table.numel() * table.element_size(), world)
     return sparse < dense, sparse, dense

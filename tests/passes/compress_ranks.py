@@ -17,12 +17,12 @@ KINDS = (None, "sparse_rows", "sparse_rows+int8", "int8:ef", "topk:0.01", "power
 
 
 def walks(vocab: int, batch: int, seq: int, seed: int) -> dict:
-    """Token walks: each row starts anywhere and steps by 1, 2 or 3 (mod vocab), so the next
-    token follows from the last two: a model learns it, unlike uniform noise."""
+    """Random token walks: each row starts anywhere and moves one token up or down (mod vocab)
+    at random, so the best a model can do is a loss of ln 2 (it cannot know the next coin)."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, vocab, (batch, 1), generator=g)
-    step = torch.randint(1, 4, (batch, 1), generator=g)
-    ids = (start + step * torch.arange(seq + 1)) % vocab
+    moves = torch.randint(0, 2, (batch, seq), generator=g) * 2 - 1
+    ids = (start + torch.cat([torch.zeros(batch, 1, dtype=torch.long), moves.cumsum(1)], 1)) % vocab
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
@@ -116,6 +116,34 @@ def inductor_checks(rank: int, world: int, batch: int, kinds: tuple, backend: st
                                         backend=backend, loss_fn=z.loss_fn)
         opt, code = run_and_get_code(build) if backend == "inductor" else (build(), [])
         second = shard(walks(256, batch, 32, seed=7), rank, world)
+        record = next(r for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
         out[str(kind)] = {"first": step_grads(opt, z.model, example), "second": step_grads(opt, z.model, second),
-                          "code": code}
+                          "code": code, "notes": record.notes,
+                          "state": {k: v.clone() for k, v in (opt.compression.tensors if opt.compression else {}).items()}}
     return out
+
+
+def ddp_powersgd_losses(rank: int, world: int, batch: int, steps: int, lr: float, rank_r: int = 4,
+                        start: int = 2, seed: int = 0) -> dict:
+    """torch's DDP with its powerSGD_hook on the same walks, for comparison (eager, no picofx)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    z = zoo.build("llama-tiny", batch=batch)
+    model = DDP(z.model)
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r,
+                              start_powerSGD_iter=start, random_seed=seed)
+    model.register_comm_hook(state, psgd.powerSGD_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        data = shard(walks(256, batch, 32, seed=1000 + step), rank, world)
+        optimizer.zero_grad(set_to_none=True)
+        loss = z.loss_fn(model(data["input_ids"]), data["labels"])
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {"losses": losses}

@@ -113,18 +113,19 @@ def test_block_layout_keeps_tensors_apart():
 
 @pytest.mark.slow
 def test_training_converges_like_uncompressed():
-    """30 AdamW steps on fresh token walks (lr 3e-3), mean loss of the last 5 steps against
-    uncompressed. The issue's margins are for 200 steps (int8 3%, top-k 0.01 and PowerSGD 4 10%,
-    tools/bench_compress.py); after 30 the lossy ones still lag more, so these bounds are measured
-    ones with room: sparse_rows equal, int8 1%, PowerSGD 40%, top-k 60%."""
+    """80 AdamW steps (lr 3e-3) on fresh random token walks, mean loss of the last 20 steps
+    against uncompressed. The issue's margins are for 200 steps (int8 3%, top-k 0.01 and
+    PowerSGD 4 10%); measured here at 80: sparse_rows equal, int8 1.0004x, PowerSGD 1.22x,
+    top-k 1.36x (at 200: int8 0.99x, PowerSGD 1.50x, top-k 1.81x; torch's DDP powerSGD_hook
+    at rank 4 1.36x). The bounds below are those measurements with some room."""
     kinds = (None, "sparse_rows", "int8", "topk:0.01", "powersgd:4")
-    ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 30, 3e-3, timeout=420)
-    mean = {k: sum(v["losses"][-5:]) / 5 for k, v in ranks[0].items()}
+    ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 80, 3e-3, timeout=420)
+    mean = {k: sum(v["losses"][-20:]) / 20 for k, v in ranks[0].items()}
     base = mean["None"]
-    assert mean["None"] < ranks[0]["None"]["losses"][0] - 1.0  # it learns
+    assert base < ranks[0]["None"]["losses"][0] - 1.0  # it learns
     assert mean["sparse_rows"] == pytest.approx(base, rel=1e-4)
     assert mean["int8"] == pytest.approx(base, rel=0.01)
-    assert mean["powersgd:4"] < 1.4 * base and mean["topk:0.01"] < 1.6 * base
+    assert mean["powersgd:4"] < 1.3 * base and mean["topk:0.01"] < 1.45 * base
     for kind in kinds[2:]:  # replicas stay bit-identical through the optimizer
         a, b = ranks[0][str(kind)]["params"], ranks[1][str(kind)]["params"]
         assert all(torch.equal(a[n], b[n]) for n in a), kind
@@ -135,7 +136,10 @@ def test_inductor_keeps_the_collectives():
     kinds = ("sparse_rows+int8", "topk:0.01", "powersgd:4")
     ranks = run_ranks(compress_ranks.inductor_checks, 2, BATCH, kinds, timeout=590, collective_timeout=300)
     eager = run_ranks(compress_ranks.inductor_checks, 2, BATCH, kinds, "eager", timeout=300)
-    for kind in kinds:
+    assert ranks[0]["sparse_rows+int8"]["notes"]["embedding_rows"].startswith("sparse"), "Inductor's embedding backward"
+    for kind in kinds:  # the residuals were written by the compiled code (Inductor mutates the state in place)
+        residuals = [v for k, v in ranks[0][kind]["state"].items() if k.startswith("residual/")]
+        assert kind == "sparse_rows+int8" or any(v.abs().sum() > 0 for v in residuals), kind
         code = "\n".join(ranks[0][kind]["code"])
         assert "all_to_all_single" in code or "all_gather_into_tensor" in code or "all_reduce" in code, kind
         for step in ("first", "second"):

@@ -233,7 +233,7 @@ class Checkpoint:
 
     @property
     def info(self) -> PassInfo:  # its peak is predicted for picofx's partition, used even when it tags nothing
-        return PassInfo(Stage.JOINT, plans_partition=True, measures=self.measure, replans=self.measure)
+        return PassInfo(Stage.JOINT, plans_partition=True, measures=self.measure, replans=self.measure, tags_only=True)
 
     def __post_init__(self):
         if self.budget is not None:

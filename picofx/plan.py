@@ -63,7 +63,7 @@ class _InductorPartition:
     """Tags what Inductor's min-cut partition recomputes, so that an eager compile partitions the
     step as an Inductor compile without `checkpoint` does."""
 
-    info = PassInfo(Stage.JOINT, plans_partition=True)
+    info = PassInfo(Stage.JOINT, plans_partition=True, tags_only=True)
 
     def __call__(self, gm: fx.GraphModule, ctx) -> PassResult:
         recomputed = inductor_recomputes(gm, num_forward_outputs(gm))

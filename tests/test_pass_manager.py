@@ -213,3 +213,31 @@ def test_normwise_tolerance_bounds_each_tensor_by_its_norm(llama):
     gm, ctx = captured(llama)
     with pytest.raises(picofx.PassError, match="norm-wise"):
         run_pass(scale_loss(1.05), gm, ctx)
+
+
+def test_a_pass_that_declares_it_only_tags_is_held_to_it():
+    """tags_only skips the graph copy and re-annotation; a pass that then adds a node fails and its tags go."""
+    import picofx
+    from picofx.manager import PassInfo
+    from picofx.examples.zoo import build
+
+    class Tags:
+        info = PassInfo(picofx.Stage.JOINT, tags_only=True)
+
+        def __init__(self, add_node: bool):
+            self.add_node = add_node
+
+        def __call__(self, gm, ctx):
+            for node in gm.graph.nodes:
+                node.meta["tagged"] = True
+            if self.add_node:
+                first = next(n for n in gm.graph.nodes if n.op == "call_function")
+                with gm.graph.inserting_after(first):
+                    gm.graph.call_function(torch.ops.aten.clone.default, (first,))
+            return picofx.PassResult(True, {})
+
+    z = build("llama-tiny")
+    opt = picofx.optimize(z.model, z.example_inputs, [Tags(add_node=False)], backend="eager", loss_fn=z.loss_fn)
+    assert all(n.meta.get("tagged") for n in opt.graphs["joint"].graph.nodes if n.op != "output")
+    with pytest.raises(picofx.PassError, match=r"declares PassInfo\(tags_only=True\) but changed"):
+        picofx.optimize(z.model, z.example_inputs, [Tags(add_node=True)], backend="eager", loss_fn=z.loss_fn)

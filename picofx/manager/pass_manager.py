@@ -46,6 +46,32 @@ class Snapshot:
         gm.graph = copy_graph(self.graph)  # also recompiles; a copy, so the snapshot serves again
 
 
+class TagSnapshot:
+    """Before a pass that declares it only writes node.meta (PassInfo.tags_only): every node's meta
+    and the graph's wiring, instead of a copy of a graph that may hold thousands of nodes."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.meta = {node: dict(node.meta) for node in gm.graph.nodes}
+        self.wiring = self.wiring_of(gm.graph)
+
+    @staticmethod
+    def wiring_of(graph: fx.Graph) -> list:
+        return [(node, node.op, node.target, node.args, node.kwargs) for node in graph.nodes]
+
+    @property
+    def graph(self) -> fx.Graph:  # the wiring is unchanged (checked), so the graph as it is
+        return next(iter(self.meta)).graph
+
+    def check(self, gm: fx.GraphModule) -> None:
+        if self.wiring_of(gm.graph) != self.wiring:
+            raise VerificationError("it declares PassInfo(tags_only=True) but changed the graph's nodes or edges")
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        for node, meta in self.meta.items():
+            node.meta.clear()
+            node.meta.update(meta)
+
+
 class PassManager:
     def __init__(self, passes, *, verify: str | None = "invariants", instruments=()):
         if verify not in (None, "invariants", "numerics"):
@@ -75,7 +101,8 @@ class PassManager:
 
     def run_one(self, p, gm: fx.GraphModule, ctx: Context) -> list[fx.GraphModule]:
         name = pass_name(p)
-        snapshot = Snapshot(gm)
+        tags_only = pass_info(p).tags_only
+        snapshot = TagSnapshot(gm) if tags_only else Snapshot(gm)
         before_keys = _node_keys(gm.graph)
         start = time.perf_counter()
         returned = False
@@ -107,7 +134,7 @@ class PassManager:
             instrument.after_pass(record, outputs[0], ctx)
         return outputs
 
-    def checked_outputs(self, p, result, gm: fx.GraphModule, snapshot: Snapshot, ctx: Context) -> list[fx.GraphModule]:
+    def checked_outputs(self, p, result, gm: fx.GraphModule, snapshot, ctx: Context) -> list[fx.GraphModule]:
         """The graphs a pass returned, each checked (structure first: torch's own checks and
         recompilation fail obscurely on a cycle or a dangling node), re-annotated and verified."""
         if not isinstance(result, PassResult):
@@ -116,6 +143,9 @@ class PassManager:
             raise VerificationError("it returned several graphs (PassResult.graphs) without declaring "
                                     "PassInfo(splits_graph=True)")
         outputs = result.graphs or [gm]
+        if isinstance(snapshot, TagSnapshot):  # nodes and edges as they were: no re-annotation
+            snapshot.check(gm)
+            outputs = []
         for out in outputs:
             check_structure(out.graph)
             out.graph.lint()
@@ -125,4 +155,4 @@ class PassManager:
         if self.verify == "numerics" and ctx.example_inputs is not None and result.graphs is None:
             before = fx.GraphModule(gm, copy_graph(snapshot.graph))
             check_numerics(before, gm, ctx, result.tolerance, normwise=result.normwise)
-        return outputs
+        return outputs or [gm]

@@ -51,6 +51,7 @@ class PassInfo:
     measures: bool = False           # it runs real steps to decide (its result is never cached)
     replans: bool = False            # after a real step is measured it may re-plan (`after_measured_step`)
     plans_partition: bool = False    # it decides what the backward saves: picofx's partitioner runs
+    tags_only: bool = False          # it only writes node.meta tags: no graph copy before it, no re-annotation
 
 
 @dataclass

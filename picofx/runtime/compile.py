@@ -30,7 +30,7 @@ from torch.fx.graph import _BoxedCodeGen
 from picofx.capture.annotate import annotate
 from picofx.cost.partition import partition
 from picofx.errors import PassError
-from picofx.manager import Context, PassManager, Stage
+from picofx.manager import Context, PassManager, Stage, pass_info
 
 
 def has_recompute_tags(gm: fx.GraphModule) -> bool:
@@ -157,6 +157,13 @@ class _Partitioner(CustomPartitionerFn):
 # waits to their first reader (the newer overlap scheduler does not run on CPU/gloo).
 COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                 "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
+# Parameter all-gathers (pass shard) raised that way all move to the top of the forward, which then
+# holds every layer's gathered weights at once; these passes keep each gather's wait at its layer's
+# first use without raising the step's peak.
+GATHER_OVERLAP = {"reorder_for_compute_comm_overlap": True,
+                  "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                              "sink_waits_iterative",
+                                                              "reorder_communication_preserving_peak_memory"]}
 
 
 def inductor_decompositions(device: torch.device) -> dict:
@@ -191,8 +198,10 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
 
             hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
-            if manager.declared("communicates"):
-                hooks.update(COMM_OVERLAP)
+            communicating = manager.declared("communicates")
+            if communicating:
+                gathers = any("dp_shard" in pass_info(p).mesh_dims for p in communicating)
+                hooks.update(GATHER_OVERLAP if gathers else COMM_OVERLAP)
             with inductor_config.patch(hooks):
                 try:
                     fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))

@@ -22,6 +22,7 @@ graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulat
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
 
-from picofx.passes.overlap_compress import (BucketIn, CompressionState, Emitter, SparseRows, embedding_rows, parse_compress,
-                                     ring_bytes, rows_worth_it)
+from picofx.passes.overlap_compress import (BucketIn, CompressionState, Dense, Emitter, SparseRows, embedding_rows,
+                                            parse_compress, ring_bytes, rows_worth_it)
 
 aten = torch.ops.aten
 
@@ -51,12 +52,15 @@ class Overlap:
     "int8:ef", "topk:F", "powersgd:R", "sparse_rows" or "sparse_rows+KIND" (see
     passes/overlap_compress.py); group: the ranks to average over: a mesh dimension's name, a
     one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate dimension,
-    else every rank)."""
+    else every rank); warmup: the first synced steps all-reduce whole gradients instead of
+    compressing (the runtime runs a variant of the step; sparse_rows, being exact, stays), so the
+    optimizer's state starts from them, as torch's PowerSGD hook's start_powerSGD_iter."""
 
     bucket: int | str = "auto"
     first_bucket: int | str = "1MiB"
     compress: str | None = None
     group: Any = None
+    warmup: int = 0
     info = PassInfo(Stage.PARTITIONED, mesh_dims=("dp_replicate",), communicates=True)
     stage = info.stage
     # compressor state per optimized model: shared by every graph the model's runs compile
@@ -66,6 +70,8 @@ class Overlap:
         object.__setattr__(self, "spec", parse_compress(self.compress))
         if self.bucket != "auto":
             parse_budget(self.bucket)
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"Overlap(warmup={self.warmup!r}): a number of steps, 0 or more")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         if ctx.graph_role != "backward":
@@ -79,11 +85,12 @@ class Overlap:
             return PassResult(False, {"buckets": 0})
         accumulate = mode == "sync_accumulated"
         rows, source, rows_note = self.sparse_rows(grads, accumulate, dim.size)
-        plan = self.plan(gm, grads, ctx, dim.size, rows, source)
-        codecs = [SparseRows() if rows is not None and b.first == rows else self.spec.other for b in plan.buckets]
+        other = Dense() if mode == "sync_uncompressed" else self.spec.other
+        plan = self.plan(gm, grads, ctx, dim.size, rows, source, other)
+        codecs = [SparseRows() if rows is not None and b.first == rows else other for b in plan.buckets]
         state = self.states.setdefault(ctx.model, CompressionState(dim.rank))
         layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), source, accumulate)
-        layouts_of(gm).buckets = layout
+        layouts_of(gm).buckets = dataclasses.replace(layout, warmup=self.warmup if self.spec.other != Dense() else 0)
         notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, **wire}
         if self.spec.rows:
             notes["embedding_rows"] = rows_note
@@ -109,11 +116,11 @@ class Overlap:
         shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
         return codec.wire_bytes(shapes, members[0][1].meta["val"].element_size(), world)
 
-    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None, source=None):
+    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None, source, other):
         """Bucket bounds (auto: from the cost model) and their predicted timing, in all-reduce
         bytes that take as long as what the compressor sends (the embedding as rows: its own bucket)."""
         ring = lambda b: b * world / (2 * (world - 1)) if world > 1 else b  # noqa: E731
-        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else self.spec.other, [g], world, source)))
+        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else other, [g], world, source)))
                 for i, g in enumerate(grads)]
         ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
         items = [Gradient(g[2], b, t) for g, b, t in zip(grads, wire, ready)]

@@ -193,7 +193,7 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         step = self._step_for(args, kwargs)
-        mode = self._sync.mode() if communicates(step.graphs) else "sync"
+        mode = self._sync.mode(step.graphs) if communicates(step.graphs) else "sync"
         if mode != "sync":  # no_sync, or the first synced call after it: a variant of the backward
             step = self._step_for(args, kwargs, mode)
             self._sync.before_call(mode, step.graphs, self._model)
@@ -225,9 +225,11 @@ class OptimizedModule(nn.Module):
         return next((s for step in self._steps.values() if (s := compression_state(step.graphs))), None)
 
     def reset_compression(self) -> None:
-        """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value."""
+        """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value, and
+        the uncompressed warm-up steps (Overlap's `warmup`) start again."""
         if self.compression is not None:
             self.compression.reset()
+        self._sync.warmed = 0
 
     @property
     def report(self) -> Report:

@@ -32,6 +32,7 @@ class BucketLayout:
     pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
     codecs: tuple[str, ...] = ()  # per bucket, how it travels ("none", "int8", "sparse_rows", ...)
     state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the graph updates
+    warmup: int = 0  # the first synced steps that run a variant without lossy compression
 
     @property
     def world(self) -> int:

@@ -88,6 +88,7 @@ class GradientSync:
     def __init__(self):
         self.enabled = True
         self.accumulated = False
+        self.warmed = 0  # synced steps run uncompressed so far (a compressor's warm-up)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -97,13 +98,22 @@ class GradientSync:
         finally:
             self.enabled = previous
 
-    def mode(self) -> str:
+    def mode(self, graphs: dict | None = None) -> str:
+        """How the next backward syncs: "local" (no_sync), "sync_accumulated", "sync_uncompressed"
+        (the first synced steps of a compressor with `warmup`, all-reduced whole, as torch's
+        PowerSGD hook starts), or "sync"."""
         if not self.enabled:
             return "local"
-        return "sync_accumulated" if self.accumulated else "sync"
+        if self.accumulated:
+            return "sync_accumulated"
+        warmup = max((recorded(gm).buckets.warmup for gm in (graphs or {}).values()
+                      if recorded(gm).buckets is not None), default=0)
+        return "sync_uncompressed" if self.warmed < warmup else "sync"
 
     def before_call(self, mode: str, graphs: dict, model: nn.Module) -> None:
-        if mode == "local":
+        if mode == "sync_uncompressed":
+            self.warmed += 1
+        elif mode == "local":
             self.accumulated = True
         elif mode == "sync_accumulated":
             for gm in graphs.values():

@@ -65,6 +65,22 @@ def compressor_checks(rank: int, world: int, batch: int, checkpoint_dir: str) ->
         result["second_after_reset"] = step_grads(opt, z.model, second)
         out[str(kind)] = result
     out["tied"] = tied_embedding(rank, world, batch)
+    out["warmup"] = warmup_steps(rank, world, batch)
+    return out
+
+
+def warmup_steps(rank: int, world: int, batch: int) -> dict:
+    """powersgd:4 with warmup=1: the first step all-reduced whole, then compressed; after
+    reset_compression the warm-up runs again."""
+    z, opt = optimized("powersgd:4", rank, world, batch, warmup=1)
+    first = shard(z.example_inputs, rank, world)
+    second = shard(walks(256, batch, 32, seed=7), rank, world)
+    out = {"first": step_grads(opt, z.model, first)}
+    out["residual_after_first"] = {k: v.clone() for k, v in opt.compression.tensors.items() if k.startswith("residual")}
+    out["second"] = step_grads(opt, z.model, second)
+    opt.reset_compression()
+    out["second_after_reset"] = step_grads(opt, z.model, second)
+    out["variants"] = sorted(key[2] for key in opt._steps)
     return out
 
 
@@ -83,13 +99,14 @@ def tied_embedding(rank: int, world: int, batch: int) -> dict:
     return out
 
 
-def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int, lr: float) -> dict:
-    """AdamW on fresh token walks every step, per kind: each step's loss averaged over the ranks."""
+def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int, lr: float, warmup: int = 0) -> dict:
+    """AdamW on fresh token walks every step, per kind: each step's loss averaged over the ranks,
+    and the step variants compiled (Overlap's warmup adds one)."""
     import torch.distributed as dist
 
     out = {}
     for kind in kinds:
-        z, opt = optimized(kind, rank, world, batch)
+        z, opt = optimized(kind, rank, world, batch, warmup=warmup)
         optimizer = torch.optim.AdamW(z.model.parameters(), lr=lr)
         losses = []
         for step in range(steps):
@@ -99,7 +116,7 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
             optimizer.step()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-        out[str(kind)] = {"losses": losses,
+        out[str(kind)] = {"losses": losses, "variants": sorted(key[2] for key in opt._steps),
                           "params": {n: p.detach().clone() for n, p in z.model.named_parameters()}}
     return out
 

@@ -84,6 +84,18 @@ def test_error_feedback_carries_over_and_resets(ranks, kind):
         assert any(not torch.equal(ranks[0][kind]["state"][k], ranks[0][kind]["reset_state"][k]) for k in q)
 
 
+def test_warmup_steps_run_uncompressed(ranks):
+    """Overlap(warmup=1): the first synced step is the uncompressed average; the next is compressed;
+    reset_compression starts the warm-up again."""
+    warm, dense = ranks[0]["warmup"], ranks[0]["None"]
+    assert warm["variants"] == ["sync", "sync_uncompressed"]
+    for name, g in dense["first"].items():
+        torch.testing.assert_close(warm["first"][name], g, **EXACT)
+        torch.testing.assert_close(warm["second_after_reset"][name], dense["second"][name], **EXACT)
+    assert all(v.abs().sum() == 0 for v in warm["residual_after_first"].values())
+    assert any(relative_error(warm["second"][n], dense["second"][n]) > 0.1 for n in dense["second"])
+
+
 def test_wire_bytes_against_fp32_ring(ranks):
     notes = {kind: ranks[0][kind]["notes"] for kind in compress_ranks.KINDS if kind}
     assert notes["topk:0.01"]["wire_ratio"] <= 0.05
@@ -101,6 +113,8 @@ def test_compress_spellings():
     for bad in ("int4", "topk:2", "topk:x", "powersgd:0", "sparse_rows+int8+topk:0.1", "int8+sparse_rows", 8):
         with pytest.raises(ValueError, match="compress"):
             Overlap(compress=bad)
+    with pytest.raises(ValueError, match="warmup"):
+        Overlap(compress="powersgd:4", warmup=-1)
 
 
 def test_block_layout_keeps_tensors_apart():
@@ -116,16 +130,19 @@ def test_training_converges_like_uncompressed():
     """80 AdamW steps (lr 3e-3) on fresh random token walks, mean loss of the last 20 steps
     against uncompressed. The issue's margins are for 200 steps (int8 3%, top-k 0.01 and
     PowerSGD 4 10%); measured here at 80: sparse_rows equal, int8 1.0004x, PowerSGD 1.22x,
-    top-k 1.36x (at 200: int8 0.99x, PowerSGD 1.50x, top-k 1.81x; torch's DDP powerSGD_hook
-    at rank 4 1.36x). The bounds below are those measurements with some room."""
+    top-k 1.36x (at 200: int8 1.00x, PowerSGD 1.52x, with warmup=2 1.32x, top-k 1.83x; torch's
+    DDP powerSGD_hook at rank 4, starting at step 2, 1.35x). The bounds below are those
+    measurements with some room."""
     kinds = (None, "sparse_rows", "int8", "topk:0.01", "powersgd:4")
     ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 80, 3e-3, timeout=420)
+    warm = run_ranks(compress_ranks.training_losses, 2, 8, ("powersgd:4",), 80, 3e-3, 2, timeout=300)
     mean = {k: sum(v["losses"][-20:]) / 20 for k, v in ranks[0].items()}
     base = mean["None"]
     assert base < ranks[0]["None"]["losses"][0] - 1.0  # it learns
     assert mean["sparse_rows"] == pytest.approx(base, rel=1e-4)
     assert mean["int8"] == pytest.approx(base, rel=0.01)
     assert mean["powersgd:4"] < 1.3 * base and mean["topk:0.01"] < 1.45 * base
+    assert sum(warm[0]["powersgd:4"]["losses"][-20:]) / 20 < mean["powersgd:4"]  # two whole steps first help
     for kind in kinds[2:]:  # replicas stay bit-identical through the optimizer
         a, b = ranks[0][str(kind)]["params"], ranks[1][str(kind)]["params"]
         assert all(torch.equal(a[n], b[n]) for n in a), kind

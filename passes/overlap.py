@@ -36,7 +36,7 @@ from picofx.cost.gradients import dtype_runs, gradients_in_order, ready_times
 from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
-from picofx.parallel.mesh import MeshDim, resolve_dim
+from picofx.parallel.mesh import resolve_dim
 
 from picofx.passes.overlap_compress import (BucketIn, CompressionState, Dense, Emitter, SparseRows, embedding_rows,
                                             parse_compress, ring_bytes, rows_worth_it)
@@ -159,7 +159,8 @@ class Overlap:
             exchanges.append((exchange, members))
             entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
                         for _, node, name in members]
-            report.append({"bucket": k, "compressor": codec.label, "wire_bytes": self.wire_bytes(codec, members, em.world, source),
+            report.append({"bucket": k, "compressor": codec.label,
+                           "wire_bytes": self.wire_bytes(codec, members, em.world, source),
                            "fp32_ring_bytes": ring_bytes(4 * flat_numel(members), em.world)})
         results = self.finish([e for e, _ in exchanges], graph, output)
         with graph.inserting_before(output):

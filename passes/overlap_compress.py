@@ -190,8 +190,8 @@ def quantize(em: Emitter, blocks: fx.Node) -> tuple[fx.Node, fx.Node]:
     """Per-row absmax int8: (int8 values, fp32 scale per row), value ~= int8 * scale."""
     amax = em(aten.amax.default, em(aten.abs.default, blocks), [-1], True)
     scale = em(aten.clamp_min.default, em(aten.div.Tensor, amax, 127.0), 1e-30)
-    q = em(aten.clamp_max.default, em(aten.clamp_min.default, em(aten.round.default, em(aten.div.Tensor, blocks, scale)),
-                                      -127.0), 127.0)
+    q = em(aten.round.default, em(aten.div.Tensor, blocks, scale))
+    q = em(aten.clamp_max.default, em(aten.clamp_min.default, q, -127.0), 127.0)
     return em(convert, q, torch.int8), scale
 
 
@@ -260,7 +260,8 @@ class Int8:
         q_work, scale_work = em.all_to_all(q, rows), em.all_to_all(scale, rows)
         yield
         mine = rows // em.world
-        copies = em(aten.view.default, dequantize(em, em.wait(q_work), em.wait(scale_work)), [em.world, mine, self.block])
+        copies = dequantize(em, em.wait(q_work), em.wait(scale_work))
+        copies = em(aten.view.default, copies, [em.world, mine, self.block])
         mean = em(aten.div.Tensor, em(aten.sum.dim_IntList, copies, [0]), em.world)
         q2, scale2 = quantize(em, mean)
         q_work, scale_work = em.all_gather(q2), em.all_gather(scale2)
@@ -335,7 +336,8 @@ class PowerSGD:
             rows, cols = b.shapes[i][0], math.prod(b.shapes[i][1:])
             residuals[i] = em.kept(f"residual/{b.names[i]}", lambda r=rows, c=cols: torch.zeros(
                 r, c, dtype=b.dtype, device=b.device))
-            qs[i] = em.kept(f"powersgd{self.rank}/{b.names[i]}", lambda c=cols: first_q(c, self.rank, b.dtype, b.device))
+            qs[i] = em.kept(f"powersgd{self.rank}/{b.names[i]}",
+                            lambda c=cols: first_q(c, self.rank, b.dtype, b.device))
             ms[i] = em(aten.add.Tensor, em(aten.reshape.default, grads[i], [rows, cols]), residuals[i])
             ps[i] = em(aten.mm.default, ms[i], orthonormal(em, qs[i]))  # last step's Q, as torch's hook
         p_work = em.all_reduce(em.flat_of([ps[i] for i in matrices])) if matrices else None
@@ -381,7 +383,8 @@ class CompressSpec:
     other: Any = field(default_factory=Dense)
 
 
-KINDS = 'None, "bf16", "int8", "int8:ef", "topk:F" (0 < F < 1), "powersgd:R" (R >= 1), "sparse_rows", "sparse_rows+KIND"'
+KINDS = ('None, "bf16", "int8", "int8:ef", "topk:F" (0 < F < 1), "powersgd:R" (R >= 1), "sparse_rows", '
+         '"sparse_rows+KIND"')
 
 
 def parse_compress(spec: str | None) -> CompressSpec:

@@ -34,6 +34,10 @@ def optimized(kind, rank: int, world: int, batch: int, backend: str = "eager", *
     return z, opt
 
 
+def state_of(opt) -> dict:
+    return {k: v.clone() for k, v in opt.compression.tensors.items()} if opt.compression is not None else {}
+
+
 def step_grads(opt, model, batch: dict) -> dict:
     clear(model)
     opt.forward_backward(**batch)
@@ -136,7 +140,7 @@ def inductor_checks(rank: int, world: int, batch: int, kinds: tuple, backend: st
         record = next(r for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
         out[str(kind)] = {"first": step_grads(opt, z.model, example), "second": step_grads(opt, z.model, second),
                           "code": code, "notes": record.notes,
-                          "state": {k: v.clone() for k, v in (opt.compression.tensors if opt.compression else {}).items()}}
+                          "state": state_of(opt)}
     return out
 
 

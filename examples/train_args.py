@@ -187,9 +187,6 @@ def check_layout(args, world: int | None) -> None:
                          "tensor-parallel model)")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
-    if args.shard and args.pp > 1:
-        raise ValueError("--shard with --pp is not supported yet: run --shard alone (data-parallel ranks that "
-                         "shard), or --dp with --pp (replicas of a pipeline)")
     if args.pp > 1:
         virtual = 2 if "Interleaved" in args.schedule else 1
         if args.microbatches < args.pp * virtual:

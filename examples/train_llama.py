@@ -105,8 +105,9 @@ def parallel_passes(args) -> tuple[list, object]:
     if args.world == 1:
         return [], None
     device = args.device.split(":")[0]
-    if args.shard:  # the data-parallel ranks shard the model
-        return ["shard"], ParallelMesh.build(dp_shard=args.dp, device_type=device)
+    if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
+        mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
+        return ([pipeline_pass(args)] if args.pp > 1 else []) + ["shard"], mesh
     if args.tp > 1:  # each replica spans --tp ranks; the replicas average their gradients in the backward
         mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
         tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
@@ -114,14 +115,18 @@ def parallel_passes(args) -> tuple[list, object]:
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
         return ["overlap"], mesh
-    pipeline = picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                      virtual=2 if "Interleaved" in args.schedule else 1, measure=args.measure_cuts)
-    return [pipeline, *(["overlap"] if args.dp > 1 else [])], mesh  # each stage's grads averaged in its backward
+    return [pipeline_pass(args), *(["overlap"] if args.dp > 1 else [])], mesh  # stage grads averaged in the backward
+
+
+def pipeline_pass(args):
+    return picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+                                  virtual=2 if "Interleaved" in args.schedule else 1, measure=args.measure_cuts)
 
 
 def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
     """Clip by the norm of the whole model's gradients. Pipelined (`replicas` given), each rank holds
-    one stage's: their squares are summed over all ranks, less the replicas' equal copies."""
+    one stage's (or, sharded, its piece of one): their squares are summed over all ranks, less the
+    replicas' equal copies."""
     parameters = list(parameters)
     if replicas is None:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
@@ -129,10 +134,11 @@ def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
     import torch.distributed as dist
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    square = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # sharded: each rank its piece
+    square = torch.stack([g.pow(2).sum() for g in pieces]).sum() if pieces else torch.zeros(())
     dist.all_reduce(square)
     scale = min(1.0, max_norm / ((square / replicas).sqrt().item() + 1e-6))
-    for g in grads:
+    for g in pieces:
         g.mul_(scale)
 
 
@@ -151,7 +157,9 @@ def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
     if args.shard:
-        return f"{args.world} ranks: sharded data parallel, each holding 1/{args.dp} of the model, on its own batches"
+        stages = f"{args.pp} pipeline stages, each " if args.pp > 1 else ""
+        return (f"{args.world} ranks: {stages}sharded data parallel, each rank holding 1/{args.dp} of "
+                f"{'its stage' if args.pp > 1 else 'the model'}, each replica on its own batches")
     if args.tp > 1:
         replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
         sequence = " with sequence parallelism" if args.sequence_parallel else ""
@@ -207,7 +215,7 @@ def main(argv=None) -> dict:
     for step in progress:
         batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
         loss = s.opt_model.forward_backward(**batch)
-        clip_gradients(s.opt_model.parameters(), 1.0, args.dp if args.pp > 1 else None)
+        clip_gradients(s.opt_model.parameters(), 1.0, (1 if args.shard else args.dp) if args.pp > 1 else None)
         s.optimizer.step()
         s.schedule.step()
         s.optimizer.zero_grad(set_to_none=True)
@@ -231,7 +239,7 @@ def main(argv=None) -> dict:
                          replica=ranks.replica, options=run_options(args))
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
-    if args.shard or args.tp > 1:  # the parameters are pieces: the compiled step puts them together
+    if args.pp == 1 and (args.shard or args.tp > 1):  # the parameters are pieces: the compiled step joins them
         with torch.no_grad():
             val_loss = s.opt_model(**val).item()
     elif args.pp == 1:

@@ -30,7 +30,6 @@ def test_one_process_is_one_replica():
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],
      "--microbatches 5 is not a whole number of rounds; pass --microbatches 4"),
-    (["--shard", "--pp", "2"], "--shard with --pp is not supported yet"),
 ])
 def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

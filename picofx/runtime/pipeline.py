@@ -24,6 +24,8 @@ from picofx.manager import Context
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
+from picofx.runtime.distributed import check_layouts
+from picofx.runtime.shard import apply_shard_layout, local_inputs
 
 
 class StageModule(nn.Module):
@@ -35,13 +37,21 @@ class StageModule(nn.Module):
         self.stage = recorded(gm).stage
         self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
         self.constants = constants
+        self.shards = recorded(gm).shards  # pass shard: the stage takes these parameters' local shards
+        if self.shards is not None:  # its data-parallel ranks agree on the layout, then the parameters become shards
+            check_layouts({"stage": gm})
+            apply_shard_layout(self.shards, model)
         for slot in self.resident:
             if slot.kind in ("parameter", "buffer"):
                 register_as(self, model, slot.target, slot.kind)
         object.__setattr__(self, "run", None)
 
     def resident_values(self) -> list:
-        return [slot.resident_value(self, self.constants) for slot in self.resident]
+        values = [slot.resident_value(self, self.constants) for slot in self.resident]
+        if self.shards is None:
+            return values
+        return local_inputs(self.shards, [slot.target if slot.kind == "parameter" else None for slot in self.resident],
+                            values)
 
     def forward(self, *carried):
         outputs = self.run(self.resident_values() + list(carried))

@@ -191,3 +191,18 @@ def inductor_checks(rank: int, world: int, batch: int) -> dict:
     opt, code = run_and_get_code(lambda: picofx.optimize(z.model, local, ["fuse", Shard()], backend="inductor",
                                                          loss_fn=z.loss_fn))
     return {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model), "code": code}
+
+
+def with_pipeline(rank: int, world: int) -> dict:
+    """4 ranks: 2 pipeline stages x 2 sharded data-parallel ranks, both replicas on one batch."""
+    from picofx.passes import Pipeline
+
+    z = zoo.build("llama-tiny", batch=4)
+    opt = picofx.optimize(z.model, z.example_inputs, [Pipeline(stages=2, microbatches=2), Shard()],
+                          backend="eager", loss_fn=z.loss_fn)
+    loss = opt.forward_backward(**dict(z.example_inputs))
+    held = dict(opt.named_parameters())
+    return {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in held.items()},
+            "sharded": all(isinstance(p, DTensor) for p in held.values()),
+            "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
+            "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}

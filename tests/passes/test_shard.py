@@ -209,3 +209,18 @@ def test_inductor_matches_full_batch_and_keeps_collectives():
         assert_grads(r["grads"], grads(z.model), **GRAD)
     code = "\n".join(ranks[0]["code"])
     assert re.search(r"all_gather_into_tensor", code) and re.search(r"reduce_scatter_tensor", code)
+
+
+def test_shard_times_pipeline_on_four_ranks():
+    ranks = run_ranks(shard_ranks.with_pipeline, 4, timeout=600, collective_timeout=300)
+    z = zoo.build("llama-tiny", batch=4)
+    loss = full_batch(z, z.example_inputs)
+    expected = grads(z.model)
+    held = set()
+    for r in ranks:
+        torch.testing.assert_close(r["loss"], loss, **LOSS)
+        assert r["sharded"] and r["local_bytes"] <= r["whole_bytes"] // 2 + 4096
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, expected[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        held |= set(r["grads"])
+    assert held == set(expected)  # every parameter on some stage

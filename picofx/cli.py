@@ -24,6 +24,7 @@ from picofx.manager.passes import pass_stage
 from picofx.manager.dump import DumpGraphs, graph_dot, graph_text
 from picofx.manager.options import pass_options
 from picofx.manager.report import Report
+from picofx.planner import add_plan_parser, plan_command
 from picofx.optimize import captured_inputs, forward_context, graph_inputs, optimize
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import one_process_group
@@ -251,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
                    help="after each pass check the graph's invariants, or also its numbers (default: invariants)")
     p.add_argument("--wide", action="store_true", help="the pass table with every note on one line")
     add_pass_options(p)
+    add_plan_parser(commands)
     return top
 
 
@@ -262,6 +264,13 @@ def positive(text: str) -> int:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)  # a wrong option exits with status 2 here
+    if args.command == "plan":
+        try:
+            plan_command(args)
+        except ValueError as e:
+            print(f"picofx plan: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         dump(args)
     except UsageError as e:

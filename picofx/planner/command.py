@@ -1,0 +1,78 @@
+"""The `picofx plan` command: arguments, the table on the terminal, the JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from picofx.cost.device import devices
+from picofx.cost.model import CostModel
+from picofx.planner.costs import model_costs
+from picofx.planner.layouts import Run, plan_layouts, suggestions
+from picofx.planner.models import MODELS, model_config
+
+GPU_KINDS = ("h100", "h200", "a100", "cpu")
+
+
+def add_plan_parser(commands) -> None:
+    p = commands.add_parser(
+        "plan", help="rank the layouts (dp x tp x pp, sharding, micro-batches, checkpointing) for N GPUs",
+        description="Predict memory per GPU and step time of every layout of MODEL's training over --gpus GPUs, "
+                    "rank those that fit, and say what limits each and what to change.",
+        epilog="examples:\n  picofx plan llama2-7b --gpus 8 --gpu h100 --seq 4096 --global-batch 256\n"
+               "  picofx plan llama2-70b --gpus 64 --gpu h100 --seq 4096 --global-batch 512 --json plans.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help=f"a zoo name ({', '.join(MODELS)}), a Hugging Face config.json or its directory, "
+                                 "or module:function")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", choices=GPU_KINDS, default="h100")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all GPUs")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
+    p.add_argument("--json", help="write {'plans': [...], 'best': index} here")
+
+
+def plan_run(model: str, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
+             global_batch: int) -> tuple[Run, list]:
+    """Every layout of `model` over `gpus`, predicted and ranked (those that fit first, fastest first)."""
+    device = devices()[gpu]
+    run = Run(model_costs(model_config(model), seq, CostModel(device)), device, gpus, min(gpus_per_node, gpus),
+              global_batch)
+    predictions = plan_layouts(run)
+    for p in predictions[:20]:
+        p.suggestions = suggestions(run, p)
+    return run, predictions
+
+
+def table(predictions: list, top: int) -> str:
+    head = (f"{'#':>3} {'layout':36s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
+            f"{'fits':4s}  bottleneck")
+    rows = [head, "-" * len(head)]
+    for i, p in enumerate(predictions[:top]):
+        rows.append(f"{i:>3} {p.layout.describe():36s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
+                    f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
+        for s in p.suggestions[:3]:
+            rows.append(f"{'':>4}  -> {s}")
+    return "\n".join(rows)
+
+
+def plan_command(args) -> dict:
+    run, predictions = plan_run(args.model, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
+                                seq=args.seq, global_batch=args.global_batch)
+    if not predictions:
+        raise ValueError(f"no layout of {args.model} runs on {args.gpus} GPUs with a global batch of "
+                         f"{args.global_batch}: the batch must divide over the data-parallel ranks")
+    print(f"{args.model} on {args.gpus} x {run.device.name} ({run.gpus_per_node} per node), {args.seq} tokens per "
+          f"sequence, {args.global_batch} sequences per step; {len(predictions)} layouts, "
+          f"{sum(p.fits for p in predictions)} fit\n")
+    print(table(predictions, args.top))
+    plain = [p for p in predictions if p.layout.tp == p.layout.pp == 1 and not p.layout.shard
+             and not p.layout.checkpoint]
+    if plain and not any(p.fits for p in plain):
+        print(f"\nplain data parallel does not fit: {plain[0].reason}")
+    out = {"plans": [p.as_json() for p in predictions], "best": 0 if predictions[0].fits else None}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return out

@@ -1,0 +1,232 @@
+"""Layouts of a training run over N GPUs (dp x tp x pp, sharded or replicated, micro-batches,
+checkpointing, sequence parallelism, compression), each predicted: memory per GPU, step time,
+what limits it, and what to change.
+
+Ranks are laid out as picofx's mesh lays them out (pp outermost, then data parallel, tp
+innermost), so a tp group stays within a node. Formulas, per micro-batch of b sequences of T tokens:
+- compute: the captured layer's and the rest's predicted seconds x b / tp, the last pipeline stage
+  holding the head; checkpointing adds one more forward of the layers;
+- tensor parallel: 4 ring all-reduces per layer of b x T x hidden bf16 activations (the same bytes
+  as all-gather + reduce-scatter under sequence parallelism), not overlapped;
+- pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
+  (pp - 1) / (m + pp - 1) of the step;
+- replicated data parallel: a ring all-reduce of the stage's fp32 gradients (bf16 with compress),
+  hidden behind the last micro-batch's backward as far as it lasts;
+- sharded: per micro-batch, each layer's bf16 gather (twice: forward, backward) and fp32
+  reduce-scatter, overlapped layer by layer (`picofx.cost.shard`);
+- memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
+  in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
+  with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from picofx.cost.comm import ring_all_reduce_seconds
+from picofx.cost.device import Device
+from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
+from picofx.planner.costs import ModelCosts
+
+TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
+MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory (allocator fragmentation)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    shard: bool = False
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    checkpoint: bool = False
+    sequence_parallel: bool = False
+    compress: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}" + (" shard" if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
+                                                                                  else ""), f"pp{self.pp}"]
+        return " x ".join(parts) + f", {self.microbatches} mb" + (", ckpt" if self.checkpoint else "") + \
+            (f", {self.compress}" if self.compress else "")
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory_per_gpu: int
+    memory: dict
+    step_s: float
+    time: dict
+    tokens_per_s: float
+    mfu: float
+    fits: bool
+    reason: str = ""
+    bottleneck: str = ""
+    suggestions: list = field(default_factory=list)
+    measured_step_s: float | None = None
+
+    def as_json(self) -> dict:
+        return {**dataclasses.asdict(self.layout), "memory_per_gpu": self.memory_per_gpu, "step_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits, "reason": self.reason,
+                "bottleneck": self.bottleneck, "suggestions": self.suggestions, "memory": self.memory,
+                "time": self.time, "measured_step_s": self.measured_step_s}
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the plans are for: the model's costs, the machine and the batch."""
+
+    costs: ModelCosts
+    device: Device
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+
+    def link(self, ranks_spanned: int):
+        return self.device.intra_node_link if ranks_spanned <= self.gpus_per_node else self.device.inter_node_link
+
+
+def predict(run: Run, layout: Layout) -> Prediction:
+    c, L = run.costs, run.costs.layers
+    b = run.global_batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
+    tp, pp = layout.tp, layout.pp
+    stage_layers = -(-L // pp)
+    fw = b * (stage_layers * c.layer_forward_s + c.rest_forward_s) / tp
+    bw = b * (stage_layers * c.layer_backward_s + c.rest_backward_s) / tp
+    recompute = b * stage_layers * c.layer_forward_s / tp if layout.checkpoint else 0.0
+    activation_bytes = b * c.seq * c.config.hidden_size * 2
+    tp_comm = 4 * stage_layers * ring_all_reduce_seconds(activation_bytes, tp, run.link(tp)) if tp > 1 else 0.0
+    micro = fw + bw + recompute + tp_comm
+    slots = layout.microbatches + pp - 1
+    compute_step = slots * micro
+    bubble = (pp - 1) * micro
+    stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
+    dp_link = run.link(layout.dp * tp)
+    if layout.dp == 1:
+        dp_exposed, dp_what = 0.0, ""
+    elif layout.shard:
+        layers = [Layer(f"l{i}", stage_params / stage_layers, (fw + recompute) / stage_layers, bw / stage_layers)
+                  for i in range(stage_layers)]
+        sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2)
+        dp_exposed, dp_what = layout.microbatches * sharded.exposed_s, "parameter all-gathers and gradient reduce-scatters"
+    else:
+        grad_bytes = stage_params * (2 if layout.compress == "bf16" else 4)
+        dp_exposed = max(0.0, ring_all_reduce_seconds(grad_bytes, layout.dp, dp_link) - bw)
+        dp_what = "gradient all-reduce"
+    step = compute_step + dp_exposed
+
+    states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)
+    in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
+    split = 1 / tp if layout.sequence_parallel else (1 - TP_SPLIT_FRACTION) + TP_SPLIT_FRACTION / tp
+    if layout.checkpoint:
+        per_layer = b * c.seq * c.config.hidden_size * 4  # each layer's input
+        activations = in_flight * stage_layers * per_layer + b * c.layer_saved * split
+    else:
+        activations = in_flight * stage_layers * b * c.layer_saved * split
+    activations += b * (c.rest_saved + c.transient) / tp
+    gathered = 3 * c.layer_parameters / tp * 2 + c.layer_parameters / tp * 4 if layout.shard else 0
+    memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
+    total = sum(memory.values())
+    capacity = run.device.memory_capacity * MAX_MEMORY_FRACTION
+    fits = total <= capacity
+    tokens_per_s = run.global_batch * c.seq / step
+    peak = run.device.flops_per_second(torch.bfloat16)
+    time = {"compute": compute_step - bubble - slots * tp_comm, "recompute": slots * recompute,
+            "tensor_parallel_comm": slots * tp_comm, "bubble": bubble, "data_parallel_exposed": dp_exposed}
+    prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
+                            c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
+    if not fits:
+        prediction.reason = (f"memory: needs {total / 1e9:.1f} GB per GPU, {run.device.name} has "
+                             f"{run.device.memory_capacity / 1e9:.1f} GB")
+    prediction.bottleneck = bottleneck(prediction, dp_what)
+    return prediction
+
+
+def bottleneck(p: Prediction, dp_what: str) -> str:
+    if not p.fits:
+        return "memory"
+    t = p.time
+    costs = {"pipeline bubble": t["bubble"], f"exposed {dp_what}": t["data_parallel_exposed"],
+             "tensor-parallel all-reduces": t["tensor_parallel_comm"], "recomputation": t["recompute"]}
+    name, seconds = max(costs.items(), key=lambda kv: kv[1])
+    return name if seconds > 0.15 * p.step_s else "compute"
+
+
+def valid(run: Run, layout: Layout) -> str | None:
+    """Why `layout` cannot run at all (None: it can)."""
+    config = run.costs.config
+    if layout.dp * layout.tp * layout.pp != run.gpus:
+        return "the layout's product is not the number of GPUs"
+    if layout.tp > run.gpus_per_node:
+        return f"tp {layout.tp} spans more than a node ({run.gpus_per_node} GPUs)"
+    if config.num_attention_heads % layout.tp or config.num_key_value_heads % layout.tp:
+        return f"tp {layout.tp} does not divide the heads ({config.num_attention_heads}, kv {config.num_key_value_heads})"
+    if layout.pp > config.num_hidden_layers:
+        return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
+    if run.global_batch % (layout.dp * layout.microbatches):
+        return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        return "fewer micro-batches than pipeline stages"
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(run: Run) -> list[Layout]:
+    layouts = []
+    for tp in [d for d in divisors(run.gpus) if d <= run.gpus_per_node]:
+        for pp in divisors(run.gpus // tp):
+            dp = run.gpus // (tp * pp)
+            per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
+            for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
+                for shard in ((False, True) if dp > 1 else (False,)):
+                    for checkpoint in (False, True):
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp)
+                            if valid(run, layout) is None:
+                                layouts.append(layout)
+    return layouts
+
+
+def suggestions(run: Run, p: Prediction) -> list[str]:
+    """Neighbouring layouts that are predicted faster (or that fit, where this one does not)."""
+    out, layout = [], p.layout
+    options = [("twice the micro-batches", dataclasses.replace(layout, microbatches=layout.microbatches * 2)),
+               ("half the micro-batches", dataclasses.replace(layout, microbatches=layout.microbatches // 2)),
+               ("checkpointing" if not layout.checkpoint else "no checkpointing",
+                dataclasses.replace(layout, checkpoint=not layout.checkpoint)),
+               ("sequence parallelism", dataclasses.replace(layout, sequence_parallel=True)),
+               ("sharded data parallel" if not layout.shard else "replicated data parallel",
+                dataclasses.replace(layout, shard=not layout.shard)),
+               ("bf16 gradient all-reduce", dataclasses.replace(layout, compress="bf16"))]
+    for what, other in options:
+        if other == layout or other.microbatches < 1 or valid(run, other) is not None:
+            continue
+        if (other.shard or other.compress) and other.dp == 1 or (other.sequence_parallel and other.tp == 1):
+            continue
+        if other.compress and other.shard:
+            continue
+        q = predict(run, other)
+        if not q.fits:
+            continue
+        if not p.fits:
+            out.append(f"{what}: fits ({q.memory_per_gpu / 1e9:.1f} GB per GPU), step {q.step_s * 1e3:.0f} ms")
+        elif q.step_s < p.step_s * 0.98:
+            change = f"step {100 * (q.step_s / p.step_s - 1):+.0f}%"
+            if layout.pp > 1 and other.microbatches != layout.microbatches:
+                change = (f"bubble {100 * p.time['bubble'] / p.step_s:.0f}% -> "
+                          f"{100 * q.time['bubble'] / q.step_s:.0f}%, " + change)
+            out.append(f"{what} ({other.describe()}): {change}")
+    return out
+
+
+def plan_layouts(run: Run) -> list[Prediction]:
+    """Every valid layout predicted: those that fit first, fastest first; then the rest."""
+    predictions = [predict(run, layout) for layout in enumerate_layouts(run)]
+    predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
+    return predictions

@@ -38,8 +38,9 @@ from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import resolve_dim
 
+from picofx.passes.overlap_codecs import parse_compress
 from picofx.passes.overlap_compress import (BucketIn, CompressionState, Dense, Emitter, SparseRows, embedding_rows,
-                                            parse_compress, ring_bytes, rows_worth_it)
+                                            ring_bytes, rows_worth_it)
 
 aten = torch.ops.aten
 

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "passes"))
+from picofx.parallel.launch import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "passes"))  # the ranks' scenarios
 from compress_ranks import optimized, shard, walks  # noqa: E402
-from spawn_ranks import run_ranks  # noqa: E402
 
 RUNS = [("none", None, 0), ("bf16", "bf16", 0), ("sparse_rows", "sparse_rows", 0),
         ("sparse_rows+int8", "sparse_rows+int8", 0), ("int8:ef", "int8:ef", 0), ("topk:0.01", "topk:0.01", 0),

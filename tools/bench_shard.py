@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "passes"))
-from spawn_ranks import run_ranks  # noqa: E402
+from picofx.parallel.launch import run_ranks  # noqa: E402
 
 import picofx  # noqa: E402
 from picofx.cost.memory import measure_peak  # noqa: E402

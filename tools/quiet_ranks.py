@@ -22,7 +22,7 @@ class _DropMessage(logging.Filter):
 
 
 def quiet_rank() -> None:
-    """Call first in a rank process that ends with os._exit (as spawn_ranks' ranks do)."""
+    """Call first in a rank process that ends with os._exit (as picofx.parallel.launch's ranks do)."""
     # Inductor's compile progress bar makes tqdm create a multiprocessing lock; os._exit skips the
     # finalizer that frees its semaphore, and the launcher's resource tracker then warns of a leaked
     # semaphore at exit, once per rank. A rank draws no bars from other processes: a thread lock serves.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from picofx import plan
-from picofx.cost.model import CostModel
+from picofx.cost.model import CostModel, is_alias
 from picofx.examples.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.planner.models import parameter_count, with_layers
 
@@ -35,6 +35,8 @@ class ModelCosts:
     transient: int            # the most the step allocates beyond what is kept (one layer's scratch, the loss)
     parameters: int
     flops_per_token: float    # the model's, forward and backward (6N + 12 L h T, as PaLM counts)
+    layer_ops: int = 0        # ops a layer runs, forward and backward: each costs the device's op overhead
+    rest_ops: int = 0         # once per call, whatever the batch (the times above leave it out)
 
     @property
     def layers(self) -> int:
@@ -49,18 +51,27 @@ class ModelCosts:
         return 2 * self.config.vocab_size * self.config.hidden_size + self.config.hidden_size
 
 
-def _step(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel):
+def _ops(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_alias(n))
+
+
+def _step(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes):
+    """The predicted step of `config` with `layers` layers on one sequence: its forward and backward
+    seconds without the per-op overhead, and its op count."""
     with plan.fake_mode():
         model = Llama(with_layers(config, layers, seq))
         ids = torch.zeros(1, seq, dtype=torch.long)
-    step = plan.predict(model, {"input_ids": ids, "labels": ids}, loss_fn=causal_lm_loss, passes=PASSES,
+    step = plan.predict(model, {"input_ids": ids, "labels": ids}, loss_fn=causal_lm_loss, passes=passes,
                         cost_model=cost_model)
-    return step, cost_model.graph_time(step.forward), cost_model.graph_time(step.backward)
+    overhead = cost_model.device.op_overhead
+    fw_ops, bw_ops = _ops(step.forward), _ops(step.backward)
+    return (step, cost_model.graph_time(step.forward) - fw_ops * overhead,
+            cost_model.graph_time(step.backward) - bw_ops * overhead, fw_ops + bw_ops)
 
 
-def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel) -> ModelCosts:
-    one, fw1, bw1 = _step(config, 1, seq, cost_model)
-    two, fw2, bw2 = _step(config, 2, seq, cost_model)
+def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PASSES) -> ModelCosts:
+    one, fw1, bw1, ops1 = _step(config, 1, seq, cost_model, passes)
+    two, fw2, bw2, ops2 = _step(config, 2, seq, cost_model, passes)
     layer_saved = two.memory.saved_activations - one.memory.saved_activations
     transient = max(one.memory.forward_peak, one.memory.backward_peak - one.memory.gradients) \
         - one.memory.saved_activations
@@ -69,4 +80,4 @@ def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel) -> ModelCo
     matmul_params = params - config.vocab_size * h  # the embedding lookup does no matmul
     return ModelCosts(config, seq, fw2 - fw1, bw2 - bw1, layer_saved, 2 * fw1 - fw2, 2 * bw1 - bw2,
                       max(0, 2 * one.memory.saved_activations - two.memory.saved_activations), max(transient, 0),
-                      params, 6 * matmul_params + 12 * layers * h * seq)
+                      params, 6 * matmul_params + 12 * layers * h * seq, ops2 - ops1, 2 * ops1 - ops2)

@@ -31,6 +31,7 @@ from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.costs import ModelCosts
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
+ADAMW_TRAFFIC = 28            # bytes an AdamW step moves per fp32 parameter: reads p, g, m, v; writes p, m, v
 MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory (allocator fragmentation)
 
 
@@ -94,9 +95,10 @@ def predict(run: Run, layout: Layout) -> Prediction:
     b = run.global_batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
     tp, pp = layout.tp, layout.pp
     stage_layers = -(-L // pp)
-    fw = b * (stage_layers * c.layer_forward_s + c.rest_forward_s) / tp
-    bw = b * (stage_layers * c.layer_backward_s + c.rest_backward_s) / tp
-    recompute = b * stage_layers * c.layer_forward_s / tp if layout.checkpoint else 0.0
+    overhead = run.device.op_overhead * (stage_layers * c.layer_ops + c.rest_ops)  # per call, whatever b is
+    fw = b * (stage_layers * c.layer_forward_s + c.rest_forward_s) / tp + overhead / 3
+    bw = b * (stage_layers * c.layer_backward_s + c.rest_backward_s) / tp + 2 * overhead / 3
+    recompute = b * stage_layers * c.layer_forward_s / tp + overhead / 3 if layout.checkpoint else 0.0
     activation_bytes = b * c.seq * c.config.hidden_size * 2
     tp_comm = 4 * stage_layers * ring_all_reduce_seconds(activation_bytes, tp, run.link(tp)) if tp > 1 else 0.0
     micro = fw + bw + recompute + tp_comm
@@ -116,7 +118,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
         grad_bytes = stage_params * (2 if layout.compress == "bf16" else 4)
         dp_exposed = max(0.0, ring_all_reduce_seconds(grad_bytes, layout.dp, dp_link) - bw)
         dp_what = "gradient all-reduce"
-    step = compute_step + dp_exposed
+    optimizer = ADAMW_TRAFFIC * stage_params / (layout.dp if layout.shard else 1) / run.device.memory_bandwidth
+    step = compute_step + dp_exposed + optimizer
 
     states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)
     in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
@@ -135,7 +138,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
     tokens_per_s = run.global_batch * c.seq / step
     peak = run.device.flops_per_second(torch.bfloat16)
     time = {"compute": compute_step - bubble - slots * tp_comm, "recompute": slots * recompute,
-            "tensor_parallel_comm": slots * tp_comm, "bubble": bubble, "data_parallel_exposed": dp_exposed}
+            "tensor_parallel_comm": slots * tp_comm, "bubble": bubble, "data_parallel_exposed": dp_exposed,
+            "optimizer": optimizer}
     prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
                             c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
     if not fits:

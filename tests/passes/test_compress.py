@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from picofx.passes import Overlap
-from picofx.passes.overlap_compress import Int8, PowerSGD, TopK, parse_compress
+from picofx.passes.overlap_codecs import PowerSGD, TopK, parse_compress
+from picofx.passes.overlap_compress import Int8
 
 import compress_ranks
 from spawn_ranks import run_ranks

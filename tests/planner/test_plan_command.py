@@ -56,3 +56,14 @@ def test_the_command_prints_a_table_and_writes_every_plan_as_json(tmp_path, caps
 def test_bad_input_is_one_line_and_status_2(capsys):
     assert main(["plan", "llama-huge", "--gpus", "8", "--global-batch", "8"]) == 2
     assert "unknown model 'llama-huge'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_measure_runs_the_top_plans_on_gloo_ranks_and_prints_predicted_against_measured(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    assert main(["plan", "llama-tiny", "--gpus", "2", "--gpu", "cpu", "--seq", "32", "--global-batch", "4",
+                 "--measure", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted s" in printed and "measured s" in printed and "calibrated:" in printed
+    measured = [p for p in json.loads(out.read_text())["plans"] if p["measured_step_s"] is not None]
+    assert len(measured) >= 3 and all(p["measured_step_s"] > 0 for p in measured)

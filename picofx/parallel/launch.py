@@ -1,0 +1,97 @@
+"""Run a function on several gloo ranks in spawned processes of this machine, with a hard timeout
+(the planner's measurements, the tests, the benchmarks).
+
+`run_ranks(fn, world, timeout=...)` starts `world` processes that each init a gloo group (with
+a collective timeout shorter than the call's), call `fn(rank, world, *args)` and send back its
+result or its error. A rank that hangs or dies raises RankError here; every process this call
+started is killed at the end, and only those.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class RankError(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world: int, port: int, collective_timeout: float, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        value = fn(rank, world, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # plain bytes: tensors sent by reference would die with this process
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as e:  # noqa: BLE001  (reported to the caller, which raises it)
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        results.close()
+        results.join_thread()  # the message is out before the process ends
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)  # a rank can hang at interpreter exit otherwise
+
+
+def run_ranks(fn, world: int = 2, *args, timeout: float = 240, collective_timeout: float = 60,
+              expect_errors: bool = False) -> list:
+    """Results of `fn(rank, world, *args)` per rank (fn must be importable: a module-level function).
+    With expect_errors, each rank's error text (or None) is returned instead of raising."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, collective_timeout, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, tuple] = {}
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(out) < world:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise RankError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout}s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                if dead:
+                    try:  # its last message may still be in flight
+                        rank, status, value = results.get(timeout=5)
+                    except queue.Empty:
+                        raise RankError(f"ranks {dead} exited without a result") from None
+                else:
+                    continue
+            out[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if expect_errors:
+        return [out[r][1] if out[r][0] == "error" else None for r in range(world)]
+    errors = [f"rank {r}: {value}" for r, (status, value) in sorted(out.items()) if status == "error"]
+    if errors:
+        raise RankError("\n".join(errors))
+    import torch
+
+    return [torch.load(io.BytesIO(out[r][1]), weights_only=False) for r in range(world)]

@@ -17,21 +17,20 @@ shared: run it on an idle machine, and read the ratios, not the milliseconds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from picofx.parallel.launch import run_ranks  # noqa: E402
+from picofx.parallel.launch import run_ranks
 
-import picofx  # noqa: E402
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss  # noqa: E402
-from picofx.examples.zoo import token_batch  # noqa: E402
-from picofx.passes import Overlap  # noqa: E402
-from quiet_ranks import quiet_rank  # noqa: E402  (tools/quiet_ranks.py)
-from results import write_json  # noqa: E402  (tools/results.py)
+import picofx
+from picofx.examples.llama import CONFIGS, causal_lm_loss
+from picofx.passes import Overlap
+from quiet_ranks import quiet_rank  # (tools//quiet_ranks.py)
+from rank_model import reference_model_and_batch  # (tools//rank_model.py)
+from results import write_json  # (tools//results.py)
 
 
 def parse_args(argv=None):
@@ -100,15 +99,7 @@ def contenders(model_for, batch, world: int, bucket):
 
 def measure(rank: int, world: int, args) -> dict:
     quiet_rank()
-    torch.set_num_threads(1)
-    config = dataclasses.replace(CONFIGS[args.size], max_position_embeddings=max(args.seq, 128))
-
-    def model_for():
-        torch.manual_seed(0)
-        return Llama(config)
-
-    ids = token_batch(config.vocab_size, args.batch, args.seq + 1, seed=rank)
-    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    model_for, batch = reference_model_and_batch(args.size, args.batch, args.seq, rank)
     steps, report = contenders(model_for, batch, world, args.bucket)
     times = {name: [] for name in steps}
     for round_ in range(args.steps + 2):  # two warm-up rounds

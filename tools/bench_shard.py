@@ -22,21 +22,20 @@ The CPU is shared: run it on an idle machine and read the ratios, not the millis
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from picofx.parallel.launch import run_ranks  # noqa: E402
+from picofx.parallel.launch import run_ranks
 
-import picofx  # noqa: E402
-from picofx.cost.memory import measure_peak  # noqa: E402
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss  # noqa: E402
-from picofx.examples.zoo import token_batch  # noqa: E402
-from quiet_ranks import quiet_rank  # noqa: E402  (tools/quiet_ranks.py)
-from results import write_json  # noqa: E402  (tools/results.py)
+import picofx
+from picofx.cost.memory import measure_peak
+from picofx.examples.llama import CONFIGS, causal_lm_loss
+from quiet_ranks import quiet_rank  # (tools//quiet_ranks.py)
+from rank_model import reference_model_and_batch  # (tools//rank_model.py)
+from results import write_json  # (tools//results.py)
 
 TARGETS = {"step": 0.9, "peak": 1.0, "resident_over_share": 1.05}
 
@@ -106,15 +105,7 @@ def contenders(model_for, batch) -> dict[str, Contender]:
 
 def measure(rank: int, world: int, args) -> dict:
     quiet_rank()
-    torch.set_num_threads(1)
-    config = dataclasses.replace(CONFIGS[args.size], max_position_embeddings=max(args.seq, 128))
-
-    def model_for():
-        torch.manual_seed(0)
-        return Llama(config)
-
-    ids = token_batch(config.vocab_size, args.batch, args.seq + 1, seed=rank)
-    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    model_for, batch = reference_model_and_batch(args.size, args.batch, args.seq, rank)
     runs = contenders(model_for, batch)
     times = {name: [] for name in runs}
     for round_ in range(args.steps + 2):  # two warm-up rounds

@@ -14,6 +14,18 @@ from torch import fx
 LAYOUTS_META = "picofx_layouts"  # gm.meta: the graph's GraphLayouts
 
 
+def first_differing_entry(mine: tuple, theirs: tuple, rank: int, describe, held: str) -> str:
+    """The first entry (a parameter) where this rank's layout and rank `rank`'s differ, in words;
+    `held` says what a parameter only one side has is there ("has a gradient", "is sharded")."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f"first differing parameter: {a.name} {describe(a)} here, {b.name} {describe(b)} on rank {rank}"
+    longer = mine if len(mine) > len(theirs) else theirs
+    extra = longer[min(len(mine), len(theirs))]
+    where = "here" if longer is mine else f"on rank {rank}"
+    return f"first differing parameter: {extra.name} {held} {where} only"
+
+
 @dataclass(frozen=True)
 class LayoutEntry:
     name: str  # parameter name (input_<i> where the graph's inputs are not named)
@@ -55,14 +67,8 @@ class BucketLayout:
             return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
         if self.codecs != theirs.codecs and self.entries == theirs.entries:
             return f"bucket compressors {list(self.codecs)} here, {list(theirs.codecs)} on rank {rank}"
-        for a, b in zip(self.entries, theirs.entries):
-            if a != b:
-                return (f"first differing parameter: {a.name} {a.dtype}{list(a.shape)} in bucket {a.bucket} here, "
-                        f"{b.name} {b.dtype}{list(b.shape)} in bucket {b.bucket} on rank {rank}")
-        shorter, longer = sorted((self, theirs), key=lambda x: len(x.entries))
-        extra = longer.entries[len(shorter.entries)]
-        where = "here" if longer is self else f"on rank {rank}"
-        return f"first differing parameter: {extra.name} has a gradient {where} only"
+        return first_differing_entry(self.entries, theirs.entries, rank,
+                                     lambda e: f"{e.dtype}{list(e.shape)} in bucket {e.bucket}", "has a gradient")
 
 
 @dataclass(frozen=True)
@@ -101,14 +107,7 @@ class ShardLayout:
         if self.reshard_after_forward != theirs.reshard_after_forward:
             return (f"reshard_after_forward={self.reshard_after_forward} here, "
                     f"{theirs.reshard_after_forward} on rank {rank}")
-        for a, b in zip(self.entries, theirs.entries):
-            if a != b:
-                return (f"first differing parameter: {a.name} {describe_shard(a)} here, "
-                        f"{b.name} {describe_shard(b)} on rank {rank}")
-        shorter, longer = sorted((self, theirs), key=lambda x: len(x.entries))
-        extra = longer.entries[len(shorter.entries)]
-        where = "here" if longer is self else f"on rank {rank}"
-        return f"first differing parameter: {extra.name} is sharded {where} only"
+        return first_differing_entry(self.entries, theirs.entries, rank, describe_shard, "is sharded")
 
 
 def describe_shard(e: ShardEntry) -> str:
@@ -175,10 +174,7 @@ class TensorParallelLayout:
         return "\n".join(f"{e.name.ljust(width)}  {e.style:9s}  {e.why}" for e in self.entries)
 
     def first_difference(self, theirs: "TensorParallelLayout", rank: int) -> str:
-        for a, b in zip(self.entries, theirs.entries):
-            if a != b:
-                return f"first differing parameter: {a.name} {a.style} here, {b.name} {b.style} on rank {rank}"
-        return f"{len(self.entries)} parameters here, {len(theirs.entries)} on rank {rank}"
+        return first_differing_entry(self.entries, theirs.entries, rank, lambda e: e.style, "is placed")
 
 
 @dataclass

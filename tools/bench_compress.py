@@ -11,7 +11,6 @@ the step times say little about a GPU cluster; the bytes and losses are the poin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ import time
 import torch
 
 from picofx.parallel.launch import run_ranks
+from results import write_json  # tools/results.py
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "passes"))  # the ranks' scenarios
 from compress_ranks import optimized, shard, walks  # noqa: E402
@@ -96,7 +96,7 @@ def train(rank: int, world: int, steps: int, runs: list) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     args = parser.parse_args(argv)
     os.environ.setdefault("PICOFX_CACHE", "0")
     results = run_ranks(train, 2, args.steps, RUNS, timeout=3600, collective_timeout=600)[0]
@@ -106,9 +106,8 @@ def main(argv=None) -> None:
         r["last20"] = statistics.mean(r["losses"][-20:])
         print(f"{label:24} {r['wire_bytes']:>10} {r['wire_bytes'] / r['fp32_ring_bytes']:>7.3f} {r['step_ms']:>8.1f} "
               f"{r['last20']:>13.4f} {r['last20'] / base:>7.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "runs": results}, f, indent=1)
+    write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "runs": results}, args.json,
+               "bench_compress.json")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ from picofx.parallel.launch import run_ranks
 import picofx
 from picofx.cost.memory import measure_peak
 from picofx.examples.llama import CONFIGS, causal_lm_loss
-from quiet_ranks import quiet_rank  # (tools//quiet_ranks.py)
-from rank_model import reference_model_and_batch  # (tools//rank_model.py)
-from results import write_json  # (tools//results.py)
+from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
+from rank_model import reference_model_and_batch  # tools/rank_model.py
+from results import write_json  # tools/results.py
 
 TARGETS = {"step": 0.9, "peak": 1.0, "resident_over_share": 1.05}
 

@@ -68,7 +68,8 @@ class Context:
     graph_role: str = "forward"    # "forward", "joint" or "backward"
     mesh: Any = None               # picofx.parallel.ParallelMesh of the run (None: one process)
     input_names: list | None = None  # the graph's inputs' parameter names (None for other inputs)
-    gradient_sync: str = "sync"    # "sync", "local" (under no_sync) or "sync_accumulated" (the call after)
+    gradient_sync: str = "sync"    # "sync", "local" (no_sync), "sync_accumulated" (the call after), or
+                                   # "sync_uncompressed" (overlap's warm-up steps)
     cache_directory: str | None = None  # the on-disk cache's directory, when it is on
 
 

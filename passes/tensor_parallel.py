@@ -29,7 +29,7 @@ from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import input_slot, is_parameter, viewed_source
 from picofx.cost.tp_plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
-from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
+from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of, recorded
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.fuse import Fuse
 from picofx.passes.tensor_parallel_loss import fused_losses, vocabulary_parallel_loss
@@ -63,6 +63,9 @@ class TensorParallel:
                              f"{STYLES}, got {self.plan!r}")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if recorded(gm).shards is not None:
+            raise ValueError("tensor_parallel splits the whole parameters that shard has already cut into "
+                             "dp_shard pieces: list it before shard, passes=[TensorParallel(), 'fuse', Shard()].")
         fused = sorted({str(n.target) for n in gm.graph.nodes if str(n.target).startswith(FUSED_PROJECTIONS)})
         if fused:
             raise ValueError(f"tensor_parallel reads the linears that fuse replaced ({', '.join(fused)}): list it "
@@ -80,7 +83,7 @@ class TensorParallel:
             check_sequence_parallel(gm, plan, dim.size)
         rewrite(gm, plan, exchange)
         for fused in heads:
-            vocabulary_parallel_loss(gm.graph, fused, dim.rank, exchange.join)
+            vocabulary_parallel_loss(gm.graph, fused, dim.rank, exchange.join, vocabulary(fused))
         notes = {}
         if self.sequence_parallel:
             notes["sequence_parallel_saves"] = f"{exchange.saved_bytes(gm.graph) / 2**20:.2f} MiB of activations"
@@ -91,7 +94,12 @@ class TensorParallel:
                 name = input_slot(node).target
                 style = plan.style(name)
                 why = plan.parameters[name].why if name in plan.parameters else ""
-                entries.append(TensorParallelEntry(name, style, SPLIT_DIM.get(style), tuple(node.meta["full_shape"]), why))
+                axis = SPLIT_DIM.get(style)
+                local = None if axis is None else node.meta["val"].shape[axis]
+                if local is not None and local * dim.size != node.meta["full_shape"][axis]:
+                    notes.setdefault("padded", []).append(f"{name}: {node.meta['full_shape'][axis]} rows padded "
+                                                          f"to {local * dim.size}")
+                entries.append(TensorParallelEntry(name, style, axis, tuple(node.meta["full_shape"]), why, local))
         layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
         return PassResult(True, {"ranks": dim.size, **counts, **notes})
@@ -187,9 +195,6 @@ def fuse_heads(gm: fx.GraphModule, plan, ctx: Context) -> list[fx.Node]:
 def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
     """Refuse what the rewrite cannot do, naming the parameters and what to do; keep whole an LM
     head whose loss is none the vocabulary-parallel cross-entropy computes (and its tied table)."""
-    if plan.kv_replicated:
-        raise ValueError(f"TensorParallel: tp={plan.tp} does not divide the key/value heads of "
-                         f"{plan.kv_replicated[:2]}...; use a tp that divides the key/value heads.")
     split_heads = {weight_name(h, 1) for h in heads}
     for head in heads:
         if weight_name(head, 2):
@@ -242,6 +247,8 @@ def rewrite(gm: fx.GraphModule, plan, exchange: Exchange) -> None:
     for lookup in [n for n in graph.nodes if n.target is aten.embedding.default]:
         if plan.style(weight_name(lookup, 0) or "") == "vocab":
             vocabulary_parallel(graph, lookup, exchange)
+    if plan.kv_replicated:
+        replicated_key_values(graph, linears, plan, exchange, copies)
 
 
 def shrink_placeholders(gm: fx.GraphModule, plan, tp: int) -> None:
@@ -255,13 +262,81 @@ def shrink_placeholders(gm: fx.GraphModule, plan, tp: int) -> None:
         axis = SPLIT_DIM.get(plan.style(input_slot(node).target))
         if axis is None:
             continue
-        if value.shape[axis] % tp:
-            raise ValueError(f"TensorParallel: {input_slot(node).target} has {value.shape[axis]} "
+        name = input_slot(node).target
+        if value.shape[axis] % tp and not paddable(plan, name):
+            raise ValueError(f"TensorParallel: {name} has {value.shape[axis]} "
                              f"{'rows' if axis == 0 else 'columns'}, which tp={tp} does not divide.")
         shape = list(value.shape)
-        shape[axis] //= tp
+        shape[axis] = -(-shape[axis] // tp)  # a vocabulary tp does not divide: padded rows, as Megatron pads
         with mode:
             node.meta["val"] = torch.empty(shape, dtype=value.dtype, device=value.device)
+
+
+def paddable(plan, name: str) -> bool:
+    """An embedding table or LM head (and its bias): rows are tokens, so zero rows past the
+    vocabulary are never looked up, and the loss masks their logits out."""
+    p = plan.parameters.get(name)
+    return p is not None and (p.style == "vocab" or "LM head" in p.why)
+
+
+def vocabulary(fused: fx.Node) -> int:
+    """The real vocabulary of a fused loss's head: its weight placeholder's whole rows."""
+    source = viewed_source(fused.args[1], through_copies=True)
+    while source.op == "call_function" and source.target is aten._to_copy.default:
+        source = viewed_source(source.args[0], through_copies=True)
+    return source.meta.get("full_shape", source.meta["val"].shape)[0]
+
+
+def replicated_key_values(graph: fx.Graph, linears: list, plan, exchange: Exchange, copies: dict) -> None:
+    """Key/value projections whose heads tp does not divide stay whole on every rank (Megatron's
+    replication): each reads the summed-in-backward input and its weight's gradient, partial (from
+    this rank's heads), is summed over the ranks; at each attention, the repeated key/value heads
+    are sliced to those this rank's query heads read."""
+    whole = [n for n in linears if weight_name(n, 1) in plan.kv_replicated]
+    for linear in whole:
+        source = linear.args[0]
+        if source in copies:
+            linear.replace_input_with(source, copies[source])
+        for position in range(1, len(linear.args)):
+            param = linear.args[position]
+            if isinstance(param, fx.Node) and is_parameter(param):
+                with graph.inserting_after(param):
+                    summed = graph.call_function(torch.ops.picofx.tp_copy.default, (param, exchange.dim.group_name))
+                linear.replace_input_with(param, summed)
+    for attention in [n for n in graph.nodes if n.target is aten.scaled_dot_product_attention.default]:
+        heads = attention.args[0].meta["val"].shape[1]
+        mine = heads // exchange.dim.size
+        for kv in attention.args[1:3]:
+            if not set(reads_linears(kv)) & set(whole):
+                continue
+            kv_heads = kv.meta["val"].shape[1]
+            group = heads // kv_heads  # query heads per key/value head (1: already repeated)
+            if mine % group and group % mine:
+                raise ValueError(f"TensorParallel: {attention.name} has {heads} query heads over {kv_heads} "
+                                 f"key/value heads; tp={exchange.dim.size} gives a rank query heads of several "
+                                 "key/value groups in part.")
+            start = exchange.dim.rank * mine // group
+            stop = -(-(exchange.dim.rank + 1) * mine // group)
+            with graph.inserting_before(attention):
+                sliced = graph.call_function(aten.slice.Tensor, (kv, 1, start, stop))
+            attention.replace_input_with(kv, sliced)
+
+
+def reads_linears(node: fx.Node, depth: int = 40) -> list[fx.Node]:
+    """The linears `node` is computed from, through anything but other linears."""
+    found, frontier, seen = [], [node], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n.target in LINEARS:
+                found.append(n)
+            else:
+                nxt += n.all_input_nodes
+        frontier = nxt
+    return found
 
 
 def vocabulary_parallel(graph: fx.Graph, lookup: fx.Node, exchange: Exchange) -> None:

@@ -9,7 +9,9 @@ local logits and three all-reduces of per-token numbers, as Megatron does:
     t   = sum over ranks of the target's logit - m, from the rank that holds the target
     loss per token = log(s) - t;  then the mean over the tokens not ignored (or the sum)
 
-so the whole (tokens x vocabulary) logits never exist on one rank. Autograd through these ops
+so the whole (tokens x vocabulary) logits never exist on one rank. A vocabulary tp does not divide
+is padded (zero rows past it on the last ranks, as Megatron pads); their logits are set to -inf,
+so they count in neither the max nor the sum-exp and get no gradient. Autograd through these ops
 gives each rank softmax - one_hot on its own columns; the hidden state's gradient, partial on each
 rank, is summed by tp_copy.
 """
@@ -29,10 +31,11 @@ def fused_losses(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.target is LINEAR_CROSS_ENTROPY]
 
 
-def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, join) -> None:
+def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, join, vocabulary: int | None = None) -> None:
     """Replace the fused loss node `fused` (its weight already this rank's rows) by the
     vocabulary-parallel computation; `join(graph, x)` makes the node that brings the hidden state
-    in (tp_copy, or the sequence-parallel all-gather)."""
+    in (tp_copy, or the sequence-parallel all-gather); `vocabulary`: the real rows of the whole
+    head (fewer than rows x ranks where it was padded)."""
     a = normalize_function(fused.target, fused.args, fused.kwargs, normalize_to_only_use_kwargs=True).kwargs
     x, weight, bias, labels = a["x"], a["weight"], a.get("bias"), a["labels"]
     rows, width = weight.meta["val"].shape
@@ -54,6 +57,10 @@ def vocabulary_parallel_loss(graph: fx.Graph, fused: fx.Node, rank: int, join) -
         if a.get("softcap", 0.0) > 0:
             logits = op(aten.mul.Tensor, op(aten.tanh.default, op(aten.div.Tensor, logits, a["softcap"])),
                         a["softcap"])
+        real = rows if vocabulary is None else max(0, min(vocabulary - start, rows))
+        if real < rows:  # padded rows: their logits never win
+            columns = graph.call_function(aten.arange.default, (rows,), {"device": weight.meta["val"].device})
+            logits = op(aten.where.ScalarOther, op(aten.lt.Scalar, columns, real), logits, float("-inf"))
         local_max = op(aten.amax.default, op(aten.detach.default, logits), [-1], True)
         shifted = op(aten.sub.Tensor, logits, op(torch.ops.picofx.tp_max.default, local_max, group))
         sum_exp = op(torch.ops.picofx.tp_reduce.default, op(aten.sum.dim_IntList, op(aten.exp.default, shifted), [-1]),

@@ -27,21 +27,26 @@ from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
 from picofx.runtime.shard import apply_shard_layout, local_inputs, whole_parameters
-from picofx.runtime.tensor_parallel import apply_tensor_parallel_layout
-from picofx.parallel.layouts import ShardLayout, recorded
+from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
+                                             padded_pieces)
+from picofx.parallel.layouts import ShardLayout, TensorParallelLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
 
-def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict, shards=None) -> list:
+def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict, shards=None,
+                 placed=None) -> list:
     """The graph's placeholders' values for a call: the model's own parameters and buffers, and the
     call's tensors made contiguous (compiled code is specialised on the captured strides). With a
-    ShardLayout (pass shard), its parameters' padded local shards."""
+    ShardLayout (pass shard), its parameters' padded local shards; with a TensorParallelLayout, its
+    parameters' pieces (padded where tp does not divide a vocabulary)."""
     user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     values = [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
               for slot in signature.inputs]
+    names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
     if shards is not None:
-        values = local_inputs(shards, [slot.target if slot.kind == "parameter" else None
-                                       for slot in signature.inputs], values)
+        values = local_inputs(shards, names, values)
+    if placed is not None:
+        values = padded_pieces(placed, names, values)
     return [v.to_local() if isinstance(v, DTensor) else v for v in values]  # placed parameters: their pieces
 
 
@@ -53,9 +58,10 @@ class CompiledStep:
     graphs: dict                   # "joint", "forward", "backward" graphs as the passes left them
     report: Report
     shards: ShardLayout | None = None  # pass shard: the graph takes these parameters' local shards
+    placed: TensorParallelLayout | None = None  # pass tensor_parallel: and these parameters' pieces
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
-        outputs = self.run(graph_inputs(self.signature, model, args, kwargs, self.shards))
+        outputs = self.run(graph_inputs(self.signature, model, args, kwargs, self.shards, self.placed))
         user_outputs = []
         with torch.no_grad():
             for (kind, target), value in zip(self.signature.outputs, outputs):
@@ -115,24 +121,29 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         manager.announce("captured", gm, ctx)
         graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
+        if recorded(gm).tensor_parallel is not None and recorded(graphs[0]).tensor_parallel is None:
+            raise ValueError("tensor_parallel ran on the whole step before pipeline cut it, so no stage knows "
+                             "its split parameters: list it after the pipeline, passes=[Pipeline(...), "
+                             "TensorParallel(), ...], to split each stage's graph over its tp ranks.")
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend=backend)
         return step
-    shards = recorded(graphs[0]).shards
-    if shards is not None:  # pass shard: the ranks agree on the layout, then the parameters become shards
+    shards, placed = recorded(graphs[0]).shards, recorded(graphs[0]).tensor_parallel
+    if shards is not None or placed is not None:  # the ranks agree on the layouts, then the parameters are placed
         check_layouts({"forward": graphs[0]})
-        apply_shard_layout(shards, model)
-        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
-    placed = recorded(graphs[0]).tensor_parallel
-    if placed is not None:  # pass tensor_parallel: the ranks agree on the plan, then the parameters are placed
-        check_layouts({"forward": graphs[0]})
-        apply_tensor_parallel_layout(placed, model)
-        report.sections["tensor_parallel"] = placed.table()
-        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards)
+        if shards is not None and placed is not None:  # dp_shard x tp: 2-D DTensors, as FSDP2 over TP
+            apply_sharded_tensor_parallel_layout(shards, placed, model, two_dimensional(ctx.mesh, shards, placed))
+        elif shards is not None:
+            apply_shard_layout(shards, model)
+        else:
+            apply_tensor_parallel_layout(placed, model)
+        if placed is not None:
+            report.sections["tensor_parallel"] = placed.table()
+        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards, placed)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
         def peak_of(compiled):
-            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report, shards)
+            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report, shards, placed)
             return measure_step_peak(lambda: step(model, args, kwargs), model, (args, kwargs))
 
         run, stage_graphs = compile_measured(graphs[0], lambda gm: compile_graph(gm, inputs, manager, ctx),
@@ -151,7 +162,17 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     report.compile_seconds = time.perf_counter() - start
     tell(instruments, "end", backend=backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
-    return CompiledStep(signature, run, graphs[0], stage_graphs, report, shards)
+    return CompiledStep(signature, run, graphs[0], stage_graphs, report, shards, placed)
+
+
+def two_dimensional(mesh: ParallelMesh | None, shards: ShardLayout, placed: TensorParallelLayout):
+    """The (dp_shard, tp) DeviceMesh the parameters of a sharded tensor-parallel step live on."""
+    if mesh is None or mesh.device_mesh is None or (mesh.size("dp_shard"), mesh.size("tp")) != (shards.world,
+                                                                                                placed.world):
+        raise ValueError("Shard with TensorParallel places parameters on the run's 2-D mesh: pass "
+                         "optimize(..., mesh=picofx.parallel.ParallelMesh.build(dp_shard=..., tp=...)) and leave "
+                         "the passes' own meshes unset.")
+    return mesh.sub_mesh("dp_shard", "tp")
 
 
 class OptimizedModule(nn.Module):

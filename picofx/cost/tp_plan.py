@@ -10,7 +10,8 @@ its output a partial sum, all-reduced). Everything the walk cannot follow leaves
 with the reason. The embedding table is vocabulary-parallel (rows split, the lookup masked, the
 partial results summed); a linear whose output reaches the loss without another linear is the LM
 head, column-parallel with a vocabulary-parallel cross-entropy; tied embedding and head share one
-row split. Norm weights and anything else are replicated.
+row split; a vocabulary tp does not divide is padded to a multiple of it, as Megatron does. Norm
+weights and anything else are replicated.
 """
 from __future__ import annotations
 
@@ -218,9 +219,9 @@ def infer_plan(gm: fx.GraphModule, tp: int) -> TensorParallelPlan:
     for node in gm.graph.nodes:
         if node.target is aten.embedding.default and weight_name(node, 0) and takes_token_ids(node):
             rows = node.args[0].meta["val"].shape[0]
+            padded = "" if rows % tp == 0 else f" (padded to {-(-rows // tp) * tp}, as Megatron pads)"
             plan.parameters[weight_name(node, 0)] = ParameterPlan(
-                "vocab", f"embedding table: {rows} rows over {tp} ranks, lookup masked, partial rows summed") \
-                if rows % tp == 0 else ParameterPlan("replicate", f"embedding rows {rows} not divisible by tp={tp}")
+                "vocab", f"embedding table: {rows} rows{padded} over {tp} ranks, lookup masked, partial rows summed")
     for linear in linears:
         name = weight_name(linear, 1)
         if reaches_loss(linear):

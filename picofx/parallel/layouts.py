@@ -153,6 +153,7 @@ class TensorParallelEntry:
     split_dim: int | None  # the dimension split across the ranks (None: whole on every rank)
     shape: tuple          # the whole parameter's shape
     why: str = field(default="", compare=False, repr=False)  # the plan's reason
+    local_size: int | None = None  # the split dimension's size in every rank's graph (padded where tp does not divide)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,11 @@ class ParallelMesh:
         sub = self.device_mesh[self._mesh_name(name)]
         return MeshDim(name, size, sub.get_local_rank(), sub.get_group(), sub)
 
+    def sub_mesh(self, *names: str):
+        """The DeviceMesh over dimensions `names` (in the mesh's order): the mesh of DTensors placed
+        on several dimensions (a sharded tensor-parallel parameter's (dp_shard, tp))."""
+        return self.device_mesh[tuple(self._mesh_name(check_name(n)) for n in names)]
+
     def rank_lists(self, name: str) -> list[list[int]]:
         """The global ranks along dimension `name`, one list per position on the other dimensions."""
         if self.device_mesh is None:

@@ -20,12 +20,13 @@ from torch import fx, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from picofx.manager import Context
+from picofx.manager import Context, pass_info
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.distributed import check_layouts
 from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.runtime.tensor_parallel import apply_tensor_parallel_layout, padded_pieces
 
 
 class StageModule(nn.Module):
@@ -38,9 +39,16 @@ class StageModule(nn.Module):
         self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
         self.constants = constants
         self.shards = recorded(gm).shards  # pass shard: the stage takes these parameters' local shards
-        if self.shards is not None:  # its data-parallel ranks agree on the layout, then the parameters become shards
+        self.placed = recorded(gm).tensor_parallel  # pass tensor_parallel: and these parameters' pieces
+        if self.shards is not None and self.placed is not None:
+            raise NotImplementedError("Pipeline with both Shard and TensorParallel (pp x dp_shard x tp) is not "
+                                      "supported yet: combine Pipeline with one of them.")
+        if self.shards is not None or self.placed is not None:  # the ranks agree on the layout, then place
             check_layouts({"stage": gm})
+        if self.shards is not None:
             apply_shard_layout(self.shards, model)
+        if self.placed is not None:
+            apply_tensor_parallel_layout(self.placed, model)
         for slot in self.resident:
             if slot.kind in ("parameter", "buffer"):
                 register_as(self, model, slot.target, slot.kind)
@@ -48,10 +56,12 @@ class StageModule(nn.Module):
 
     def resident_values(self) -> list:
         values = [slot.resident_value(self, self.constants) for slot in self.resident]
-        if self.shards is None:
-            return values
-        return local_inputs(self.shards, [slot.target if slot.kind == "parameter" else None for slot in self.resident],
-                            values)
+        names = [slot.target if slot.kind == "parameter" else None for slot in self.resident]
+        if self.shards is not None:
+            values = local_inputs(self.shards, names, values)
+        if self.placed is not None:
+            values = padded_pieces(self.placed, names, values)
+        return values
 
     def forward(self, *carried):
         outputs = self.run(self.resident_values() + list(carried))
@@ -141,7 +151,9 @@ class PipelineStep:
         self.holds_last = any(s.is_last for s in self.stages)
         # Gradients averaged over data-parallel replicas inside each backward by a pass (overlap), or
         # here after the schedule, in one all-reduce.
-        self.averages_in_graph = bool(manager.declared("communicates"))
+        # (tensor parallel communicates within a replica: it averages nothing)
+        self.averages_in_graph = any({"dp_replicate", "dp_shard"} & set(pass_info(p).mesh_dims)
+                                     for p in manager.declared("communicates"))
         self.last_rank = dist.get_global_rank(pp.group, (layout.total_stages - 1) % pp.size)
 
     def _example_inputs(self, module: StageModule, gm: fx.GraphModule) -> tuple[list, list]:

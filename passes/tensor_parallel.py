@@ -32,6 +32,7 @@ from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of, recorded
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.fuse import Fuse
+from picofx.passes.tensor_parallel_async import overlap_sequence_parallel
 from picofx.passes.tensor_parallel_loss import fused_losses, vocabulary_parallel_loss
 
 aten = torch.ops.aten
@@ -48,13 +49,14 @@ class TensorParallel:
     graph) or {parameter-name pattern: "colwise" | "rowwise" | "vocab" | "replicate"}, applied over
     the inferred plan. sequence_parallel: norms and residual adds on sequence shards (an all-gather
     before each column-parallel block, a reduce-scatter after each row-parallel one). async_overlap:
-    not built yet (ignored)."""
+    with sequence_parallel, those gathers and scatters are split into chunks overlapped with the
+    linears they feed or follow (passes/tensor_parallel_async.py)."""
 
     mesh: Any = None
     plan: Any = "auto"
     sequence_parallel: bool = False
     async_overlap: bool = True
-    info = PassInfo(Stage.FORWARD, mesh_dims=("tp",), communicates=True)
+    info = PassInfo(Stage.FORWARD, also_at=(Stage.PARTITIONED,), mesh_dims=("tp",), communicates=True)
     stage = info.stage
 
     def __post_init__(self):
@@ -63,6 +65,11 @@ class TensorParallel:
                              f"{STYLES}, got {self.plan!r}")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if ctx.stage is Stage.PARTITIONED:
+            if not (self.async_overlap and self.sequence_parallel):
+                return PassResult(False, {})
+            chunked = overlap_sequence_parallel(gm)
+            return PassResult(any(chunked.values()), {"chunked": chunked})
         if recorded(gm).shards is not None:
             raise ValueError("tensor_parallel splits the whole parameters that shard has already cut into "
                              "dp_shard pieces: list it before shard, passes=[TensorParallel(), 'fuse', Shard()].")

@@ -144,3 +144,10 @@ def with_pipeline(rank: int, world: int) -> dict:
             "placed": all(isinstance(p, DTensor) for p in held.values()), "wrong_order": wrong_order,
             "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
             "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}
+
+
+def uneven(rank: int, world: int) -> dict:
+    """tp=4 on the reference LLaMA's 4 query heads over 2 key/value heads (k/v projections whole on
+    every rank), and on a vocabulary of 257 (table and head padded to 260), untied and tied."""
+    return {"kv": one_step(zoo.build("llama-tiny")), "vocab": one_step(zoo.build("llama-tiny", vocab_size=257)),
+            "tied vocab": one_step(real_models.hf_model("llama", vocab_size=257, tie_word_embeddings=True))}

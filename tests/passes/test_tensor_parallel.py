@@ -190,3 +190,34 @@ def test_tensor_parallel_times_pipeline_on_four_ranks_equals_one_process():
             torch.testing.assert_close(grad, grads[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
         held |= set(rank["grads"])
     assert held == set(grads)  # every parameter on some stage
+
+
+@pytest.fixture(scope="module")
+def uneven_ranks():
+    return run_ranks(tensor_parallel_ranks.uneven, 4, timeout=600, collective_timeout=300)
+
+
+@pytest.mark.parametrize("case, build", [
+    ("kv", lambda: zoo.build("llama-tiny")),
+    ("vocab", lambda: zoo.build("llama-tiny", vocab_size=257)),
+    ("tied vocab", lambda: real_models.hf_model("llama", vocab_size=257, tie_word_embeddings=True))])
+def test_heads_and_vocabularies_tp_does_not_divide_equal_one_process(uneven_ranks, case, build):
+    """tp=4: the 2 key/value heads replicated (each rank slicing the repeated heads its query head
+    reads), a vocabulary of 257 padded to 260 with the padded logits masked out of the loss."""
+    loss, grads = single(build())
+    for rank in uneven_ranks:
+        result = rank[case]
+        torch.testing.assert_close(result["loss"], loss, **LOSS)
+        for name, grad in grads.items():
+            torch.testing.assert_close(result["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+    placements, plan = uneven_ranks[0][case]["placements"], uneven_ranks[0][case]["plan"]
+    if case == "kv":
+        assert placements["decoder_layers.0.attention.k_proj.weight"] == "R"
+        assert placements["decoder_layers.0.attention.q_proj.weight"] == "S(0)"
+        assert "key/value heads not divisible by tp=4" in plan
+    else:
+        padded = uneven_ranks[0][case]["notes"]["padded"]
+        assert len(padded) == (1 if case == "tied vocab" else 2) and all("257 rows padded to 260" in p for p in padded)
+        shapes = uneven_ranks[3][case]["local_shapes"]  # the last rank: 65 rows less 3 padded
+        head = next(n for n in ("lm_head.weight", "final_proj.weight", "model.embed_tokens.weight") if n in shapes)
+        assert shapes[head][0] == 62

@@ -13,11 +13,14 @@ continue a run exactly where it stopped.
     torchrun --nproc-per-node 2 examples/train_llama.py --dp 2                # 2 replicas, pass overlap
     torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --pp 2         # 2 stages, each 2-way tensor parallel
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import sys
 import time
@@ -105,13 +108,19 @@ def parallel_passes(args) -> tuple[list, object]:
     if args.world == 1:
         return [], None
     device = args.device.split(":")[0]
+    if args.tp > 1:
+        tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
+        if args.shard:  # the dp_shard ranks shard each tp piece: every rank holds 1/(dp x tp)
+            return [tensor_parallel, "shard"], ParallelMesh.build(dp_shard=args.dp, tp=args.tp, device_type=device)
+        if args.pp > 1:  # each pipeline stage's graph split over its tp ranks
+            return [pipeline_pass(args), tensor_parallel], ParallelMesh.build(pp=args.pp, tp=args.tp,
+                                                                              device_type=device)
+        # each replica spans --tp ranks; the replicas average their gradients in the backward
+        mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
+        return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
     if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
         mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
         return ([pipeline_pass(args)] if args.pp > 1 else []) + ["shard"], mesh
-    if args.tp > 1:  # each replica spans --tp ranks; the replicas average their gradients in the backward
-        mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
-        tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
-        return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
         return ["overlap"], mesh
@@ -135,11 +144,19 @@ def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
 
     grads = [p.grad for p in parameters if p.grad is not None]
     pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # sharded: each rank its piece
-    square = torch.stack([g.pow(2).sum() for g in pieces]).sum() if pieces else torch.zeros(())
+    copies = [copies_of(g) for g in grads]  # a piece whole on several tp ranks counts once
+    square = torch.stack([g.pow(2).sum() / n for g, n in zip(pieces, copies)]).sum() if pieces else torch.zeros(())
     dist.all_reduce(square)
     scale = min(1.0, max_norm / ((square / replicas).sqrt().item() + 1e-6))
     for g in pieces:
         g.mul_(scale)
+
+
+def copies_of(grad) -> int:
+    """How many ranks hold the same piece of a DTensor gradient (its Replicate() mesh dimensions)."""
+    if not hasattr(grad, "placements"):
+        return 1
+    return math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
 
 
 class Session(typing.NamedTuple):
@@ -156,6 +173,11 @@ class Session(typing.NamedTuple):
 def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
+    if args.tp > 1 and (args.shard or args.pp > 1):
+        if args.shard:
+            return (f"{args.world} ranks: {args.dp} sharded data-parallel x {args.tp}-way tensor parallel, each rank "
+                    f"holding 1/{args.dp * args.tp} of the model, each data-parallel rank on its own batches")
+        return f"{args.world} ranks: {args.pp} pipeline stages, each {args.tp}-way tensor parallel"
     if args.shard:
         stages = f"{args.pp} pipeline stages, each " if args.pp > 1 else ""
         return (f"{args.world} ranks: {stages}sharded data parallel, each rank holding 1/{args.dp} of "
@@ -180,8 +202,11 @@ def setup(args, ranks: Ranks) -> Session:
     model = Llama(config).to(args.device)
     batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
+    # tp sees the linears fuse replaces; under --pp it splits each stage's graph, so the cut comes first
     tensor_parallel = [p for p in extra_passes if isinstance(p, picofx.passes.TensorParallel)]
-    passes = [*tensor_parallel, *picofx_passes(args), *[p for p in extra_passes if p not in tensor_parallel]]  # tp sees the linears fuse replaces
+    cut = [p for p in extra_passes if tensor_parallel and isinstance(p, picofx.passes.Pipeline)]
+    rest = [p for p in extra_passes if p not in tensor_parallel and p not in cut]
+    passes = [*cut, *tensor_parallel, *picofx_passes(args), *rest]
     opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)

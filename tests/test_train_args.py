@@ -16,6 +16,12 @@ def test_under_torchrun_the_replicas_default_to_the_ranks_the_pipeline_leaves(ar
     assert args.dp_default == ("--dp" not in argv)
 
 
+@pytest.mark.parametrize("argv, dp, pp", [(["--tp", "2", "--shard"], 2, 1), (["--tp", "2", "--pp", "2"], 1, 2)])
+def test_tensor_parallel_composes_with_shard_and_pipeline_on_four_ranks(argv, dp, pp):
+    args = parse_args(argv, environ=TORCHRUN_4)
+    assert (args.dp, args.pp, args.tp, args.world) == (dp, pp, 2, 4)
+
+
 def test_one_process_is_one_replica():
     args = parse_args([], environ={})
     assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
@@ -24,7 +30,8 @@ def test_one_process_is_one_replica():
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "3"], "--pp 3 x --tp 1 does not divide the 4 ranks"),
     (["--dp", "3"], "the layout --dp 3 x --tp 1 x --pp 1 is 3 ranks, but torchrun started 4"),
-    (["--tp", "2", "--pp", "2"], "--tp with --pp or --shard is not supported yet"),
+    (["--tp", "2", "--pp", "2", "--shard"], "data parallelism over it is not supported yet"),
+    (["--tp", "2", "--pp", "2", "--sequence-parallel"], "--sequence-parallel with --pp is not supported yet"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),

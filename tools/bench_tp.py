@@ -1,0 +1,189 @@
+"""Tensor parallelism: picofx `TensorParallel` against DTensor `parallelize_module` + torch.compile, 2 gloo ranks.
+
+    python tools/bench_tp.py [--size small] [--batch 2] [--seq 64] [--steps 8] [--json bench_tp.json]
+
+Every rank trains the reference LLaMA (`small`: a 32k vocabulary) on the same batch; one step is
+forward, backward, AdamW step, zero_grad. Contenders, in interleaved rounds (one step of each per
+round), medians, a step taking as long as its slowest rank:
+
+  floor (torch.compile)              one rank's compiled step, no tensor parallelism
+  floor (picofx fuse + Inductor)     the same for picofx
+  parallelize_module + compile       DTensor's hand plan: embedding RowwiseParallel(input_layouts=Replicate()),
+                                     q/k/v/gate/up ColwiseParallel, o/down RowwiseParallel, head
+                                     ColwiseParallel(output_layouts=Replicate()); each attention module's
+                                     head counts divided by tp (as torchtitan does)
+  picofx TP + fuse + Inductor        passes [TensorParallel(), "fuse"]
+  picofx TP+SP + fuse + Inductor     sequence_parallel=True, async_overlap=False
+  picofx TP+SP async + ...           sequence_parallel=True, async_overlap=True (chunked gathers and scatters)
+
+Columns: step (median ms), exposed communication (step - the floor of the same compiler), peak
+bytes per rank (`picofx.cost.memory.measure_peak` of a whole step: local parameters + the most it
+allocates, gradients and AdamW's temporaries included) and activation bytes (the most the forward
+alone allocates, its loss and what it saves for the backward kept alive: activations and the
+forward's temporaries, no gradients).
+Targets (issue 27): step <= 0.9x parallelize_module, peak <= 1.0x, activations of sequence
+parallel <= 0.6x those of TP without it. The CPU is shared: read the ratios, not the milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import picofx
+from picofx.cost.memory import measure_peak
+from picofx.examples.llama import CONFIGS, causal_lm_loss
+from picofx.parallel.launch import run_ranks
+from picofx.passes import TensorParallel
+from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
+from rank_model import reference_model_and_batch  # tools/rank_model.py
+from results import write_json  # tools/results.py
+
+WORLD = 2
+TP, SP, ASYNC, DTENSOR = ("picofx TP + fuse + Inductor", "picofx TP+SP + fuse + Inductor",
+                          "picofx TP+SP async + fuse + Inductor", "parallelize_module + compile")
+TARGETS = {"step": 0.9, "peak": 1.0, "sp_activations": 0.6}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="small", choices=sorted(CONFIGS))
+    p.add_argument("--batch", type=int, default=2, help="every rank the same batch")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
+    return p.parse_args(argv)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Contender:
+    """A model, its loss function (the forward) and its optimizer."""
+
+    def __init__(self, floor: str, module, forward, lr: float = 1e-3):
+        self.floor, self.module, self.forward = floor, module, forward
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=lr)
+
+    def forward_backward(self) -> None:
+        self.forward().backward()
+
+    def step(self) -> None:
+        self.forward_backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def hand_parallelized(model, tp: int):
+    """DTensor's standard Megatron plan over every rank; attention modules see their local heads."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (tp,))
+    plan = {"embedding": RowwiseParallel(input_layouts=Replicate()),
+            "final_proj": ColwiseParallel(output_layouts=Replicate())}
+    for i, layer in enumerate(model.decoder_layers):
+        for name in ("attention.q_proj", "attention.k_proj", "attention.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"decoder_layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.out_proj", "mlp.down_proj"):
+            plan[f"decoder_layers.{i}.{name}"] = RowwiseParallel()
+        layer.attention.num_heads //= tp
+        layer.attention.num_key_values //= tp
+    return parallelize_module(model, mesh, plan)
+
+
+def contenders(model_for, batch) -> dict[str, Contender]:
+    ids, labels = batch["input_ids"], batch["labels"]
+
+    def eager_step(module):
+        return lambda: causal_lm_loss(module(ids), labels)
+
+    def picofx_step(passes):
+        opt = picofx.optimize(model_for(), batch, passes, backend="inductor", loss_fn=causal_lm_loss)
+        return Contender("picofx", opt, lambda: opt(**batch))
+
+    out = {}
+    floor = model_for()
+    out["floor (torch.compile)"] = Contender("torch.compile", floor, eager_step(torch.compile(floor)))
+    out["floor (picofx fuse + Inductor)"] = picofx_step(["fuse"])
+    hand = hand_parallelized(model_for(), WORLD)
+    out[DTENSOR] = Contender("torch.compile", hand, eager_step(torch.compile(hand)))
+    out[TP] = picofx_step([TensorParallel(async_overlap=False), "fuse"])
+    out[SP] = picofx_step([TensorParallel(sequence_parallel=True, async_overlap=False), "fuse"])
+    out[ASYNC] = picofx_step([TensorParallel(sequence_parallel=True, async_overlap=True), "fuse"])
+    return out
+
+
+def measure(rank: int, world: int, args) -> dict:
+    quiet_rank()
+    model_for, batch = reference_model_and_batch(args.size, args.batch, args.seq, 0)  # one batch for all ranks
+    runs = contenders(model_for, batch)
+    times = {name: [] for name in runs}
+    for round_ in range(args.steps + 2):  # two warm-up rounds
+        for name, c in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            c.step()
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - start)
+    peaks, activations = {}, {}
+    for name, c in runs.items():
+        dist.barrier()
+        held = [local(p) for p in c.module.parameters()]
+        peaks[name] = measure_peak(c.step, resident=held)
+        activations[name] = measure_peak(lambda: keep_alive(c.forward()))
+    slowest = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"median_s": dict(zip(times, slowest.tolist())), "peak_bytes": peaks, "activation_bytes": activations,
+            "floors": {name: c.floor for name, c in runs.items()}}
+
+
+def keep_alive(loss: torch.Tensor) -> None:
+    """Nothing: `loss` and the autograd graph it holds stay alive until the measured call returns."""
+
+
+def verdict(value: float, target: float) -> str:
+    return f"x{value:.2f} (target <= {target}: {'met' if value <= target else 'NOT met'})"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = run_ranks(measure, WORLD, args, timeout=3600, collective_timeout=900)[0]
+    medians, kinds = result["median_s"], result["floors"]
+    floor = {kinds[n]: medians[n] for n in medians if n.startswith("floor")}
+    print(f"\n{WORLD} gloo ranks on CPU, Llama {args.size}, every rank {args.batch} x {args.seq} tokens; "
+          f"medians of {args.steps} steps (forward, backward, AdamW)")
+    print(f"{'contender':38s} {'step ms':>8s} {'exposed ms':>11s} {'peak MB':>8s} {'activations MB':>15s}")
+    rows = []
+    for name, seconds in medians.items():
+        exposed = None if name.startswith("floor") else (seconds - floor[kinds[name]]) * 1e3
+        peak = result["peak_bytes"][name]
+        row = {"contender": name, "step_ms": seconds * 1e3, "exposed_ms": exposed, "peak_bytes": peak,
+               "activation_bytes": result["activation_bytes"][name]}
+        rows.append(row)
+        print(f"{name:38s} {row['step_ms']:8.1f} {'' if exposed is None else f'{exposed:11.1f}':>11s} "
+              f"{peak / 2**20:8.1f} {row['activation_bytes'] / 2**20:15.1f}")
+    by = {r["contender"]: r for r in rows}
+    hand = by[DTENSOR]
+    ratios = {name: {"step": by[name]["step_ms"] / hand["step_ms"], "peak": by[name]["peak_bytes"] / hand["peak_bytes"]}
+              for name in (TP, SP, ASYNC)}
+    for name in (SP, ASYNC):
+        ratios[name]["sp_activations"] = by[name]["activation_bytes"] / by[TP]["activation_bytes"]
+    print(f"\nagainst {DTENSOR} (step, peak) and {TP} (activations):")
+    for name, r in ratios.items():
+        print(f"  {name:38s} " + ", ".join(f"{k} {verdict(v, TARGETS[k])}" for k, v in r.items()))
+    print(f"exposed communication under sequence parallelism: sync {by[SP]['exposed_ms']:.1f} ms, "
+          f"async_overlap {by[ASYNC]['exposed_ms']:.1f} ms")
+    out = {"args": vars(args), "rows": rows, "ratios": ratios,
+           "targets_met": {name: {k: v <= TARGETS[k] for k, v in r.items()} for name, r in ratios.items()}}
+    write_json(out, args.json, "bench_tp.json")
+    return out
+
+
+if __name__ == "__main__":
+    main()

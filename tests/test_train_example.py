@@ -147,8 +147,8 @@ def test_a_saved_dataset_is_the_training_data(tmp_path):
 def test_under_torchrun_a_layout_that_does_not_match_the_ranks_is_refused_once():
     code, out = run_script(["--dp", "2"], torchrun_ranks=3, timeout=180)
     lines = picofx_lines(out)
-    assert code != 0 and lines == ["train_llama.py: error: the layout --dp 2 x --pp 1 is 2 ranks, but torchrun "
-                                   "started 3: launch with --nproc-per-node 2, or change --dp/--pp"], out
+    assert code != 0 and lines == ["train_llama.py: error: the layout --dp 2 x --tp 1 x --pp 1 is 2 ranks, but "
+                                   "torchrun started 3: launch with --nproc-per-node 2, or change --dp/--tp/--pp"], out
 
 
 def test_under_torchrun_an_error_after_setup_is_printed_once_and_every_rank_stops():

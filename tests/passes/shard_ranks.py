@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import picofx
-from picofx.examples import zoo
+from picofx.examples import real_models, zoo
 from picofx.passes import Checkpoint, Shard
 from picofx.runtime.shard import local_bytes
 from picofx.capture.vocabulary import viewed_source
@@ -171,6 +171,10 @@ def hf_llama_checks(rank: int, world: int, batch: int, vocab_size: int) -> dict:
     out["recaptured_loss"] = opt.forward_backward(**shard(shorter, rank, world))
     out["recaptured_grads"] = gathered_grads(z.model)
     out["still_sharded"] = facts(z.model)["local_bytes"] == out["local_bytes"]
+    qwen = real_models.hf_model("qwen2", batch=batch)  # q/k/v biases: 1-D shards of their own
+    opt = picofx.optimize(qwen.model, shard(qwen.example_inputs, rank, world), ["fuse", Shard()], backend="eager")
+    out["qwen2_loss"] = opt.forward_backward(**shard(qwen.example_inputs, rank, world))
+    out["qwen2_grads"] = gathered_grads(qwen.model)
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.examples import real_models, zoo
 from picofx.passes import Shard
 
 import shard_ranks
@@ -174,6 +174,11 @@ def test_hf_llama_with_uneven_tied_vocabulary_and_recapture_match_full_batch():
     for r in ranks:
         assert_grads(r["recaptured_grads"], grads(z.model), **GRAD)
         assert r["still_sharded"]
+    qwen = real_models.hf_model("qwen2", batch=BATCH)
+    loss = full_batch(qwen, qwen.example_inputs)
+    assert_mean_loss(ranks, loss, "qwen2_loss")
+    for r in ranks:
+        assert_grads(r["qwen2_grads"], grads(qwen.model), **GRAD)
 
 
 def test_layout_mismatch_raises_on_every_rank_within_seconds():

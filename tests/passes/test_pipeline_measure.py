@@ -1,6 +1,8 @@
 """Pass `pipeline` with measure=True: units timed by running one micro-batch, a clock at each boundary."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,8 @@ from picofx.cost.model import CostModel
 from picofx.manager import Context
 from picofx.optimize import graph_inputs
 from picofx.passes import Pipeline
-from picofx.cost.chain import chain_units
+from picofx.cost.balance import plan_for
+from picofx.cost.chain import chain_units, state_per_parameter_byte
 from picofx.passes.pipeline import keep_loss_only
 from picofx.runtime.unit_clock import measure_units
 
@@ -70,16 +73,24 @@ def test_the_clock_charges_each_block_its_own_forward_and_backward(wide):
     assert all(p.grad is None for p in model.parameters())  # it ran on detached copies
 
 
-def test_measured_cuts_leave_the_wide_block_alone_on_its_stage():
+def test_measured_cuts_keep_the_wide_block_whole_on_the_slowest_stage_and_are_optimal():
     model, gm, inputs = _captured([NARROW, NARROW, WIDE, NARROW])
     ctx = Context(model=model, example_inputs=inputs, device=torch.device("cpu"), cost_model=CostModel())
     result = Pipeline(stages=3, schedule="GPipe", microbatches=4, measure=True)(gm, ctx)
     layout = recorded(result.graphs[0]).pipeline
     assert result.notes["unit_times"] == "measured"
-    firsts = [layout.units[c].label for c in layout.plan.cuts]
-    assert firsts[0].startswith("blocks.2") and not firsts[1].startswith("blocks.2"), firsts
-    slowest = max(layout.plan.stages, key=lambda s: s.time)
-    assert layout.units[slowest.units.start].label.startswith("blocks.2")
+    plan, units = layout.plan, layout.units
+    stage_of = {units[i].label: s.index for s in plan.stages for i in s.units}
+    wide_stages = {index for label, index in stage_of.items() if label.startswith("blocks.2")}
+    assert len(wide_stages) == 1, layout.table()  # never cut inside the wide block
+    assert plan.stages[wide_stages.pop()] is max(plan.stages, key=lambda s: s.time), layout.table()
+    # Which narrow neighbour shares the wide block's stage is decided by timing noise and the links'
+    # cost, so the check is against every other cut on the measured times, not one expected cut. The DP
+    # minimises the slowest stage and then refines the step locally: within 2% of the exhaustive best.
+    args = dict(schedule="GPipe", microbatches=4, virtual=1, link=CostModel().device.intra_node_link,
+                state_per_parameter_byte=state_per_parameter_byte(model))
+    others = [plan_for(units, [0, a, b], **args) for a, b in itertools.combinations(range(1, len(units)), 2)]
+    assert plan.step_time <= 1.02 * min(other.step_time for other in others), layout.table()
 
 
 def test_measuring_a_model_on_the_meta_device_is_refused():

@@ -182,9 +182,9 @@ def check_layout(args, world: int | None) -> None:
         raise ValueError(f"the layout --dp {args.dp} x --tp {args.tp} x --pp {args.pp} is {args.dp * model_ranks} "
                          f"ranks, but torchrun started {world}: launch with --nproc-per-node {args.dp * model_ranks}, "
                          "or change --dp/--tp/--pp")
-    if args.tp > 1 and args.pp > 1 and (args.shard or args.dp > 1):
-        raise ValueError("--tp with --pp runs one pipeline of tensor-parallel stages (--dp 1, no --shard); "
-                         "data parallelism over it is not supported yet: use --tp with --pp, --shard or --dp")
+    if args.tp > 1 and args.pp > 1 and args.dp > 1 and not args.shard:
+        raise ValueError("--tp with --pp takes data parallelism as --shard (pp x dp_shard x tp); replicated "
+                         "--dp over tensor-parallel stages is not supported: add --shard")
     if args.sequence_parallel and args.pp > 1:
         raise ValueError("--sequence-parallel with --pp is not supported yet: a later stage has no token "
                          "embedding where the sequence shards begin")

@@ -15,6 +15,7 @@ continue a run exactly where it stopped.
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --pp 2         # 2 stages, each 2-way tensor parallel
+    torchrun --nproc-per-node 8 examples/train_llama.py --tp 2 --pp 2 --shard # and each piece sharded over 2 replicas
 """
 from __future__ import annotations
 
@@ -110,11 +111,11 @@ def parallel_passes(args) -> tuple[list, object]:
     device = args.device.split(":")[0]
     if args.tp > 1:
         tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
+        if args.pp > 1:  # each pipeline stage's graph split over its tp ranks (its pieces sharded under --shard)
+            mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp if args.shard else 1, tp=args.tp, device_type=device)
+            return [pipeline_pass(args), tensor_parallel, *(["shard"] if args.shard else [])], mesh
         if args.shard:  # the dp_shard ranks shard each tp piece: every rank holds 1/(dp x tp)
             return [tensor_parallel, "shard"], ParallelMesh.build(dp_shard=args.dp, tp=args.tp, device_type=device)
-        if args.pp > 1:  # each pipeline stage's graph split over its tp ranks
-            return [pipeline_pass(args), tensor_parallel], ParallelMesh.build(pp=args.pp, tp=args.tp,
-                                                                              device_type=device)
         # each replica spans --tp ranks; the replicas average their gradients in the backward
         mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
         return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
@@ -174,6 +175,9 @@ def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
     if args.tp > 1 and (args.shard or args.pp > 1):
+        if args.shard and args.pp > 1:
+            return (f"{args.world} ranks: {args.pp} pipeline stages x {args.dp} sharded data-parallel x {args.tp}-way "
+                    f"tensor parallel, each rank holding 1/{args.dp * args.tp} of its stage")
         if args.shard:
             return (f"{args.world} ranks: {args.dp} sharded data-parallel x {args.tp}-way tensor parallel, each rank "
                     f"holding 1/{args.dp * args.tp} of the model, each data-parallel rank on its own batches")

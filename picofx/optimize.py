@@ -28,7 +28,7 @@ from picofx.runtime.measure import compile_measured, measure_step_peak, measurin
 from picofx.runtime.pipeline import PipelineStep
 from picofx.runtime.shard import apply_shard_layout, local_inputs, whole_parameters
 from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
-                                             padded_pieces)
+                                             padded_pieces, sharded_tensor_parallel_mesh)
 from picofx.parallel.layouts import ShardLayout, TensorParallelLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
@@ -132,7 +132,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     if shards is not None or placed is not None:  # the ranks agree on the layouts, then the parameters are placed
         check_layouts({"forward": graphs[0]})
         if shards is not None and placed is not None:  # dp_shard x tp: 2-D DTensors, as FSDP2 over TP
-            apply_sharded_tensor_parallel_layout(shards, placed, model, two_dimensional(ctx.mesh, shards, placed))
+            apply_sharded_tensor_parallel_layout(shards, placed, model, sharded_tensor_parallel_mesh(ctx.mesh, shards, placed))
         elif shards is not None:
             apply_shard_layout(shards, model)
         else:
@@ -163,16 +163,6 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     tell(instruments, "end", backend=backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
     return CompiledStep(signature, run, graphs[0], stage_graphs, report, shards, placed)
-
-
-def two_dimensional(mesh: ParallelMesh | None, shards: ShardLayout, placed: TensorParallelLayout):
-    """The (dp_shard, tp) DeviceMesh the parameters of a sharded tensor-parallel step live on."""
-    if mesh is None or mesh.device_mesh is None or (mesh.size("dp_shard"), mesh.size("tp")) != (shards.world,
-                                                                                                placed.world):
-        raise ValueError("Shard with TensorParallel places parameters on the run's 2-D mesh: pass "
-                         "optimize(..., mesh=picofx.parallel.ParallelMesh.build(dp_shard=..., tp=...)) and leave "
-                         "the passes' own meshes unset.")
-    return mesh.sub_mesh("dp_shard", "tp")
 
 
 class OptimizedModule(nn.Module):

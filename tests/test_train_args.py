@@ -22,6 +22,13 @@ def test_tensor_parallel_composes_with_shard_and_pipeline_on_four_ranks(argv, dp
     assert (args.dp, args.pp, args.tp, args.world) == (dp, pp, 2, 4)
 
 
+def test_pipeline_times_shard_times_tensor_parallel_on_eight_ranks():
+    args = parse_args(["--tp", "2", "--pp", "2", "--shard"], environ={"RANK": "0", "WORLD_SIZE": "8"})
+    assert (args.dp, args.pp, args.tp, args.world) == (2, 2, 2, 8)
+    with pytest.raises(SystemExit):  # replicated data parallelism over tensor-parallel stages is not built
+        parse_args(["--tp", "2", "--pp", "2", "--dp", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
+
+
 def test_one_process_is_one_replica():
     args = parse_args([], environ={})
     assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
@@ -30,7 +37,8 @@ def test_one_process_is_one_replica():
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "3"], "--pp 3 x --tp 1 does not divide the 4 ranks"),
     (["--dp", "3"], "the layout --dp 3 x --tp 1 x --pp 1 is 3 ranks, but torchrun started 4"),
-    (["--tp", "2", "--pp", "2", "--shard"], "data parallelism over it is not supported yet"),
+    (["--tp", "2", "--pp", "2", "--dp", "2"],
+     "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
     (["--tp", "2", "--pp", "2", "--sequence-parallel"], "--sequence-parallel with --pp is not supported yet"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),

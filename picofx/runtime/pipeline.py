@@ -26,28 +26,29 @@ from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.distributed import check_layouts
 from picofx.runtime.shard import apply_shard_layout, local_inputs
-from picofx.runtime.tensor_parallel import apply_tensor_parallel_layout, padded_pieces
+from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
+                                             padded_pieces, sharded_tensor_parallel_mesh)
 
 
 class StageModule(nn.Module):
     """One compiled stage. Parameters and buffers are the model's own objects, registered under
     their original names (so `state_dict()` has the model's keys for this stage)."""
 
-    def __init__(self, model: nn.Module, gm: fx.GraphModule, constants: dict):
+    def __init__(self, model: nn.Module, gm: fx.GraphModule, constants: dict, mesh=None):
         super().__init__()
         self.stage = recorded(gm).stage
         self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
         self.constants = constants
         self.shards = recorded(gm).shards  # pass shard: the stage takes these parameters' local shards
         self.placed = recorded(gm).tensor_parallel  # pass tensor_parallel: and these parameters' pieces
-        if self.shards is not None and self.placed is not None:
-            raise NotImplementedError("Pipeline with both Shard and TensorParallel (pp x dp_shard x tp) is not "
-                                      "supported yet: combine Pipeline with one of them.")
         if self.shards is not None or self.placed is not None:  # the ranks agree on the layout, then place
             check_layouts({"stage": gm})
-        if self.shards is not None:
+        if self.shards is not None and self.placed is not None:  # pp x dp_shard x tp: 2-D DTensors per stage
+            apply_sharded_tensor_parallel_layout(self.shards, self.placed, model,
+                                                 sharded_tensor_parallel_mesh(mesh, self.shards, self.placed))
+        elif self.shards is not None:
             apply_shard_layout(self.shards, model)
-        if self.placed is not None:
+        elif self.placed is not None:
             apply_tensor_parallel_layout(self.placed, model)
         for slot in self.resident:
             if slot.kind in ("parameter", "buffer"):
@@ -121,7 +122,7 @@ class PipelineStep:
         self.module = nn.Module()  # every parameter and buffer of this rank's stages, original names
         start = time.perf_counter()
         for gm in mine:
-            module = StageModule(model, gm, signature.constants)
+            module = StageModule(model, gm, signature.constants, ctx.mesh)
             self.graph_of[module.stage.index] = gm
             inputs, carried = self._example_inputs(module, gm)
             # Passes that name the graph's inputs (overlap) read this stage's; data-parallel

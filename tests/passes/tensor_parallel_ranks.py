@@ -151,3 +151,23 @@ def uneven(rank: int, world: int) -> dict:
     every rank), and on a vocabulary of 257 (table and head padded to 260), untied and tied."""
     return {"kv": one_step(zoo.build("llama-tiny")), "vocab": one_step(zoo.build("llama-tiny", vocab_size=257)),
             "tied vocab": one_step(real_models.hf_model("llama", vocab_size=257, tie_word_embeddings=True))}
+
+
+def three_dimensional(rank: int, world: int) -> dict:
+    """8 ranks as pp 2 x dp_shard 2 x tp 2: each replica its half of the batch, each stage's graph
+    split over its tp ranks and its parameters sharded again over dp_shard (2-D DTensors)."""
+    from picofx.parallel import ParallelMesh
+    from picofx.passes import Pipeline, Shard
+
+    mesh = ParallelMesh.build(pp=2, dp_shard=2, tp=2)
+    z = zoo.build("llama-tiny", batch=8)
+    replica = mesh.dim("dp_shard").rank
+    half = {k: v.chunk(2)[replica].contiguous() for k, v in dict(z.example_inputs).items()}
+    opt = picofx.optimize(z.model, half, [Pipeline(stages=2, microbatches=2), TensorParallel(), Shard()],
+                          backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+    loss = opt.forward_backward(**half)
+    held = dict(opt.named_parameters())
+    return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in held.items()},
+            "placements": {n: len(p.placements) for n, p in held.items() if isinstance(p, DTensor)},
+            "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
+            "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}

@@ -221,3 +221,19 @@ def test_heads_and_vocabularies_tp_does_not_divide_equal_one_process(uneven_rank
         shapes = uneven_ranks[3][case]["local_shapes"]  # the last rank: 65 rows less 3 padded
         head = next(n for n in ("lm_head.weight", "final_proj.weight", "model.embed_tokens.weight") if n in shapes)
         assert shapes[head][0] == 62
+
+
+def test_pipeline_times_sharded_data_parallel_times_tensor_parallel_on_eight_ranks_equals_one_process():
+    ranks = run_ranks(tensor_parallel_ranks.three_dimensional, 8, timeout=900, collective_timeout=600)
+    z = zoo.build("llama-tiny", batch=8)
+    loss, grads = single(z)
+    held = set()
+    for rank in ranks:
+        assert set(rank["placements"].values()) == {2}  # every parameter a (dp_shard, tp) DTensor
+        assert rank["local_bytes"] < rank["whole_bytes"] * 0.3  # 1/4 of its stage, plus replicated norms
+        for name, grad in rank["grads"].items():
+            torch.testing.assert_close(grad, grads[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        held |= set(rank["grads"])
+    replicas = [r["loss"] for r in ranks[:4:2]]  # ranks 0 and 2: pp 0, tp 0, dp_shard 0 and 1
+    torch.testing.assert_close(sum(replicas) / 2, loss, **LOSS)
+    assert held == set(grads)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.capture.annotate import fake_mode_of
@@ -40,7 +41,7 @@ c10d = torch.ops._c10d_functional
 GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
 CAST = aten._to_copy.default
 CASTS = (CAST, torch.ops.prims.convert_element_type.default)  # a dtype cast, before and after decomposition
-GATHER_DTYPES = {"bf16": torch.bfloat16, torch.bfloat16: torch.bfloat16}
+WIRE_DTYPES = (torch.bfloat16, torch.float32)  # what parameters can be gathered and gradients reduced in
 SCATTER = (c10d.reduce_scatter_tensor.default, torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default)
 
 
@@ -62,10 +63,13 @@ class Shard:
     from the forward (False). bucket: which parameters share one all-gather: "auto" (a decoder
     layer's; FSDP2's unit), bytes or a size string ("16MiB"), or 0 (one gather per parameter).
     prefetch: issue a bucket's gather this many buckets before its first use (0: just before it),
-    so it overlaps the previous layer's compute. mixed_precision: None, or "bf16" (FSDP2's
-    MixedPrecisionPolicy(param_dtype=bf16) with reduce_dtype left to it): fp32 shards, the master
-    copy, are gathered in bf16 and their gradients reduce-scattered in bf16; the graph computes in
-    the dtype it did (list "precision" before "shard" to compute in bf16)."""
+    so it overlaps the previous layer's compute. mixed_precision: None, a
+    torch.distributed.fsdp.MixedPrecisionPolicy, or "bf16" (= MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16)): the fp32 shards, the master copy, are gathered in param_dtype and their
+    gradients reduce-scattered in reduce_dtype (None: param_dtype, as FSDP2 defaults it; fp32 with
+    bf16 parameters casts each bf16 gradient up before the reduce-scatter). The graph computes in
+    the dtype it did (list "precision" before "shard" to compute in bf16); the call's inputs are
+    not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -77,9 +81,7 @@ class Shard:
     stage = info.stage
 
     def __post_init__(self):
-        if self.mixed_precision not in (None, *GATHER_DTYPES):
-            raise NotImplementedError(f"Shard(mixed_precision={self.mixed_precision!r}): give None or 'bf16' "
-                                      "(gradients reduced in fp32 are not supported yet).")
+        precision_policy(self.mixed_precision)
         if self.bucket not in ("auto", 0):
             parse_budget(self.bucket)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -91,7 +93,11 @@ class Shard:
         if ctx.stage is Stage.JOINT:
             return self.tag_regather(gm) if self.reshard_after_forward else PassResult(False, {})
         if ctx.graph_role == "backward":
-            return average_gradients(gm)
+            gather, reduce = precision_policy(self.mixed_precision)
+            recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
+            averaged = average_gradients(gm)
+            return PassResult(recast.changed or averaged.changed,
+                              {**averaged.notes, **recast.notes, "reductions": describe_reductions(gm)})
         return PassResult(False, {})
 
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
@@ -115,17 +121,21 @@ class Shard:
         entries = [shard_entry(ctx, node, shape, k, dim) for k, bucket in [*enumerate(buckets), (-1, unread)]
                    for _, node, shape in bucket]
         issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
-        wire = GATHER_DTYPES.get(self.mixed_precision)
+        wire, reduce = precision_policy(self.mixed_precision)
         gathers = [issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
         for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
             wait_and_unpack(gm.graph, bucket, gathered, dim)
         gm.graph.eliminate_dead_code()
-        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries),
-                                            str(wire) if wire else None)
+        wire_text = None if wire is None and reduce is None else (
+            str(wire) if reduce in (None, wire) else f"{wire}, reduced in {reduce}")  # the ranks must agree on both
+        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text)
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
+                                 "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
                                  "reshard_after_forward": self.reshard_after_forward,
-                                 "gathers": [describe_bucket(b, issued[k], dim.size) for k, b in enumerate(buckets)]})
+                                 "gathers": [describe_bucket(b, issued[k], dim.size, wire, reduce or wire,
+                                                             {e.name for e in entries if e.requires_grad})
+                                             for k, b in enumerate(buckets)]})
 
     def buckets(self, params: list) -> list[list]:
         """Parameters in first-use order, cut into gathers: "auto": one per decoder layer, and one
@@ -169,6 +179,70 @@ class Shard:
         return PassResult(tagged > 0, {"regathered": tagged})
 
 
+def precision_policy(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Shard's mixed_precision as (gather dtype, reduce dtype), None where the parameter's own
+    dtype is kept; checked against what the pass implements."""
+    if policy is None:
+        return None, None
+    if policy == "bf16":
+        return torch.bfloat16, torch.bfloat16
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise NotImplementedError(f"Shard(mixed_precision={policy!r}): give None, 'bf16' or a "
+                                  "torch.distributed.fsdp.MixedPrecisionPolicy.")
+    fields = {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype")}
+    if policy.output_dtype is not None:
+        raise NotImplementedError(f"Shard(mixed_precision=...): output_dtype={policy.output_dtype} is not "
+                                  "supported (the step returns what the graph computes; cast the output yourself).")
+    for name in ("param_dtype", "reduce_dtype"):
+        if fields[name] not in (None, *WIRE_DTYPES):
+            raise NotImplementedError(f"Shard(mixed_precision=...): {name}={fields[name]} is not supported; give "
+                                      "torch.bfloat16, torch.float32 or None (float16 would need loss scaling).")
+    gather = None if fields["param_dtype"] in (None, torch.float32) else fields["param_dtype"]
+    reduce = fields["reduce_dtype"] or gather  # FSDP2: reduce_dtype None reduces in param_dtype
+    return gather, None if reduce is None or (gather is None and reduce == torch.float32) else reduce
+
+
+def reduce_in(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
+    """Reduce-scatter each gradient in `dtype` instead of the dtype it was
+    gathered in: the reduce-scatter reads the gradient before its cast down to the wire dtype (or a
+    cast of it to `dtype`), and what waits for it is cast back to the dtype its readers expect."""
+    recast = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCATTER]:
+        grad = node.args[0]
+        before = grad.meta["val"].dtype
+        source = grad.args[0] if grad.target in CASTS else None
+        want = dtype
+        if want == before:
+            continue
+        mode = fake_mode_of(gm)
+        if source is not None and source.meta["val"].dtype == want:
+            node.replace_input_with(grad, source)
+        else:
+            with gm.graph.inserting_before(node):
+                up = gm.graph.call_function(CAST, (grad,), {"dtype": want})
+            with mode:
+                up.meta["val"] = grad.meta["val"].to(want)
+            node.replace_input_with(grad, up)
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        for n in [node, *waits]:
+            with mode:
+                n.meta["val"] = n.meta["val"].to(want)
+        for wait in waits:  # a cast reading it casts the reduced gradient itself (to the parameter's dtype)
+            readers = [u for u in wait.users if u.target not in CASTS]
+            if not readers:
+                continue
+            with gm.graph.inserting_after(wait):
+                back = gm.graph.call_function(CAST, (wait,), {"dtype": before})
+            for reader in readers:
+                reader.replace_input_with(wait, back)
+            with mode:
+                back.meta["val"] = wait.meta["val"].to(before)
+        recast += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(recast > 0, {"recast_reductions": recast})
+
+
 def is_copy(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
 
@@ -207,6 +281,10 @@ def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshD
     shards = [node for _, node, _ in bucket]
     with graph.inserting_before(bucket[0][0]):
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        if gathered.args[0].target is CAST:  # gathered in the wire dtype: the whole bucket back to the parameters'
+            # one cast of the bucket: the backward's gradient buffer is cast down in one place, which
+            # reduce_in removes when gradients are reduced in the parameters' dtype
+            waited = graph.call_function(CAST, (waited,), {"dtype": shards[0].meta["val"].dtype})
         if len(shards) > 1:
             rows = graph.call_function(aten.view.default,
                                        (waited, [dim.size, sum(s.meta["val"].numel() for s in shards)]))
@@ -220,8 +298,6 @@ def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshD
                 offset += shard.numel()
             if shard.shape[0] * dim.size != shape[0]:
                 whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
-            if gathered.args[0].target is CAST:  # gathered in the wire dtype: back to the parameter's
-                whole = graph.call_function(CAST, (whole,), {"dtype": shard.dtype})
             wholes.append(whole)
     flat = gathered.args[0]
     own = {gathered, flat, *flat.all_input_nodes}  # the nodes that read the shards themselves
@@ -231,12 +307,34 @@ def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshD
             user.replace_input_with(node, whole)
 
 
-def describe_bucket(bucket: list, issued: fx.Node, world: int) -> str:
+def describe_bucket(bucket: list, issued: fx.Node, world: int, wire, reduce, trainable: set) -> dict:
+    """What one bucket moves: its parameters, the bytes gathered (and, if any requires a gradient,
+    reduce-scattered) over all ranks in the wire dtypes, where the gather is issued and awaited."""
     names = [input_slot(node).target for _, node, _ in bucket]
-    nbytes = sum(node.meta["val"].numel() * node.meta["val"].element_size() for _, node, _ in bucket) * world
+    numel = sum(node.meta["val"].numel() for _, node, _ in bucket) * world
+    own = bucket[0][1].meta["val"].element_size()
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"{shown}: {nbytes / 2**20:.2f} MiB gathered, issued before {issued.name}, "
-            f"awaited before {bucket[0][0].name}")
+    return {"parameters": shown, "count": len(names),
+            "gathered_bytes": numel * (wire.itemsize if wire else own),
+            "reduced_bytes": numel * (reduce.itemsize if reduce else own) if trainable & set(names) else 0,
+            "issued_before": issued.name, "awaited_before": bucket[0][0].name}
+
+
+def describe_reductions(gm: fx.GraphModule) -> list[dict]:
+    """Each gradient reduce-scatter of the backward: bytes it reduces over all ranks (its input),
+    their dtype, the node it is issued after and the one that first reads its result."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SCATTER:
+            continue
+        grad = node.args[0].meta["val"]
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        readers = [r for w in waits for r in w.users]
+        first = min(readers, key=order.__getitem__).name if readers else "output"
+        out.append({"reduced_bytes": grad.numel() * grad.element_size(), "dtype": str(grad.dtype),
+                    "issued_after": node.prev.name, "awaited_before": first})
+    return out
 
 
 def average_gradients(gm: fx.GraphModule) -> PassResult:

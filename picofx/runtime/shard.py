@@ -77,10 +77,70 @@ def local_inputs(layout: ShardLayout, names: list, values: list) -> list:
     return out
 
 
+def local_tensor_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
 def local_bytes(model: nn.Module) -> int:
     """Bytes this rank stores for the model's parameters (a DTensor's local shard only)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        total += local.numel() * local.element_size()
-    return total
+    return sum(local_tensor_bytes(p) for p in model.parameters())
+
+
+def memory_per_rank(opt, *args, optimizer=None, **kwargs) -> dict:
+    """This rank's predicted and measured peak of one sharded training step on the call's inputs
+    (`opt` a sharded OptimizedModule, after a step was compiled for them): the cost model's peak
+    of the step's partitioned graphs (its parameter inputs are the local shards) and
+    `picofx.cost.memory.measure_peak` of one real forward and backward (run twice, a collective
+    on every shard rank: call it on all of them). With `optimizer`, its state is added to both.
+    The figures go into `opt.report` as the section "shard memory per rank" and are returned."""
+    import torch.distributed as dist
+
+    from picofx.cost.model import CostModel, optimizer_state_bytes
+    from picofx.cost.units import format_bytes
+
+    opt(*args, **kwargs)  # compiles the step for these inputs if it is not yet
+    graphs = opt.graphs
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in opt.parameters()]
+    state = (sum(local_tensor_bytes(v) for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)) if optimizer is not None and optimizer.state
+             else optimizer_state_bytes(optimizer, local))
+    device = local[0].device if local else torch.device("cpu")
+    predicted = CostModel.for_backend(device, opt.report.backend).step_memory(graphs["forward"], graphs["backward"],
+                                                                               state)
+    measured = measured_peak(opt, args, kwargs) + state
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {"rank": rank, "predicted_peak": predicted.peak, "measured_peak": measured,
+           "parameters": predicted.parameters, "gradients": predicted.gradients, "optimizer_state": state,
+           "saved_activations": predicted.saved_activations}
+    opt.report.sections["shard memory per rank"] = (
+        f"rank {rank}: predicted peak {format_bytes(predicted.peak)} (parameter shards "
+        f"{format_bytes(predicted.parameters)}, gradient shards and gathered layers at the backward peak, "
+        f"saved activations {format_bytes(predicted.saved_activations)}, optimizer state {format_bytes(state)}), "
+        f"measured peak {format_bytes(measured)} ({measured / max(predicted.peak, 1):.2f}x predicted)")
+    return out
+
+
+def measured_peak(opt, args: tuple, kwargs: dict) -> int:
+    """Peak bytes of one forward and backward after a warm-up one, the local shards, buffers and
+    inputs counted as resident; the gradients are left as they were."""
+    from picofx.cost.memory import measure_peak
+    from picofx.runtime.measure import training_loss
+
+    params = list(opt.parameters())
+    kept = [p.grad for p in params]
+
+    def run():
+        for p in params:
+            p.grad = None
+        training_loss(opt(*args, **kwargs)).backward()
+
+    try:
+        run()
+        for p in params:
+            p.grad = None
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        return measure_peak(run, resident=(local, list(opt.buffers()), args, kwargs))
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g

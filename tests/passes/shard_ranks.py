@@ -210,3 +210,38 @@ def with_pipeline(rank: int, world: int) -> dict:
             "sharded": all(isinstance(p, DTensor) for p in held.values()),
             "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
             "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}
+
+
+FP32_REDUCE = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def mixed_precision_checks(rank: int, world: int, batch: int) -> dict:
+    """MixedPrecisionPolicy(bf16 parameters, fp32 reduction) on picofx's shard (with precision, so
+    the step computes in bf16 as FSDP2's bf16 parameters do) and on FSDP2 (fully_shard per decoder
+    layer and the root, eager), same batches: gathered gradients, the collectives' dtypes, the
+    report's per-bucket and per-rank memory figures."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from picofx.runtime.shard import memory_per_rank
+
+    policy = MixedPrecisionPolicy(**FP32_REDUCE)
+    z = zoo.build("llama-tiny", batch=batch)
+    local = shard(z.example_inputs, rank, world)
+    opt = picofx.optimize(z.model, local, ["precision", Shard(mixed_precision=policy)], backend="eager",
+                          loss_fn=z.loss_fn)
+    out = {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model),
+           "gathered": collective_dtypes(opt.graphs["forward"], "all_gather"),
+           "reduced": collective_dtypes(opt.graphs["backward"], "reduce_scatter"),
+           "param_dtypes": sorted({str(p.dtype) for p in z.model.parameters()}),
+           "notes": {f"{r.stage.value}.{r.graph_role}": r.notes for r in opt.report.records if r.name == "shard"}}
+    optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
+    optimizer.step()  # its state exists: the memory figures count it
+    out["memory"] = memory_per_rank(opt, **local, optimizer=optimizer)
+    out["report"] = str(opt.report)
+    reference = zoo.build("llama-tiny", batch=batch).model
+    for layer in reference.decoder_layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(reference, mp_policy=policy)
+    z.loss_fn(reference(local["input_ids"]), local["labels"]).backward()
+    out["fsdp_grads"] = gathered_grads(reference)
+    return out

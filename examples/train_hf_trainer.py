@@ -7,6 +7,7 @@ source, byte by byte (256 tokens). `Trainer` runs as it would on the plain model
     python examples/train_hf_trainer.py                                   # CPU, fuse + Inductor
     python examples/train_hf_trainer.py --backend eager --passes fuse precision checkpoint
     torchrun --nproc-per-node 2 examples/train_hf_trainer.py --passes fuse overlap   # data parallel
+    torchrun --nproc-per-node 2 examples/train_hf_trainer.py --passes fuse shard     # sharded (FSDP-like)
     accelerate launch --multi_gpu --num_processes 2 examples/train_hf_trainer.py   # CPU ranks too (gloo)
 """
 from __future__ import annotations
@@ -61,8 +62,9 @@ def main(argv=None) -> dict:
 
     a = parse_args(argv)
     # TrainingArguments first: under torchrun or accelerate launch it sets up the process group,
-    # which the overlap pass reads when picofx.optimize compiles the step.
-    args = TrainingArguments(output_dir=a.output_dir, use_cpu=True,
+    # which the overlap and shard passes read when picofx.optimize compiles the step. With shard the
+    # checkpoints hold the model only (its gathered weights): Trainer does not save sharded optimizer state.
+    args = TrainingArguments(output_dir=a.output_dir, use_cpu=True, save_only_model="shard" in a.passes,
                              report_to=[], max_steps=a.steps, per_device_train_batch_size=a.batch,
                              per_device_eval_batch_size=a.batch, learning_rate=3e-3, eval_strategy="steps",
                              eval_steps=max(a.steps // 2, 1), save_steps=max(a.steps // 2, 1),
@@ -90,7 +92,8 @@ def main(argv=None) -> dict:
     metrics = trainer.evaluate()
     if args.process_index == 0:
         print(f"eval_loss {metrics['eval_loss']:.3f}; checkpoints in {args.output_dir}")
-    return {"history": trainer.state.log_history, "eval_loss": metrics["eval_loss"], "output_dir": args.output_dir}
+    return {"history": trainer.state.log_history, "eval_loss": metrics["eval_loss"], "output_dir": args.output_dir,
+            "model": model}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ travel in one all-gather, issued `prefetch` buckets ahead and waited just before
 
 The autograd all-gather's backward is a reduce-scatter (sum), so the backward hands each rank the
 gradient of its own padded shard. Partitioned stage (backward graph): those gradients are divided
-by N, since gloo has no "avg" (DDP's average). Joint stage, with reshard_after_forward: the gathers
+by N, since gloo has no "avg" (DDP's average); with mixed precision reducing in another dtype than
+it gathers (FSDP2's reduce_dtype), each reduce-scatter reads the gradient in that dtype. Joint stage, with reshard_after_forward: the gathers
 and what views them are tagged for recomputation, so the backward gathers again instead of keeping
 the whole parameters alive between forward and backward. The decision is recorded as a ShardLayout
 on the forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor

@@ -269,6 +269,45 @@ def test_two_ranks_under_torchrun_have_the_full_batch_gradients(tmp_path):
                                            msg=lambda m, n=param_name, v=name: f"{v} {n}: {m}")
 
 
+def run_under_torchrun(tmp_path, names: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(tmp_path), *names]
+    ranks = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, text=True)
+    try:
+        output, _ = ranks.communicate(timeout=RANKS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop(ranks)
+        output, _ = ranks.communicate()
+        pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT_S}s:\n{output[-4000:]}")
+    assert ranks.returncode == 0, output[-4000:]
+
+
+def test_shard_under_torchrun_trains_like_ddp_and_saves_what_the_plain_model_loads(tmp_path):
+    """passes=["shard"] under Trainer on 2 ranks: DTensor parameters, no DDP around them, the same
+    logged losses and final weights as Trainer's own DDP run of the plain model; the checkpoint
+    Trainer saves (save_only_model) loads into the plain model with from_pretrained."""
+    run_under_torchrun(tmp_path, ["ddp-steps", "shard-steps", "example-fuse", "example-fuse-shard"])
+    ddp, sharded = (torch.load(tmp_path / f"{name}-rank0.pt") for name in ("ddp-steps", "shard-steps"))
+    assert sharded["wrapped"] == "OptimizedLlamaForCausalLM" and sharded["dtensors"]
+    assert len(ddp["losses"]) == 3
+    torch.testing.assert_close(sharded["losses"], ddp["losses"], rtol=1e-4, atol=0)
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "shard-steps" / "checkpoint-3")
+    assert saved.state_dict().keys() == ddp["state"].keys()
+    for name, value in ddp["state"].items():
+        torch.testing.assert_close(saved.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # the example, `torchrun --nproc-per-node 2 examples/train_hf_trainer.py --passes fuse shard`
+    plain, example = (torch.load(tmp_path / f"{name}-rank0.pt") for name in ("example-fuse", "example-fuse-shard"))
+    assert len(plain["losses"]) == 2 and len(plain["eval_losses"]) == 3  # steps 1, 2 and the final evaluate
+    for key in ("losses", "eval_losses"):
+        torch.testing.assert_close(example[key], plain[key], rtol=1e-4, atol=0)
+    saved = LlamaForCausalLM.from_pretrained(Path(example["output_dir"]) / "checkpoint-2")
+    assert saved.state_dict().keys() == plain["state"].keys()
+    for name, value in plain["state"].items():
+        torch.testing.assert_close(saved.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 class RecordStep(TrainerCallback):
     """Keeps the gradients Trainer is about to step with."""
 
@@ -283,6 +322,12 @@ def rank_main(out_dir: str, names: list[str]) -> None:
     import torch.distributed as dist
 
     for name in names:
+        if name.endswith("-steps"):
+            train_steps(out_dir, name)
+            continue
+        if name.startswith("example-"):
+            run_example(out_dir, name)
+            continue
         # TrainingArguments sets up the process group, which the overlap pass needs at optimize
         # accumulate: two micro-batches of one row per rank, the first under opt.no_sync()
         micro = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2) if "accumulate" in name else {}
@@ -314,6 +359,45 @@ def rank_main(out_dir: str, names: list[str]) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # a rank can hang in interpreter shutdown after the group is gone
+
+
+def train_steps(out_dir: str, name: str) -> None:
+    """Three steps of Trainer, the plain model under its DDP ("ddp-steps") or optimized with pass
+    shard ("shard-steps", checkpoint at the last step); the logged losses and the final weights."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    args = arguments(Path(out_dir) / name, max_steps=3, save_strategy="steps", save_steps=3, save_only_model=True,
+                     eval_strategy="no", ddp_timeout=120)
+    model = tiny_model()
+    opt = model if name.startswith("ddp") else picofx.optimize(model, example_batch(model), passes=["shard"],
+                                                              backend="eager")
+    run = Trainer(model=opt, args=args, train_dataset=Tokens(12, VOCAB_SEED, model.config.vocab_size))
+    run.train()
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v.detach() for k, v in model.state_dict().items()}
+    torch.save({"losses": torch.tensor(logged(run.state.log_history, "loss")), "state": state,
+                "wrapped": type(run.model_wrapped).__name__,
+                "dtensors": all(isinstance(p, DTensor) for p in model.parameters())},
+               Path(out_dir) / f"{name}-rank{dist.get_rank()}.pt")
+
+
+def run_example(out_dir: str, name: str) -> None:
+    """examples/train_hf_trainer.py on this rank, two steps with the passes the name lists
+    ("example-fuse-shard": fuse, shard); its losses, checkpoint directory and final weights."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    spec = importlib.util.spec_from_file_location("train_hf_trainer", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    passes = name.split("-")[1:]
+    result = example.main(["--backend", "eager", "--steps", "2", "--batch", "2", "--seq", "32",
+                           "--output-dir", str(Path(out_dir) / name), "--passes", *passes])
+    model = result["model"]
+    state = {k: v.full_tensor() if isinstance(v, DTensor) else v.detach() for k, v in model.state_dict().items()}
+    torch.save({"losses": torch.tensor(logged(result["history"], "loss")), "state": state,
+                "eval_losses": torch.tensor(logged(result["history"], "eval_loss")), "output_dir": result["output_dir"]},
+               Path(out_dir) / f"{name}-rank{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":

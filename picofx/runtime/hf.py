@@ -17,7 +17,8 @@ from torch import nn
 from picofx.manager.passes import pass_name
 
 RECOMPUTING_PASSES = ("checkpoint",)   # passes that plan activation recomputation themselves
-GRADIENT_SYNCING_PASSES = ("overlap",)  # passes that all-reduce the gradients inside the backward graph
+GRADIENT_SYNCING_PASSES = ("overlap", "shard")  # passes that average the gradients inside the backward graph
+SHARDING_PASSES = ("shard",)  # passes that make the parameters DTensor shards
 
 
 def call_signature(model: nn.Module, loss_fn) -> inspect.Signature:
@@ -67,9 +68,25 @@ def refuse_outer_ddp(module: nn.Module) -> None:
 
     active = DistributedDataParallel._get_active_ddp_module()  # set while DDP's forward runs its module
     if active is not None and active.module is module:
-        raise RuntimeError("this optimized module all-reduces its gradients inside the backward (pass 'overlap'); "
-                           "call it directly, not through DistributedDataParallel, which would all-reduce them "
-                           "a second time (or optimize without 'overlap' and keep DDP).")
+        raise RuntimeError("this optimized module averages its gradients over the ranks inside the backward "
+                           "(pass 'overlap' or 'shard'); call it directly, not through DistributedDataParallel, "
+                           "which would all-reduce them a second time (or optimize without them and keep DDP).")
+
+
+def whole_state_dict(state: dict) -> dict:
+    """`state` with each DTensor gathered into a whole tensor (a collective: every rank calls it,
+    in the same key order); tensors shared by several keys stay shared."""
+    from torch.distributed.tensor import DTensor
+
+    gathered: dict = {}
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            if id(value) not in gathered:
+                gathered[id(value)] = value.full_tensor().detach()
+            value = gathered[id(value)]
+        out[key] = value
+    return out
 
 
 class HuggingFaceSurface:
@@ -96,12 +113,35 @@ class HuggingFaceSurface:
                    if (p.requires_grad or not only_trainable) and not (exclude_embeddings and id(p) in embeddings))
 
     # ---- saving: exactly what the plain model saves ----------------------------------------
-    def save_pretrained(self, *args, **kwargs):
-        """The model's own `save_pretrained` (config, weights under their original names)."""
+    def save_pretrained(self, *args, state_dict=None, is_main_process: bool = True, **kwargs):
+        """The model's own `save_pretrained` (config, weights under their original names). A sharded
+        model (pass shard) is saved whole: every rank must call it (as Trainer does for a model
+        that says `is_distributed_loading_by_transformers`); the shards are gathered, and the rank
+        with `is_main_process` (rank 0) writes what the plain model's `from_pretrained` loads."""
         if not hasattr(self._model, "save_pretrained"):
             raise AttributeError(f"{type(self._model).__name__} has no save_pretrained; save opt.state_dict() "
                                  "(the model's own keys) with torch.save or safetensors.")
-        return self._model.save_pretrained(*args, **kwargs)
+        if not self.is_distributed_loading_by_transformers:
+            return self._model.save_pretrained(*args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+        import torch.distributed as dist
+
+        whole = whole_state_dict(self._model.state_dict() if state_dict is None else state_dict)
+        main = is_main_process and (not dist.is_initialized() or dist.get_rank() == 0)
+        try:
+            if main:
+                self._model.save_pretrained(*args, state_dict=whole, is_main_process=True, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.barrier()  # the others wait until the files are written
+
+    # ---- sharded parameters: Trainer leaves placement and gradient reduction to the model ----
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        """True when the parameters are DTensor shards (pass shard): Trainer then wraps the module in
+        neither DDP nor FSDP, and calls `save_pretrained` on every rank (so the shards can be
+        gathered). Trainer asks for `save_only_model=True` then: the optimizer's sharded state is not
+        saved in its checkpoints."""
+        return any(name in SHARDING_PASSES for name in self.picofx_pass_names)
 
     # ---- generation: not the training step's job --------------------------------------------
     @classmethod

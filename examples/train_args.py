@@ -113,6 +113,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                         "('0.5'); default: the device's memory")
     p.add_argument("--log-every", type=at_least(1), default=25, help="steps between loss and tokens/s lines")
     p.add_argument("--dump-dir", help="write every graph picofx produced to this directory")
+    p.add_argument("--report", metavar="FILE", help="at the end, write picofx's report with the run's loss curve as one "
+                                                    "self-contained HTML page (the first rank's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
     p.add_argument("--data", metavar="SOURCE",
                    help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "

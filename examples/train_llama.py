@@ -294,6 +294,11 @@ def main(argv=None) -> dict:
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
+    if args.report and ranks.speaks:
+        report.to_html(args.report, losses=losses, title=f"picofx: train_llama.py, {args.size} model",
+                       subtitle=f"{layout_line(args)}; {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
+                                f"tokens on {args.device}, passes {' '.join(s.passes) or '(none)'}")
+        ranks.say(f"wrote {args.report}")
     if args.save:
         ranks.say(f"saved step {args.steps} to {args.save} (continue with --resume {args.save} and a larger --steps)")
     ranks.close()

@@ -136,6 +136,9 @@ def dump(args) -> None:
         opt = optimize(model, example_inputs, passes=passes, backend=args.backend, loss_fn=loss_fn,
                        verify=args.verify, instruments=instruments)
         graphs, report = [opt.graph_module], opt.report
+    if args.html:  # the partitioned graphs where compiled, else the pipeline's stage graphs
+        report.to_html(args.html, **({} if report.graphs else {"graphs": graphs}), title=f"picofx dump {args.model}",
+                       subtitle=f"passes: {' '.join(args.passes) or '(none)'}")
     if args.format == "dot":
         print("".join(graph_dot(gm) for gm in graphs), end="")
         return
@@ -149,6 +152,8 @@ def dump(args) -> None:
     print(_changes(report))
     if args.output:
         print(f"\nevery graph written to {args.output}/")
+    if args.html:
+        print(f"\nthe report as a page: {args.html}")
 
 
 def plan_stages(model, example_inputs, passes, loss_fn, args, instruments) -> tuple[list, Report]:
@@ -251,6 +256,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", choices=["invariants", "numerics"], default="invariants",
                    help="after each pass check the graph's invariants, or also its numbers (default: invariants)")
     p.add_argument("--wide", action="store_true", help="the pass table with every note on one line")
+    p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page: the passes, "
+                                                  "predicted memory and timeline, the pipeline schedule")
     add_pass_options(p)
     add_plan_parser(commands)
     return top

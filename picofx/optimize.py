@@ -245,6 +245,7 @@ class OptimizedModule(nn.Module):
     @property
     def report(self) -> Report:
         self._current.report.recompilations = len(self._steps) - 1
+        self._current.report.graphs = self._current.graphs  # what Report.to_html draws memory and timeline from
         return self._current.report
 
     @property

@@ -140,7 +140,7 @@ def _private(name: str) -> bool:
 # Dependencies run down this list (a module may import its own layer and the layers below):
 # passes -> the public face -> runtime -> manager -> parallel -> cost, rewrite, kernels -> capture -> errors.
 LAYERS = {"picofx.errors": 0, "picofx.capture": 1, "picofx.cost": 2, "picofx.rewrite": 2, "picofx.kernels": 2,
-          "picofx.parallel": 3, "picofx.manager": 4, "picofx.runtime": 5, "picofx.passes": 7}
+          "picofx.parallel": 3, "picofx.manager": 4, "picofx.report_html": 4, "picofx.runtime": 5, "picofx.passes": 7}
 PUBLIC_FACE = 6  # picofx/__init__.py and the other top-level modules (optimize, plan, cli, ...)
 
 

@@ -136,6 +136,7 @@ class Report:
     records: list[PassRecord] = field(default_factory=list)
     sections: dict[str, str] = field(default_factory=dict)  # e.g. "memory", "throughput": preformatted text
     recompilations: int = 0  # captures after the first (new input shapes, or train/eval)
+    graphs: dict = field(default_factory=dict, repr=False, compare=False)  # the step's graphs, for to_html
 
     def rows(self) -> list[list[str]]:
         rows = [["capture", "-", "forward", f"{self.capture_seconds * 1e3:.0f}", "-", ""]]
@@ -194,3 +195,17 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         """Everything in the report as JSON, numbers unformatted (bytes as ints)."""
         return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def to_html(self, path: str, **given) -> str:
+        """Write one self-contained HTML page of this report to `path`: the passes, and from the
+        step's graphs the predicted memory, timeline and pipeline schedule; `given` adds data
+        (losses=, plans=, measured_peak=, ...: picofx.report_html.render's)."""
+        from picofx.report_html import write_html
+
+        shown = self.to_dict()
+        for p in shown["passes"]:  # the notes as the table words them, for the page to escape and lay out
+            notes = p["notes"]
+            p.update(notes=note_items(notes), measured_peak=notes.get("measured_peak"),
+                     details=[(key, explain_lines(key, value)) for key, value in notes.items()
+                              if isinstance(value, (dict, list)) and value])
+        return write_html(path, shown, **{"graphs": self.graphs, **given})

@@ -33,6 +33,8 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all GPUs")
     p.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
     p.add_argument("--json", help="write {'plans': [...], 'best': index} here")
+    p.add_argument("--html", metavar="FILE", help="write the plan table and charts of step and memory per plan as "
+                                                  "one self-contained HTML page")
     p.add_argument("--measure", action="store_true",
                    help="also run the top plans for a few steps on this machine's ranks (--gpu cpu: gloo) and "
                         "print predicted against measured")
@@ -125,4 +127,11 @@ def plan_command(args) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
+    if getattr(args, "html", None):
+        from picofx.report_html import write_html
+
+        write_html(args.html, plans=out, title=f"picofx plan {args.model}",
+                   subtitle=f"{args.gpus} x {run.device.name}, {args.seq} tokens per sequence, "
+                            f"{args.global_batch} sequences per step")
+        print(f"wrote {args.html}")
     return out

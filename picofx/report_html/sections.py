@@ -1,0 +1,177 @@
+"""One function per section of the page, each taking plain data and returning HTML ("" when there
+is nothing to show, so the page leaves the section out)."""
+from __future__ import annotations
+
+from html import escape
+
+from picofx.cost.units import format_bytes
+from picofx.report_html.svg import bars, binary_ticks, gantt, line_chart
+
+
+def section(anchor: str, title: str, *parts: str) -> str:
+    return f'<section id="{anchor}"><h2>{escape(title)}</h2>' + "".join(parts) + "</section>"
+
+
+def para(text: str, cls: str = "") -> str:
+    css = f' class="{cls}"' if cls else ""
+    return f"<p{css}>{escape(text)}</p>"
+
+
+def legend(*entries: tuple[str, str]) -> str:
+    return '<p class="legend">' + "".join(f'<span class="key {cls}"></span>{escape(text)} ' for cls, text in entries) \
+        + "</p>"
+
+
+def ms(value: float) -> str:
+    return f"{value:.3g} ms"
+
+
+def passes_section(report: dict, layouts: list[tuple[str, str]] = ()) -> str:
+    """`report`: Report.to_dict() with each pass's "notes" as texts and its structured notes as
+    "details" [(name, lines)] (Report.to_html makes it); `layouts`: (title, text) of the recorded layouts."""
+    if not report or not (report.get("passes") or report.get("sections") or layouts):
+        return ""
+    rows = ["<tr><th>pass</th><th>stage</th><th>graph</th><th>ms</th><th>nodes before &rarr; after</th>"
+            "<th>what it did</th></tr>"]
+    for p in report.get("passes", []):
+        changed = p["added"] or p["removed"] or p["nodes_before"] != p["nodes_after"]
+        notes = f"<li>{escape(', '.join(p['notes']))}</li>" if p["notes"] else ""
+        for key, lines in p.get("details", []):
+            items = "".join(f"<li>{escape(line)}</li>" for line in lines)
+            notes += f"<li><details><summary>{escape(key.replace('_', ' '))}</summary><ul>{items}</ul></details></li>"
+        rows.append(f'<tr class="{"changed" if changed else "unchanged"}"><td>{escape(p["name"])}</td>'
+                    f'<td>{escape(p["stage"])}</td><td>{escape(p["graph"])}</td><td class="num">'
+                    f'{p["seconds"] * 1e3:.1f}</td><td class="num">{p["nodes_before"]} &rarr; {p["nodes_after"]} '
+                    f'(+{len(p["added"])} &minus;{len(p["removed"])})</td><td><ul class="notes">{notes}</ul></td></tr>')
+    summary = (f"backend {report.get('backend')}, capture {report.get('capture_seconds', 0):.2f} s, compile "
+               f"{report.get('compile_seconds', 0):.2f} s, {report.get('recompilations', 0)} recompilations")
+    extra = [(title, text) for title, text in (report.get("sections") or {}).items() if text] + list(layouts)
+    blocks = "".join(f"<h3>{escape(title)}</h3><pre>{escape(text)}</pre>" for title, text in extra)
+    table = f'<table class="passes">{"".join(rows)}</table>' if len(rows) > 1 else ""
+    return section("passes", "Passes: what each changed and why", para(summary), table, blocks)
+
+
+def memory_section(curve: dict | None, measured_peak: int | None = None) -> str:
+    """`curve`: data.memory_curve's; `measured_peak`: bytes a real step reached, where known."""
+    if not curve or not curve.get("points"):
+        return ""
+    marks = [{"y": curve["peak"], "label": f"predicted peak {format_bytes(curve['peak'])}", "cls": "predicted"}]
+    if measured_peak:
+        marks.append({"y": measured_peak, "label": f"measured peak {format_bytes(measured_peak)}", "cls": "measured"})
+    end = curve["points"][-1][0]
+    spans = [{"x0": curve["backward_starts_ms"], "x1": end, "label": "backward", "cls": "phase"}]
+    chart = line_chart([{"name": "predicted live bytes", "points": curve["points"], "cls": "memory"}],
+                       x_label="predicted time in the step (ms)", y_label="live memory",
+                       x_fmt=lambda v: f"{v:.3g}", y_fmt=format_bytes, marks=marks, spans=spans, y_ticks=binary_ticks)
+    text = (f"Predicted peak {format_bytes(curve['peak'])} in the {curve['peak_phase']} at {curve['peak_at']}; "
+            f"resident (parameters, buffers, inputs, optimizer state) {format_bytes(curve['resident'])}.")
+    if measured_peak:
+        error = curve["peak"] / measured_peak - 1
+        off = "exact to 0.1%" if abs(error) < 5e-4 else f"{error:+.1%} off"
+        text += f" Measured peak {format_bytes(measured_peak)}: the prediction is {off}."
+    title = "Memory over the step: predicted against measured" if measured_peak else "Memory over the step (predicted)"
+    return section("memory", title, para(text),
+                   legend(("memory", "predicted live bytes"), ("predicted", "predicted peak"),
+                          *((("measured", "measured peak"),) if measured_peak else ())), chart)
+
+
+def timeline_section(timeline: dict | None) -> str:
+    """`timeline`: data.comm_timeline's."""
+    if not timeline:
+        return ""
+    compute = [{"start": s, "end": e, "cls": "compute", "tip": f"{phase} {ms(e - s)}", "text": phase}
+               for s, e, phase in timeline["compute"]]
+    compute += [{"start": s, "end": e, "cls": "exposed", "tip": f"exposed {ms(e - s)}: {why}"}
+                for s, e, why in timeline["exposed"]]
+    comm = [{"start": s, "end": e, "cls": "comm", "tip": f"{what} {ms(e - s)}"} for s, e, what in timeline["comm"]]
+    chart = gantt([{"label": "rank compute", "bars": compute}, {"label": "rank comm", "bars": comm}],
+                  x_label="predicted time (ms)", x_fmt=lambda v: f"{v:.3g}", end=timeline["step_ms"])
+    hidden = timeline["comm_ms"] - timeline["exposed_ms"]
+    ranks = f"{timeline['world']} ranks" + (" (assumed: this run has one)" if timeline.get("assumed") else "")
+    text = (f"Each of {ranks} over {timeline['link']}: step {ms(timeline['step_ms'])}, "
+            f"communication {ms(timeline['comm_ms'])} of which {ms(max(hidden, 0))} hides behind compute and "
+            f"{ms(timeline['exposed_ms'])} is exposed (compute waits).")
+    return section("timeline", "Compute and communication per rank", para(text),
+                   legend(("compute", "compute"), ("comm", "collective on the link"),
+                          ("exposed", "exposed: compute waits for a collective")), chart)
+
+
+def pipeline_section(schedule: dict | None) -> str:
+    """`schedule`: data.pipeline_schedule's."""
+    if not schedule:
+        return ""
+    rows = []
+    for rank, tasks in enumerate(schedule["rows"]):
+        bars_, clock = [], 0.0
+        for start, end, kind, mb, stage in tasks:
+            if start > clock + 1e-12:
+                bars_.append({"start": clock, "end": start, "cls": "bubble", "tip": f"idle {ms(start - clock)}"})
+            name = "forward" if kind == "F" else "backward"
+            bars_.append({"start": start, "end": end, "cls": name, "text": f"{kind}{mb}",
+                          "tip": f"stage {stage} {name} of micro-batch {mb}: {ms(end - start)}"})
+            clock = end
+        if schedule["step_ms"] > clock:
+            bars_.append({"start": clock, "end": schedule["step_ms"], "cls": "bubble", "tip": "idle"})
+        rows.append({"label": f"rank {rank}", "bars": bars_})
+    chart = gantt(rows, x_label="predicted time (ms)", x_fmt=lambda v: f"{v:.3g}", end=schedule["step_ms"])
+    text = (f"{schedule['schedule']}, {schedule['ranks']} ranks x {schedule['virtual']} stages each, "
+            f"{schedule['microbatches']} micro-batches: step {ms(schedule['step_ms'])}, bubble "
+            f"{schedule['bubble']:.0%} of rank time (the plan predicts {schedule['predicted_bubble']:.0%}).")
+    return section("pipeline", "Pipeline schedule", para(text),
+                   legend(("forward", "forward (F<micro-batch>)"), ("backward", "backward (B<micro-batch>)"),
+                          ("bubble", "bubble: rank idle")), chart)
+
+
+def plan_label(p: dict) -> str:
+    text = f"dp{p['dp']}{' shard' if p.get('shard') else ''} x tp{p['tp']} x pp{p['pp']}, {p['microbatches']} mb"
+    return text + (", ckpt" if p.get("checkpoint") else "") + (f", {p['compress']}" if p.get("compress") else "")
+
+
+def plans_section(plans: dict | None, top: int = 12, unfit: int = 4) -> str:
+    """`plans`: what `picofx plan --json` writes ({"plans": [...], "best": index}); the first `top`
+    plans, and the first `unfit` of those after them that do not fit, with why."""
+    if not plans or not plans.get("plans"):
+        return ""
+    every, best = plans["plans"], plans.get("best")
+    chosen = list(range(min(top, len(every))))
+    chosen += [i for i in range(len(chosen), len(every)) if not every[i]["fits"]][:unfit]
+    shown = [every[i] for i in chosen]
+    head = ("<tr><th>#</th><th>layout</th><th>memory/GPU</th><th>step s</th><th>tokens/s</th><th>MFU</th>"
+            "<th>fits</th><th>bottleneck</th><th>suggestions</th></tr>")
+    rows = [head]
+    for i, p in zip(chosen, shown):
+        cls = "best" if i == best else "fits" if p["fits"] else "nofit"
+        measured = f" (measured {p['measured_step_s']:.4g})" if p.get("measured_step_s") else ""
+        why = "" if p["fits"] else f": {p.get('reason', '')}"
+        tips = "".join(f"<li>{escape(s)}</li>" for s in p.get("suggestions") or [])
+        rows.append(f'<tr class="{cls}"><td>{i}</td><td>{escape(plan_label(p))}</td>'
+                    f'<td class="num">{p["memory_per_gpu"] / 1e9:.1f} GB</td><td class="num">{p["step_s"]:.4g}'
+                    f'{escape(measured)}</td><td class="num">{p["tokens_per_s"]:,.0f}</td><td class="num">'
+                    f'{p["mfu"]:.1%}</td><td>{"yes" if p["fits"] else "no"}{escape(why)}</td>'
+                    f'<td class="bottleneck">{escape(p.get("bottleneck", ""))}</td><td><ul class="notes">{tips}'
+                    "</ul></td></tr>")
+    def chart(value: str, fmt, tip) -> str:
+        return bars([{"label": f"#{i} {plan_label(p)}", "value": p[value], "tip": f"{plan_label(p)}: {tip(p)}",
+                      "cls": "best" if i == best else "fits" if p["fits"] else "nofit"} for i, p in zip(chosen, shown)],
+                    value_fmt=fmt)
+
+    step = chart("step_s", lambda v: f"{v:.3g} s", lambda p: f"{p['step_s']:.4g} s, {p.get('bottleneck', '')}")
+    memory = chart("memory_per_gpu", lambda v: f"{v / 1e9:.1f} GB", lambda p: f"{p['memory_per_gpu'] / 1e9:.1f} GB "
+                   + ("fits" if p["fits"] else f"does not fit: {p.get('reason', '')}"))
+    text = (f"{len(every)} layouts, {sum(p['fits'] for p in every)} fit; the first {min(top, len(every))} by "
+            "predicted step" + (", then the first that do not fit" if len(shown) > top else "")
+            + (f"; best: #{best} {plan_label(every[best])}" if best is not None else "; none fits"))
+    return section("plans", "Plans: predicted step, memory, bottleneck", para(text),
+                   f'<table class="plans">{"".join(rows)}</table>',
+                   legend(("best", "best"), ("fits", "fits"), ("nofit", "does not fit")),
+                   "<h3>Predicted step per plan</h3>", step, "<h3>Predicted memory per GPU</h3>", memory)
+
+
+def loss_section(losses: list[float] | None) -> str:
+    if not losses:
+        return ""
+    points = [(i + 1, float(v)) for i, v in enumerate(losses)]
+    chart = line_chart([{"name": "training loss", "points": points, "cls": "loss"}], x_label="step",
+                       y_label="loss", x_fmt=lambda v: f"{v:g}", y_fmt=lambda v: f"{v:.3g}", from_zero=False)
+    text = f"{len(losses)} steps: loss {losses[0]:.4f} at the first, {losses[-1]:.4f} at the last."
+    return section("loss", "Loss over the training run", para(text), chart)

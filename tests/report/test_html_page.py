@@ -1,0 +1,105 @@
+"""The HTML page without a browser: self-contained, every section present when its data is and
+absent when not, text escaped, and the pipeline schedule's simulation keeping its dependencies."""
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from picofx.cost.balance import Unit, plan_for
+from picofx.cost.device import Link
+from picofx.report_html import render
+from picofx.report_html.data import pipeline_schedule
+
+HOSTILE = '<script>alert("x")</script> & <b>'
+
+
+def pipeline(schedule: str, microbatches: int = 4, stages: int = 2):
+    units = [Unit(f"layers.{i}", 1e-3, 1000, 1000, 100) for i in range(4)]
+    bounds = [i * 4 // stages for i in range(stages)]
+    plan = plan_for(units, bounds, schedule=schedule, microbatches=microbatches, virtual=1,
+                    link=Link("test", 1e12, 0.0), state_per_parameter_byte=16)
+    return SimpleNamespace(plan=plan, stages=stages, virtual=1)
+
+
+def plans() -> dict:
+    common = dict(dp=2, tp=1, pp=1, shard=False, microbatches=1, schedule="1F1B", checkpoint=False, compress=None,
+                  tokens_per_s=1e5, mfu=0.4, suggestions=[f"try {HOSTILE}"], measured_step_s=None)
+    return {"plans": [{**common, "memory_per_gpu": 40e9, "step_s": 1.0, "fits": True, "reason": "",
+                       "bottleneck": "compute"},
+                      {**common, "shard": True, "memory_per_gpu": 90e9, "step_s": 0.9, "fits": False,
+                       "reason": f"memory {HOSTILE}", "bottleneck": "memory"}], "best": 0}
+
+
+def report() -> dict:
+    return {"backend": "eager", "capture_seconds": 0.1, "compile_seconds": 0.2, "recompilations": 0,
+            "sections": {"note": HOSTILE},
+            "passes": [{"name": "fuse", "stage": "forward", "graph": "forward", "seconds": 0.01, "nodes_before": 10,
+                        "nodes_after": 8, "added": ["a"], "removed": ["b", "c", "d"], "notes": [f"why={HOSTILE}"],
+                        "details": [("near_misses", [HOSTILE])]}]}
+
+
+def full_page() -> str:
+    return render(report(), pipeline=pipeline("1F1B"), plans=plans(), losses=[3.0, 2.0, 1.5], title=HOSTILE)
+
+
+def assert_self_contained(page: str) -> None:
+    lowered = page.lower()
+    for loaded in ("<script", "@import", "src=", "url(", "<link", "<img", "<iframe", "http:", "https:"):
+        assert loaded not in lowered, loaded
+    assert all(href.startswith("#") for href in re.findall(r'href="([^"]*)"', page))
+
+
+def test_every_section_is_present_when_its_data_is_and_the_page_loads_nothing():
+    page = full_page()
+    assert_self_contained(page)
+    for anchor in ("passes", "pipeline", "plans", "loss"):
+        assert f'<section id="{anchor}">' in page
+    assert page.count("<svg") == 4  # the pipeline Gantt, two plan bar charts, the loss curve
+
+
+def test_text_is_escaped_everywhere():
+    page = full_page()
+    assert HOSTILE not in page and "alert(&quot;x&quot;)" in page
+    assert page.count("&lt;script&gt;") >= 5  # title, note, details, section text, plan reason and suggestion
+
+
+def test_sections_without_data_are_left_out():
+    only_loss = render(losses=[2.0, 1.0])
+    assert '<section id="loss">' in only_loss
+    assert not any(f'<section id="{a}">' in only_loss for a in ("passes", "memory", "timeline", "pipeline", "plans"))
+    assert "Nothing to show" in render()
+
+
+def test_plans_that_do_not_fit_are_listed_with_why_and_drawn_in_red():
+    page = render(plans=plans())
+    assert 'class="nofit"' in page and "memory &lt;script&gt;" in page and 'class="best"' in page
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_the_pipeline_schedule_keeps_its_dependencies_and_the_plans_bubble(schedule):
+    layout = pipeline(schedule, microbatches=4)
+    found = pipeline_schedule(layout)
+    when = {(kind, stage, mb): (start, end) for row in found["rows"] for start, end, kind, mb, stage in row}
+    assert len(when) == 2 * 2 * 4
+    for row in found["rows"]:
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(row, row[1:]))  # a rank runs one task at a time
+    for mb in range(4):
+        assert when[("F", 0, mb)][1] <= when[("F", 1, mb)][0] + 1e-12
+        assert when[("B", 1, mb)][1] <= when[("B", 0, mb)][0] + 1e-12
+        assert when[("F", 1, mb)][1] <= when[("B", 1, mb)][0] + 1e-12
+    assert found["bubble"] == pytest.approx(layout.plan.bubble, abs=0.02)
+    if schedule == "1F1B":  # the last stage runs each micro-batch's backward before the next forward
+        kinds = [kind for _, _, kind, _, _ in found["rows"][1]]
+        assert kinds == ["F", "B"] * 4
+
+
+def test_an_optimize_run_with_overlap_has_its_passes_memory_and_exposed_communication(optimize_page):
+    page = open(optimize_page, encoding="utf-8").read()
+    assert_self_contained(page)
+    for anchor in ("passes", "memory", "timeline"):
+        assert f'<section id="{anchor}">' in page
+    assert "optimize &lt;tiny&gt; &amp; overlap" in page
+    assert 'class="exposed"' in page and "Each of 8 ranks" in page
+    assert "gradient buckets (overlap)" in page

@@ -245,7 +245,8 @@ class OptimizedModule(nn.Module):
     @property
     def report(self) -> Report:
         self._current.report.recompilations = len(self._steps) - 1
-        self._current.report.graphs = self._current.graphs  # what Report.to_html draws memory and timeline from
+        # what Report.to_html draws from: the partitioned graphs, and the transformed forward with its layouts
+        self._current.report.graphs = {"transformed": self._current.graph_module, **self._current.graphs}
         return self._current.report
 
     @property

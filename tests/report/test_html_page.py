@@ -9,7 +9,7 @@ import pytest
 
 from picofx.cost.balance import Unit, plan_for
 from picofx.cost.device import Link
-from picofx.report_html import render
+from picofx.report_html import render, sections
 from picofx.report_html.data import pipeline_schedule
 
 HOSTILE = '<script>alert("x")</script> & <b>'
@@ -103,3 +103,12 @@ def test_an_optimize_run_with_overlap_has_its_passes_memory_and_exposed_communic
     assert "optimize &lt;tiny&gt; &amp; overlap" in page
     assert 'class="exposed"' in page and "Each of 8 ranks" in page
     assert "gradient buckets (overlap)" in page
+
+
+def test_the_memory_chart_draws_the_measured_peak_beside_the_predicted_one():
+    curve = {"points": [(0.0, 100), (1.0, 900), (2.0, 400)], "backward_starts_ms": 1.0, "resident": 100,
+             "peak": 900, "peak_at": "mm <x>", "peak_phase": "forward"}
+    page = sections.memory_section(curve, measured_peak=1000)
+    assert "predicted against measured" in page and "-10.0% off" in page and "mm &lt;x&gt;" in page
+    assert 'class="mark measured"' in page and 'class="mark predicted"' in page
+    assert "against measured" not in sections.memory_section(curve)

@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_reduce / tp_copy)
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import input_slot, is_parameter, viewed_source
+from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, viewed_source
+from picofx.cost.partition import forward_region
 from picofx.cost.tp_plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of, recorded
@@ -56,7 +58,7 @@ class TensorParallel:
     plan: Any = "auto"
     sequence_parallel: bool = False
     async_overlap: bool = True
-    info = PassInfo(Stage.FORWARD, also_at=(Stage.PARTITIONED,), mesh_dims=("tp",), communicates=True)
+    info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("tp",), communicates=True)
     stage = info.stage
 
     def __post_init__(self):
@@ -65,6 +67,8 @@ class TensorParallel:
                              f"{STYLES}, got {self.plan!r}")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if ctx.stage is Stage.JOINT:
+            return regather_in_backward(gm) if self.sequence_parallel else PassResult(False, {})
         if ctx.stage is Stage.PARTITIONED:
             if not (self.async_overlap and self.sequence_parallel):
                 return PassResult(False, {})
@@ -110,6 +114,24 @@ class TensorParallel:
         layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
         return PassResult(True, {"ranks": dim.size, **counts, **notes})
+
+
+def regather_in_backward(joint: fx.GraphModule) -> PassResult:
+    """Sequence parallel as Megatron runs it: the backward gathers a linear's input from the
+    sequence shard again rather than keeping the gathered rows from the forward, so what a layer
+    saves stays split over the ranks (each gather and its views tagged to recompute)."""
+    forward = forward_region(joint)
+    tagged = 0
+    for node in joint.graph.nodes:
+        if node in forward and node.target is torch.ops.picofx.sp_gather.default:
+            pending = [node]
+            while pending:
+                n = pending.pop()
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                pending += [u for u in n.users if u in forward and (is_view(u) or getattr(u.target, "overloadpacket", None)
+                                                                      in COPY_PACKETS)]
+            tagged += 1
+    return PassResult(tagged > 0, {"regathered": tagged})
 
 
 FUSED_PROJECTIONS = ("picofx.silu_mul", "picofx.gelu_mul", "picofx.rms_norm", "picofx.add_rms_norm", "picofx.rope",

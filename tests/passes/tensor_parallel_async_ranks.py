@@ -28,7 +28,7 @@ def one_step(case: str, backend: str, async_overlap: bool) -> dict:
     return {"loss": loss.detach(), "order": order,
             "grads": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                       for n, p in z.model.named_parameters()},
-            "chunked": [r.notes.get("chunked") for r in opt.report.records if r.name == "tensor_parallel"]}
+            "chunked": [r.notes["chunked"] for r in opt.report.records if r.name == "tensor_parallel" and "chunked" in r.notes]}
 
 
 def eager(rank: int, world: int) -> dict:

@@ -7,7 +7,10 @@ from torch.distributed.tensor import DTensor
 
 import picofx
 from picofx.examples import real_models, zoo
+from picofx.capture.vocabulary import viewed_source
 from picofx.passes import TensorParallel
+
+SP_GATHER = torch.ops.picofx.sp_gather.default
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -24,7 +27,12 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", **options) -> dict:
     local = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in z.model.named_parameters()}
     widest = max((n.meta["val"].shape[-1] for n in opt.graph_module.graph.nodes
                   if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 1), default=0)
+    gathers = {role: sum(1 for n in opt.graphs[role].graph.nodes if n.target is SP_GATHER)
+               for role in ("forward", "backward")}
+    saved = [viewed_source(n, through_copies=True) for n in opt.graphs["forward"].graph.output_node().args[0]
+             if isinstance(n, torch.fx.Node)]
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
+            "gathers": gathers, "saved_gathers": sum(1 for n in saved if n.target is SP_GATHER),
             "placements": placements, "local_shapes": local, "widest": widest, "notes": next(
                 r.notes for r in opt.report.records if r.name == "tensor_parallel"),
             "plan": opt.report.sections["tensor_parallel"]}

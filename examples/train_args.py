@@ -131,6 +131,10 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--shard", action="store_true",
                    help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
                         "as FSDP) instead of each holding a replica (pass overlap)")
+    p.add_argument("--layout", choices=["auto"],
+                   help="auto: under torchrun, the layout picofx.plan predicts fastest for the launch's ranks among "
+                        "those this script runs (rank 0 plans and prints which and why); --batch is then the "
+                        "global batch, split among the replicas")
     p.add_argument("--schedule", choices=SCHEDULES, default="1F1B", help="pipeline schedule")
     p.add_argument("--microbatches", type=at_least(1), default=4, help="micro-batches per step and replica under --pp")
     p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
@@ -165,6 +169,12 @@ def check_layout(args, world: int | None) -> None:
                       if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
     layout = layout.strip()
+    if getattr(args, "layout", None) == "auto":  # the layout is chosen once the ranks are up (train_layout.py)
+        given = (layout + (" --sequence-parallel" if args.sequence_parallel else "")).strip()
+        if given:
+            raise ValueError(f"--layout auto chooses {given} itself: leave them out, or drop --layout auto")
+        args.dp_default, args.world, args.dp = False, world or 1, 1
+        return
     args.dp_default = world is not None and args.dp is None
     if world is None:  # one process, not launched by torchrun
         if layout:

@@ -16,6 +16,7 @@ continue a run exactly where it stopped.
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --pp 2         # 2 stages, each 2-way tensor parallel
     torchrun --nproc-per-node 8 examples/train_llama.py --tp 2 --pp 2 --shard # and each piece sharded over 2 replicas
+    torchrun --nproc-per-node 4 examples/train_llama.py --layout auto         # the layout picofx.plan predicts fastest
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from tqdm import tqdm
 import picofx
 from picofx.examples import train_state
 from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-from picofx.examples.train_args import parse_args, picofx_passes, run_options
+from picofx.examples.train_args import check_layout, parse_args, picofx_passes, run_options
+from picofx.examples.train_layout import choose_layout
 from picofx.examples.train_data import Batches, DataError, load_tokens
 from picofx.examples.train_metrics import Layout, throughput
 from picofx.manager import pass_name
@@ -222,9 +224,25 @@ def setup(args, ranks: Ranks) -> Session:
     return Session(model, opt_model, optimizer, schedule, batches, first, [pass_name(p) for p in passes], start_step)
 
 
+def auto_layout(args, ranks: Ranks) -> None:
+    """--layout auto: every rank takes rank 0's plan (printed with why), checked as a given layout is."""
+    message = None
+    try:
+        why = choose_layout(args, ranks.rank)
+        args.layout = None
+        check_layout(args, args.world)
+    except ValueError as e:
+        message = str(e)
+    ranks.stop_if_failed(message)
+    ranks.replica = (ranks.rank // args.tp) % args.dp
+    ranks.say(why)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv, __doc__)
     ranks = Ranks(args)
+    if args.layout == "auto" and args.world > 1:
+        auto_layout(args, ranks)
     ranks.say(f"train_llama.py: {layout_line(args)}; {args.size} model, {args.steps} steps of "
               f"{args.batch} x {args.seq} tokens on {args.device}, backend {args.backend}")
     message = None

@@ -13,6 +13,19 @@ from picofx.optimize import OptimizedModule, optimize
 from picofx import plan, rules  # noqa: E402  (public modules: picofx.plan.predict, picofx.rules.Rule)
 from picofx.cost import device  # noqa: E402  (picofx.device.H100, picofx.device.calibrate)
 
+
+class _PlanModule(type(plan)):
+    """picofx.plan stays the module (picofx.plan.predict, picofx.plan.fake_mode) and, called, is the
+    layout planner: picofx.plan(model, world=N, ...) (picofx.planner.api.plan)."""
+
+    def __call__(self, model, **options):
+        from picofx.planner.api import plan as plan_layouts  # the planner imports picofx.plan
+
+        return plan_layouts(model, **options)
+
+
+plan.__class__ = _PlanModule
+
 try:
     __version__ = importlib.metadata.version("picofx")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed

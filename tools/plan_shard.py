@@ -9,7 +9,7 @@ decoder layer's compute seconds (the embedding and the head are units of their o
 parameters are all-gathered in bf16 one layer ahead (prefetch 1), gathered again in the backward
 (reshard_after_forward), and their gradients reduce-scattered in fp32 (`picofx.cost.shard`):
 ring collectives over NVLink 4 in a node (450 GB/s one way per GPU), InfiniBand NDR across nodes
-(50 GB/s per GPU), as `tools/plan_dp.py`. Replicated data parallel (DDP) is the row to compare:
+(50 GB/s per GPU), as `picofx plan --show buckets`. Replicated data parallel (DDP) is the row to compare:
 16 bytes per parameter on every GPU.
 """
 from __future__ import annotations

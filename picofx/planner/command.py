@@ -7,11 +7,13 @@ import json
 
 from picofx.cost.device import devices
 from picofx.cost.model import CostModel
+from picofx.examples.llama import LlamaConfig
 from picofx.planner.costs import PASSES, model_costs
 from picofx.planner.layouts import Run, plan_layouts, suggestions
 from picofx.parallel.launch import run_ranks
 from picofx.planner.measure import link_rates, measure, scaled, shared_cpu, single_rank_step
 from picofx.planner.models import MODELS, model_config
+from picofx.planner.show import show
 
 GPU_KINDS = ("h100", "h200", "a100", "cpu")
 
@@ -39,14 +41,20 @@ def add_plan_parser(commands) -> None:
                    help="also run the top plans for a few steps on this machine's ranks (--gpu cpu: gloo) and "
                         "print predicted against measured")
     p.add_argument("--measure-top", type=int, default=3, help="how many plans --measure runs (default 3)")
+    p.add_argument("--show", nargs="+", choices=("stages", "buckets"), default=[],
+                   help="also, from the whole model's graph: stages, the best pipelined plan's stage cuts per "
+                        "schedule (uniform against cost-balanced); buckets, the best replicated plan's gradient "
+                        "buckets and exposed all-reduce (after the backward, overlapped, bf16)")
 
 
-def plan_run(model: str, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
+def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
              global_batch: int, device=None, passes=PASSES) -> tuple[Run, list]:
-    """Every layout of `model` over `gpus`, predicted and ranked (those that fit first, fastest first).
-    `device`: a picofx.cost.device.Device instead of the `gpu` kind's entry."""
+    """Every layout of `model` (a name or path as the command takes it, or a LlamaConfig) over `gpus`,
+    predicted and ranked (those that fit first, fastest first). `device`: a picofx.cost.device.Device
+    instead of the `gpu` kind's entry."""
     device = device or devices()[gpu]
-    run = Run(model_costs(model_config(model), seq, CostModel(device), passes), device, gpus,
+    config = model if isinstance(model, LlamaConfig) else model_config(model)
+    run = Run(model_costs(config, seq, CostModel(device), passes), device, gpus,
               min(gpus_per_node, gpus), global_batch)
     predictions = plan_layouts(run)
     for p in predictions[:20]:
@@ -83,28 +91,28 @@ def measured_table(measured: list) -> str:
     return "\n".join(rows)
 
 
-def calibrated_cpu(args):
-    """This machine's CPU as the measured plans' ranks see it, its speed fitted to one measured
+def calibrated_cpu(config, gpus: int, seq: int, global_batch: int, link: dict | None = None, say=print):
+    """This machine's CPU as `gpus` ranks of it see it, its speed fitted to one measured
     single-rank step of the model (what the roofline misses on a CPU: dispatch, Python, the
-    optimizer), then shared among the ranks."""
+    optimizer), then shared among the ranks. `link`: the ranks' measured link rates
+    (picofx.cost.device.calibrate_link); None: measured here on `gpus` gloo ranks."""
     device = shared_cpu(1)
-    config = model_config(args.model)
-    predicted = model_costs(config, args.seq, CostModel(device), ("fuse",))
-    micro = max(1, args.global_batch // args.gpus)
+    predicted = model_costs(config, seq, CostModel(device), ("fuse",))
+    micro = max(1, global_batch // gpus)
     seconds = (micro * (config.num_hidden_layers * (predicted.layer_forward_s + predicted.layer_backward_s)
                         + predicted.rest_forward_s + predicted.rest_backward_s)
                + device.op_overhead * (config.num_hidden_layers * predicted.layer_ops + predicted.rest_ops))
-    factor = single_rank_step(config, args.seq, micro) / seconds
-    link = run_ranks(link_rates, args.gpus, timeout=300, collective_timeout=120)[0]
-    print(f"calibrated: one rank's step of {micro} x {args.seq} tokens measured {factor:.1f}x the roofline's; "
-          f"gloo between {args.gpus} ranks: {link['link_bandwidth'] / 1e9:.2f} GB/s, "
-          f"{link['link_latency'] * 1e6:.0f} us per ring step")
-    return dataclasses.replace(scaled(shared_cpu(args.gpus), factor), **link)
+    factor = single_rank_step(config, seq, micro) / seconds
+    link = link or run_ranks(link_rates, gpus, timeout=300, collective_timeout=120)[0]
+    say(f"calibrated: one rank's step of {micro} x {seq} tokens measured {factor:.1f}x the roofline's; "
+        f"gloo between {gpus} ranks: {link['link_bandwidth'] / 1e9:.2f} GB/s, "
+        f"{link['link_latency'] * 1e6:.0f} us per ring step")
+    return dataclasses.replace(scaled(shared_cpu(gpus), factor), **link)
 
 
 def plan_command(args) -> dict:
     here = args.measure and args.gpu == "cpu"  # plans run on this machine: predict for it as its ranks share it
-    device = calibrated_cpu(args) if here else None
+    device = calibrated_cpu(model_config(args.model), args.gpus, args.seq, args.global_batch) if here else None
     run, predictions = plan_run(args.model, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
                                 seq=args.seq, global_batch=args.global_batch, device=device,
                                 passes=("fuse",) if here else PASSES)
@@ -123,6 +131,9 @@ def plan_command(args) -> dict:
         out_measured = measure(predictions, run, max(3, args.measure_top))
         print("\n" + measured_table(out_measured))
     out = {"plans": [p.as_json() for p in predictions], "best": 0 if predictions[0].fits else None}
+    for what in args.show:
+        out[what], text = show(what, run, predictions, ("fuse",) if here else PASSES)
+        print("\n" + text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -49,7 +49,7 @@ def shared_cpu(world: int):
 
 def single_rank_step(config, seq: int, batch: int, steps: int = 5) -> float:
     """The median seconds of a one-process training step (fuse, eager, AdamW) of `batch` sequences."""
-    import picofx
+    from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
     from picofx.examples.llama import Llama, causal_lm_loss
 
     threads = torch.get_num_threads()
@@ -59,7 +59,7 @@ def single_rank_step(config, seq: int, batch: int, steps: int = 5) -> float:
         model = Llama(dataclasses.replace(config, max_position_embeddings=max(seq, 8)))
         ids = torch.randint(0, config.vocab_size, (batch, seq + 1))
         inputs = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-        opt = picofx.optimize(model, inputs, ["fuse"], backend="eager", loss_fn=causal_lm_loss)
+        opt = optimize(model, inputs, ["fuse"], backend="eager", loss_fn=causal_lm_loss)
         optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-4)
         times = []
         for _ in range(steps + 1):
@@ -105,7 +105,7 @@ def passes_and_mesh(layout):
 
 def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: int, steps: int) -> float:
     """On one rank: the median seconds of `steps` training steps (after one warm-up)."""
-    import picofx
+    from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
     from picofx.examples.llama import Llama, causal_lm_loss
 
     torch.manual_seed(0)
@@ -115,7 +115,7 @@ def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: 
     micro = replica_batch if layout.pp > 1 else replica_batch // layout.microbatches
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(rank))
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-    opt = picofx.optimize(model, batch, passes, backend="eager", loss_fn=causal_lm_loss, mesh=mesh)
+    opt = optimize(model, batch, passes, backend="eager", loss_fn=causal_lm_loss, mesh=mesh)
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-4)
     accumulate = 1 if layout.pp > 1 else layout.microbatches
     times = []

@@ -1,0 +1,180 @@
+"""`picofx.plan(model, world=N, ...)`: the layouts `picofx plan` ranks, in Python, and the passes
+and mesh that run the best of them.
+
+    plans = picofx.plan(model, world=8, seq=4096, global_batch=256, gpu="h100")
+    plans.best                     # the fastest plan that fits, as `picofx plan --json` writes it
+    opt = picofx.optimize(model, batch, passes=plans.passes(), mesh=ParallelMesh.build(**plans.mesh_shape()))
+
+The ranking is `picofx plan`'s own (picofx.planner.command.plan_run). On the CPU (gpu "cpu", or
+None where torch sees no GPU) the device is calibrated here as `picofx plan --measure` calibrates
+it: one measured single-rank step of the model, and the link of the ranks (`link`: rates measured
+by `picofx.cost.device.calibrate_link` in the caller's process group; else measured on `world`
+gloo ranks spawned for it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from picofx.cost.device import Device, device_for, devices
+from picofx.examples.llama import LlamaConfig
+from picofx.planner.command import PASSES, calibrated_cpu, plan_run, table
+from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout, Prediction, Run
+from picofx.planner.models import HF_KEYS, model_config
+
+LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
+
+
+def as_config(model) -> LlamaConfig:
+    """A zoo name or config path, a LlamaConfig, a Hugging Face config, or a model with a `.config` of either."""
+    if isinstance(model, str):
+        return model_config(model)
+    if isinstance(model, LlamaConfig):
+        return model
+    config = getattr(model, "config", model)
+    if isinstance(config, LlamaConfig):
+        return config
+    if all(hasattr(config, key) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
+        values = {ours: getattr(config, theirs) for ours, theirs in HF_KEYS.items()
+                  if getattr(config, theirs, None) is not None}
+        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        return LlamaConfig(**values)
+    raise TypeError(f"picofx.plan: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
+                    "zoo name, a LlamaConfig, a Hugging Face config, or a model with a .config of one")
+
+
+def layout_passes(layout: Layout, compute=("fuse",), checkpoint_budget: int | None = None) -> list:
+    """The passes that run `layout`, in the order picofx.optimize takes them: the pipeline cut before
+    tensor parallel (which then splits each stage's graph), tensor parallel before the passes that
+    rewrite the linears it reads (`compute`: fuse, precision), data parallelism last. Micro-batches
+    without a pipeline are the caller's gradient accumulation (`opt.no_sync()`), not a pass."""
+    from picofx.manager import PASSES  # the passes by their registered names (the core imports no pass)
+
+    tensor_parallel = [PASSES["tensor_parallel"](sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
+    pipeline = [PASSES["pipeline"](stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches)] \
+        if layout.pp > 1 else []
+    checkpoint = [PASSES["checkpoint"](budget=checkpoint_budget, optimizer="adamw")] if layout.checkpoint else []
+    data = [] if layout.dp == 1 else [PASSES["shard"]()] if layout.shard else [PASSES["overlap"](compress=layout.compress)]
+    if tensor_parallel and pipeline:
+        return [*pipeline, *tensor_parallel, *compute, *checkpoint, *data]
+    return [*tensor_parallel, *compute, *checkpoint, *pipeline, *data]
+
+
+def layout_mesh_shape(layout: Layout) -> dict:
+    """ParallelMesh.build's sizes for `layout`."""
+    return {"pp": layout.pp, "dp_replicate": 1 if layout.shard else layout.dp,
+            "dp_shard": layout.dp if layout.shard else 1, "tp": layout.tp}
+
+
+def unsupported(layout: Layout) -> str | None:
+    """Why picofx's passes cannot run `layout` together (None: they can)."""
+    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
+        return "replicated data parallel over tensor-parallel pipeline stages (use shard)"
+    if layout.sequence_parallel and layout.pp > 1:
+        return "sequence parallelism under a pipeline"
+    if layout.compress and layout.shard:
+        return "gradient compression is the replicated all-reduce's"
+    return None
+
+
+@dataclass
+class Plans:
+    """The ranked plans: `predictions` (picofx.planner.layouts.Prediction), fastest fitting first,
+    then those that do not fit; `compute_passes`: the passes the predictions assumed."""
+
+    run: Run
+    predictions: list[Prediction]
+    compute_passes: tuple
+
+    @property
+    def plans(self) -> list[dict]:
+        return [p.as_json() for p in self.predictions]
+
+    @property
+    def best_index(self) -> int | None:
+        return next((i for i, p in enumerate(self.predictions) if p.fits), None)
+
+    @property
+    def best(self) -> dict | None:
+        index = self.best_index
+        return None if index is None else self.plans[index]
+
+    def _chosen(self, index: int | None) -> Prediction:
+        index = self.best_index if index is None else index
+        if index is None:
+            raise ValueError(f"picofx.plan: no plan fits {self.run.device.name}; the smallest needs "
+                             f"{min(p.memory_per_gpu for p in self.predictions) / 1e9:.1f} GB per GPU")
+        return self.predictions[index]
+
+    def passes(self, index: int | None = None) -> list:
+        """The passes of plan `index` (default: the best) for picofx.optimize."""
+        budget = int(self.run.device.memory_capacity * MAX_MEMORY_FRACTION)
+        return layout_passes(self._chosen(index).layout, self.compute_passes, budget)
+
+    def mesh_shape(self, index: int | None = None) -> dict:
+        """ParallelMesh.build(**shape) of plan `index` (default: the best)."""
+        return layout_mesh_shape(self._chosen(index).layout)
+
+    def table(self, top: int = 10) -> str:
+        return table(self.predictions, top)
+
+    def __len__(self) -> int:
+        return len(self.predictions)
+
+
+def _device(gpu, config: LlamaConfig, world: int, seq: int, global_batch: int, link, say):
+    """The device the plans are predicted for, and the passes its costs assume."""
+    if isinstance(gpu, Device):
+        return gpu, PASSES
+    if gpu is None:
+        gpu = "cuda" if torch.cuda.is_available() else "cpu"
+    if gpu == "cpu":
+        return calibrated_cpu(config, world, seq, global_batch, link=link, say=say), ("fuse",)
+    if gpu.startswith("cuda"):
+        return device_for(gpu), PASSES
+    if gpu not in devices():
+        raise ValueError(f"picofx.plan: gpu {gpu!r}; one of {', '.join(devices())}, 'cpu', 'cuda' or a Device")
+    return devices()[gpu], PASSES
+
+
+def _allowed(layout: Layout, limits: dict) -> bool:
+    for name, wanted in limits.items():
+        value = getattr(layout, name)
+        if callable(wanted):
+            if not wanted(value):
+                return False
+        elif isinstance(wanted, (list, tuple, set, frozenset)):
+            if value not in wanted:
+                return False
+        elif value != wanted:
+            return False
+    return True
+
+
+def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_node: int | None = None,
+         memory: int | None = None, link: dict | None = None, say=print, **limits) -> Plans:
+    """Every layout of `model` training over `world` GPUs, predicted and ranked as `picofx plan` ranks them.
+
+    model: an nn.Module (with a LlamaConfig or Hugging Face `.config`), a zoo name, a config file or
+    a LlamaConfig. gpu: "h100", "h200", "a100", "cpu" (calibrated here), "cuda" (this machine's GPU),
+    a picofx Device, or None (cuda if torch sees one, else cpu). memory: bytes per GPU instead of the
+    device's. limits: Layout fields the plans must have, each a value, a collection of values or a
+    predicate (tp=1, pp=(1, 2), shard=True, microbatches=lambda m: m <= 8)."""
+    unknown = set(limits) - LAYOUT_FIELDS
+    if unknown:
+        raise TypeError(f"picofx.plan: unknown limits {sorted(unknown)}; limits are Layout fields: "
+                        f"{sorted(LAYOUT_FIELDS)}")
+    config = as_config(model)
+    device, compute = _device(gpu, config, world, seq, global_batch, link, say)
+    if memory is not None:
+        device = dataclasses.replace(device, memory_capacity=memory)
+    run, predictions = plan_run(config, gpus=world, gpus_per_node=gpus_per_node or min(world, 8), seq=seq,
+                                global_batch=global_batch, device=device, passes=compute)
+    kept = [p for p in predictions if _allowed(p.layout, limits)]
+    if not kept:
+        raise ValueError(f"picofx.plan: no layout of {world} GPUs with a global batch of {global_batch}"
+                         + (f" within the limits {limits}" if limits else "") + ": the batch must divide over the "
+                         "data-parallel ranks and their micro-batches")
+    return Plans(run, kept, compute)

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_reduce / tp_copy)
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, viewed_source
+from picofx.capture.vocabulary import (COPY_PACKETS, input_slot, is_parameter, is_view, layer_of_path,
+                                       traced_module_path, viewed_source)
 from picofx.cost.partition import forward_region
 from picofx.cost.tp_plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
@@ -117,13 +118,15 @@ class TensorParallel:
 
 
 def regather_in_backward(joint: fx.GraphModule) -> PassResult:
-    """Sequence parallel as Megatron runs it: the backward gathers a linear's input from the
-    sequence shard again rather than keeping the gathered rows from the forward, so what a layer
-    saves stays split over the ranks (each gather and its views tagged to recompute)."""
+    """Sequence parallel as Megatron runs it: in each decoder layer the backward gathers a
+    linear's input from the sequence shard again rather than keeping the gathered rows from the
+    forward, so what a layer saves stays split over the ranks (each gather and its views tagged to
+    recompute). The LM head's gathered input is left to the partitioner: re-gathering it made the
+    loss keep its exponentials beside the logits, a larger forward peak for one hidden row."""
     forward = forward_region(joint)
     tagged = 0
     for node in joint.graph.nodes:
-        if node in forward and node.target is torch.ops.picofx.sp_gather.default:
+        if node in forward and node.target is torch.ops.picofx.sp_gather.default and in_a_layer(node):
             pending = [node]
             while pending:
                 n = pending.pop()
@@ -132,6 +135,10 @@ def regather_in_backward(joint: fx.GraphModule) -> PassResult:
                                                                       in COPY_PACKETS)]
             tagged += 1
     return PassResult(tagged > 0, {"regathered": tagged})
+
+
+def in_a_layer(node: fx.Node) -> bool:
+    return layer_of_path(traced_module_path(node)) is not None
 
 
 FUSED_PROJECTIONS = ("picofx.silu_mul", "picofx.gelu_mul", "picofx.rms_norm", "picofx.add_rms_norm", "picofx.rope",
@@ -157,6 +164,7 @@ class Exchange:
         else:
             node = graph.call_function(torch.ops.picofx.sp_gather.default,
                                        (x, self.sequence_dim, self.dim.size, self.dim.group_name))
+            node.meta["nn_module_stack"] = x.meta.get("nn_module_stack", {})  # the layer it gathers for
         self.joining.append(node)
         return node
 

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 import picofx
 from picofx.examples import real_models, zoo
-from picofx.capture.vocabulary import viewed_source
+from picofx.capture.vocabulary import layer_of_path, traced_module_path, viewed_source
 from picofx.passes import TensorParallel
 
 SP_GATHER = torch.ops.picofx.sp_gather.default
@@ -32,7 +32,8 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", **options) -> dict:
     saved = [viewed_source(n, through_copies=True) for n in opt.graphs["forward"].graph.output_node().args[0]
              if isinstance(n, torch.fx.Node)]
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
-            "gathers": gathers, "saved_gathers": sum(1 for n in saved if n.target is SP_GATHER),
+            "gathers": gathers, "regathered": sum(r.notes.get("regathered", 0) for r in opt.report.records
+                                                  if r.name == "tensor_parallel"), "saved_gathers": sum(1 for n in saved if n.target is SP_GATHER and layer_of_path(traced_module_path(n))),
             "placements": placements, "local_shapes": local, "widest": widest, "notes": next(
                 r.notes for r in opt.report.records if r.name == "tensor_parallel"),
             "plan": opt.report.sections["tensor_parallel"]}

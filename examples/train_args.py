@@ -17,6 +17,7 @@ from picofx.examples.llama import CONFIGS
 from picofx.examples.train_data import check_data_source
 from picofx.examples.train_state import saved_run
 from picofx.manager import resolve_pass
+from picofx.passes.overlap_codecs import parse_compress
 from picofx.runtime.distributed import launched_world
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -131,6 +132,9 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--shard", action="store_true",
                    help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
                         "as FSDP) instead of each holding a replica (pass overlap)")
+    p.add_argument("--compress", metavar="KIND",
+                   help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
+                        "compress): bf16, int8, int8:ef, topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
     p.add_argument("--layout", choices=["auto"],
                    help="auto: under torchrun, the layout picofx.plan predicts fastest for the launch's ranks among "
                         "those this script runs (rank 0 plans and prints which and why); --batch is then the "
@@ -200,6 +204,11 @@ def check_layout(args, world: int | None) -> None:
     if args.sequence_parallel and args.pp > 1:
         raise ValueError("--sequence-parallel with --pp is not supported yet: a later stage has no token "
                          "embedding where the sequence shards begin")
+    if args.compress is not None:
+        parse_compress(args.compress)
+        if args.dp < 2 or args.shard or args.pp > 1 or args.tp > 1:
+            raise ValueError("--compress compresses the replicas' gradient all-reduce: run it with --dp 2 or more "
+                             "alone (sharded, pipelined and tensor-parallel exchanges are not compressed)")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.pp > 1:

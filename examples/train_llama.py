@@ -11,6 +11,7 @@ continue a run exactly where it stopped.
     python examples/train_llama.py --data notes.txt --steps 100 --save run1   # later: --steps 200 --resume run1
     python examples/train_llama.py --passes checkpoint --memory-budget 0.5    # half the peak without it
     torchrun --nproc-per-node 2 examples/train_llama.py --dp 2                # 2 replicas, pass overlap
+    torchrun --nproc-per-node 2 examples/train_llama.py --dp 2 --compress int8:ef  # their gradients sent as int8
     torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
@@ -126,7 +127,7 @@ def parallel_passes(args) -> tuple[list, object]:
         return ([pipeline_pass(args)] if args.pp > 1 else []) + ["shard"], mesh
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
-        return ["overlap"], mesh
+        return [picofx.passes.Overlap(compress=args.compress) if args.compress else "overlap"], mesh
     return [pipeline_pass(args), *(["overlap"] if args.dp > 1 else [])], mesh  # stage grads averaged in the backward
 
 
@@ -194,7 +195,8 @@ def layout_line(args) -> str:
         return f"{args.world} ranks: {args.tp}-way tensor parallel{sequence}{replicas}"
     if args.pp == 1:
         default = " (the default under torchrun: --dp/--pp choose another layout)" if args.dp_default else ""
-        return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{default}"
+        compressed = f", gradients exchanged as {args.compress}" if args.compress else ""
+        return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{compressed}{default}"
     replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
     return f"{args.world} ranks: {args.pp} pipeline stages{replicas}"
 

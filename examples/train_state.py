@@ -41,7 +41,9 @@ def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: i
     """The state dict to save or to load into, keyed so that equal values on several ranks
     (replicas' parameters) are written once and each rank's own values have their own key."""
     model_state, optimizer_state = get_state_dict(trained_module(opt_model), optimizer, options=BY_PARAMETER)
+    compression = {"compression": opt_model.compression} if opt_model.compression is not None else {}
     return {
+        **compression,  # --compress: error-feedback residuals and PowerSGD's Q (a DCP Stateful)
         "model": model_state,
         "optimizer": optimizer_state,
         "schedule": {"last_epoch": torch.tensor(scheduler.last_epoch)},

@@ -29,6 +29,11 @@ def test_pipeline_times_shard_times_tensor_parallel_on_eight_ranks():
         parse_args(["--tp", "2", "--pp", "2", "--dp", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
 
 
+def test_compress_names_overlap_s_compressor_for_the_replicas():
+    args = parse_args(["--compress", "topk:0.01"], environ=TORCHRUN_4)
+    assert (args.dp, args.compress) == (4, "topk:0.01")
+
+
 def test_one_process_is_one_replica():
     args = parse_args([], environ={})
     assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
@@ -41,6 +46,8 @@ def test_one_process_is_one_replica():
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
     (["--tp", "2", "--pp", "2", "--sequence-parallel"], "--sequence-parallel with --pp is not supported yet"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
+    (["--shard", "--compress", "int8"], "--compress compresses the replicas' gradient all-reduce"),
+    (["--compress", "int9"], "'int9' is not a compressor"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],

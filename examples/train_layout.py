@@ -71,8 +71,8 @@ def choose_layout(args, rank: int) -> str:
 
     from picofx.cost.device import calibrate_link
 
-    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256,
-                                 max_position_embeddings=args.max_positions or CONFIGS[args.size].max_position_embeddings)
+    positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
+    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
     link = calibrate_link(None) if args.device == "cpu" else None  # every rank takes part
     choice = [planned_choice(args, config, link) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)

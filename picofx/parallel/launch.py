@@ -33,6 +33,7 @@ def _rank_main(fn, rank: int, world: int, port: int, collective_timeout: float, 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # started from a torchrun rank: its own store, not torchrun's
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,

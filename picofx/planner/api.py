@@ -56,7 +56,8 @@ def layout_passes(layout: Layout, compute=("fuse",), checkpoint_budget: int | No
     pipeline = [PASSES["pipeline"](stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches)] \
         if layout.pp > 1 else []
     checkpoint = [PASSES["checkpoint"](budget=checkpoint_budget, optimizer="adamw")] if layout.checkpoint else []
-    data = [] if layout.dp == 1 else [PASSES["shard"]()] if layout.shard else [PASSES["overlap"](compress=layout.compress)]
+    replicas = PASSES["shard"]() if layout.shard else PASSES["overlap"](compress=layout.compress)
+    data = [replicas] if layout.dp > 1 else []
     if tensor_parallel and pipeline:
         return [*pipeline, *tensor_parallel, *compute, *checkpoint, *data]
     return [*tensor_parallel, *compute, *checkpoint, *pipeline, *data]

@@ -78,7 +78,8 @@ def stages_table(rows: list[dict], head: str) -> str:
     lines = [head, header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['schedule']:16s} {r['cuts']:22s} {r['step_s']:8.3f} {r['bubble']:7.1%} "
-                     f"{r['slowest_stage_s'] * 1e3:10.1f}  " + ", ".join(format_bytes(m) for m in r["peak_bytes_per_gpu"])
+                     f"{r['slowest_stage_s'] * 1e3:10.1f}  "
+                     + ", ".join(format_bytes(m) for m in r["peak_bytes_per_gpu"])
                      + ("" if r["fits"] else "  (does not fit)"))
         lines.append(f"{'':16s}   stages begin at: {', '.join(r['stage_starts'])}")
     return "\n".join(lines)
@@ -115,7 +116,8 @@ def bucket_rows(run: Run, layout, passes=("fuse", "precision")) -> tuple[dict, s
     text = (f"gradient buckets of {layout.describe()} ({b} x {seq} tokens per micro-batch, {layout.dp} replicas over "
             f"{link.name}): compute {row['compute_s'] * 1e3:.1f} ms, all-reduce {row['comm_s'] * 1e3:.1f} ms; exposed "
             f"after the backward (DDP, 25 MiB buckets) {row['exposed_after_backward_s'] * 1e3:.1f} ms, overlapped "
-            f"{row['exposed_overlap_s'] * 1e3:.1f} ms, overlapped in bf16 {row['exposed_overlap_bf16_s'] * 1e3:.1f} ms; "
+            f"{row['exposed_overlap_s'] * 1e3:.1f} ms, overlapped in bf16 "
+            f"{row['exposed_overlap_bf16_s'] * 1e3:.1f} ms; "
             f"{len(overlapped.buckets)} buckets: "
             + ", ".join(format_bytes(k.nbytes) for k in overlapped.buckets[:6])
             + (", ..." if len(overlapped.buckets) > 6 else ""))
@@ -129,7 +131,8 @@ def show(what: str, run: Run, predictions: list, passes) -> tuple[object, str]:
     candidates = [p for p in predictions if wanted(p)]
     chosen = next((p for p in candidates if p.fits), candidates[0] if candidates else None)
     if chosen is None:
-        return None, f"{what}: no plan is " + ("pipelined" if what == "stages" else "replicated data parallel of whole models")
+        kind = "pipelined" if what == "stages" else "replicated data parallel of whole models"
+        return None, f"{what}: no plan is {kind}"
     note = "" if chosen.fits else f" (it does not fit: {chosen.reason})"
     if what == "stages":
         rows, head = stage_rows(run, chosen.layout)

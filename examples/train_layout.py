@@ -18,8 +18,8 @@ def unrunnable(layout: Layout) -> str | None:
     """Why train_llama.py cannot run `layout` (None: it can); see train_args.check_layout."""
     if layout.checkpoint:
         return "checkpointing the planned way (every layer) is not one of its options"
-    if layout.compress:
-        return "no gradient compression option"
+    if layout.compress and (layout.dp < 2 or layout.shard or layout.tp > 1 or layout.pp > 1):
+        return "--compress with anything but replicated --dp"
     if layout.pp == 1 and layout.microbatches > 1:
         return "micro-batches without a pipeline (gradient accumulation)"
     if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
@@ -52,9 +52,10 @@ def planned_choice(args, config, link) -> tuple:
     import picofx
 
     try:
+        compressed = dict(tp=1, pp=1, shard=False) if getattr(args, "compress", None) else {}  # --compress: dp alone
         plans = picofx.plan(config, world=args.world, seq=args.seq, global_batch=args.batch,
                             gpu="cpu" if args.device == "cpu" else args.device, link=link,
-                            say=lambda *a: None, schedule="1F1B")
+                            say=lambda *a: None, schedule="1F1B", **compressed)
         index = next((i for i, p in enumerate(plans.predictions) if p.fits and unrunnable(p.layout) is None), None)
         if index is None:
             return None, (f"--layout auto: none of the {len(plans)} plans for {args.world} ranks both fits and is "
@@ -65,8 +66,8 @@ def planned_choice(args, config, link) -> tuple:
 
 
 def choose_layout(args, rank: int) -> str:
-    """Every rank: set args' --dp/--tp/--pp/--shard/--sequence-parallel/--microbatches/--batch to rank
-    0's plan; returns the line saying why (raises ValueError, on every rank, where planning failed)."""
+    """Every rank: set args' --dp/--tp/--pp/--shard/--sequence-parallel/--microbatches/--batch (and
+    --compress) to rank 0's plan; returns the line saying why (raises ValueError, on every rank, where planning failed)."""
     import torch.distributed as dist
 
     from picofx.cost.device import calibrate_link
@@ -85,4 +86,6 @@ def choose_layout(args, rank: int) -> str:
     args.batch //= layout.dp  # sequences per replica
     if layout.pp > 1:
         args.microbatches = layout.microbatches
+    if layout.compress:
+        args.compress = layout.compress
     return line

@@ -77,6 +77,7 @@ def test_train_llama_runs_what_picofx_runs_without_accumulation_or_checkpointing
     assert "micro-batches" in unrunnable(Layout(4, 1, 1, microbatches=2))
     assert "checkpointing" in unrunnable(Layout(4, 1, 1, checkpoint=True))
     assert "replicated" in unrunnable(Layout(2, 2, 2, microbatches=2))
+    assert unrunnable(Layout(4, 1, 1, compress="bf16")) is None and unrunnable(Layout(2, 2, 1, compress="bf16"))
 
 
 def test_on_one_cpu_process_the_plan_is_calibrated_and_its_passes_train_as_eager():

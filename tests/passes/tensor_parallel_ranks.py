@@ -180,3 +180,27 @@ def three_dimensional(rank: int, world: int) -> dict:
             "placements": {n: len(p.placements) for n, p in held.items() if isinstance(p, DTensor)},
             "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
             "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}
+
+
+def awkward_shapes(rank: int, world: int) -> dict:
+    """tp=2 on shapes it cannot split evenly: an MLP width it does not divide (refused, with how
+    long that took), and heads it does not divide (3), or whose key/value groups it would cut (6
+    query heads over 3 key/value heads): those run, with what cannot be split kept whole."""
+    import time
+
+    from picofx.errors import PassError
+
+    out = {}
+    start = time.perf_counter()
+    try:
+        one_step(zoo.build("llama-tiny", intermediate_size=97))
+    except PassError as e:
+        out["rows"] = str(e)
+    out["rows seconds"] = time.perf_counter() - start
+    out["heads"] = one_step(zoo.build("llama-tiny", **AWKWARD_HEADS["heads"]))
+    out["kv groups"] = one_step(zoo.build("llama-tiny", **AWKWARD_HEADS["kv groups"]))
+    return out
+
+
+AWKWARD_HEADS = {"heads": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
+                 "kv groups": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)}

@@ -245,3 +245,17 @@ def test_pipeline_times_sharded_data_parallel_times_tensor_parallel_on_eight_ran
     replicas = [r["loss"] for r in ranks[:4:2]]  # ranks 0 and 2: pp 0, tp 0, dp_shard 0 and 1
     torch.testing.assert_close(sum(replicas) / 2, loss, **LOSS)
     assert held == set(grads)
+
+
+def test_shapes_tp_cannot_split_are_refused_by_name_or_kept_whole_and_still_equal_one_process():
+    result = run_ranks(tensor_parallel_ranks.awkward_shapes, 2, timeout=600, collective_timeout=120)[0]
+    assert "decoder_layers.0.mlp.gate_proj.weight has 97 rows, which tp=2 does not divide" in result["rows"]
+    assert result["rows seconds"] < 60  # raised at the forward stage, before anything communicates
+    for case, whole in (("heads", "q_proj"), ("kv groups", "k_proj")):
+        loss, grads = single(zoo.build("llama-tiny", **tensor_parallel_ranks.AWKWARD_HEADS[case]))
+        torch.testing.assert_close(result[case]["loss"], loss, **LOSS)
+        for name, grad in grads.items():
+            torch.testing.assert_close(result[case]["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        placements = result[case]["placements"]
+        assert placements[f"decoder_layers.0.attention.{whole}.weight"] == "R"
+        assert placements["decoder_layers.0.mlp.up_proj.weight"] == "S(0)"

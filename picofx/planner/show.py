@@ -5,11 +5,11 @@ prediction is not enough.
   plan's size) and cut by pass `pipeline`'s own analysis, uniform layers against cost-balanced cuts
   (`picofx.cost.balance.balanced_cuts`, memory within the GPU), for GPipe, 1F1B and interleaved
   1F1B (2 stages per GPU): step, bubble, slowest stage, peak memory of each GPU (16 bytes of
-  training state per parameter; every value the forward computes counted as kept: an upper bound
-  without checkpointing), where each stage begins.
+  training state per parameter, divided over the plan's tp and shard ranks; every value the
+  forward computes counted as kept: an upper bound without checkpointing), where each stage begins.
 - buckets: the best plan of replicated data parallel alone, its gradients (the whole model's) in
-  the order the backward makes them (fake tensors; fuse + precision) bucketed by pass `overlap`'s own planner
-  (`picofx.cost.comm.plan_buckets`) against DDP's all-reduce after the backward in 25 MiB buckets,
+  the order the backward makes them (fake tensors; fuse + precision) bucketed by pass `overlap`'s
+  own planner (`picofx.cost.comm.plan_buckets`) against DDP's all-reduce after the backward in 25 MiB buckets,
   and with bf16 compression: the exposed seconds of each, the bucket sizes.
 """
 from __future__ import annotations
@@ -46,8 +46,9 @@ def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
     gm = capture(model, {"input_ids": ids, "labels": ids}, causal_lm_loss)  # returns the loss alone
     units, _, _ = chain_units(gm, CostModel(run.device), "layers")
     capacity = run.device.memory_capacity
+    split = layout.tp * (layout.dp if layout.shard else 1)  # the ranks a stage's training state is divided over
     common = dict(microbatches=layout.microbatches, link=run.link(run.gpus),
-                  state_per_parameter_byte=state_per_parameter_byte(model))
+                  state_per_parameter_byte=state_per_parameter_byte(model) / split)
     rows = []
     for schedule, virtual in SCHEDULES:
         stages = layout.pp * virtual
@@ -69,7 +70,7 @@ def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
                          "peak_bytes_per_gpu": memory, "fits": max(memory) <= capacity,
                          "stage_starts": [units[s.units.start].label for s in plan.stages]})
     head = (f"pipeline stages of {layout.describe()} ({b} x {seq} tokens per micro-batch, {len(units)} places to cut; "
-            f"{run.device.name}, {capacity / 1e9:.0f} GB)")
+            f"{run.device.name}, {capacity / 1e9:.0f} GB; training state over {split} ranks, activations whole)")
     return rows, head
 
 

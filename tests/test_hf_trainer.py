@@ -241,34 +241,6 @@ def stop(launcher: subprocess.Popen) -> None:
         pass
 
 
-def test_two_ranks_under_torchrun_have_the_full_batch_gradients(tmp_path):
-    names = variants()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(tmp_path), *names]
-    ranks = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True, text=True)
-    try:
-        output, _ = ranks.communicate(timeout=RANKS_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop(ranks)
-        output, _ = ranks.communicate()
-        pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT_S}s:\n{output[-4000:]}")
-    assert ranks.returncode == 0, output[-4000:]
-    for name in names:
-        result = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in range(2)]
-        assert result[0]["wrapped"] == ("DistributedDataParallel" if name == "ddp" else "OptimizedLlamaForCausalLM")
-        assert ("a second time" in result[0]["refused"]) == (name == "overlap")
-        ids = torch.cat([r["input_ids"] for r in result])  # (4, SEQ): the step's global batch
-        reference = tiny_model()
-        reference(input_ids=ids, labels=ids).loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # Trainer's default max_grad_norm
-        for param_name, param in reference.named_parameters():
-            for r in result:
-                torch.testing.assert_close(r["grads"][param_name], param.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m, n=param_name, v=name: f"{v} {n}: {m}")
-
-
 def run_under_torchrun(tmp_path, names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -282,6 +254,23 @@ def run_under_torchrun(tmp_path, names: list[str]) -> None:
         output, _ = ranks.communicate()
         pytest.fail(f"the ranks did not finish in {RANKS_TIMEOUT_S}s:\n{output[-4000:]}")
     assert ranks.returncode == 0, output[-4000:]
+
+
+def test_two_ranks_under_torchrun_have_the_full_batch_gradients(tmp_path):
+    names = variants()
+    run_under_torchrun(tmp_path, names)
+    for name in names:
+        result = [torch.load(tmp_path / f"{name}-rank{r}.pt") for r in range(2)]
+        assert result[0]["wrapped"] == ("DistributedDataParallel" if name == "ddp" else "OptimizedLlamaForCausalLM")
+        assert ("a second time" in result[0]["refused"]) == (name == "overlap")
+        ids = torch.cat([r["input_ids"] for r in result])  # (4, SEQ): the step's global batch
+        reference = tiny_model()
+        reference(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # Trainer's default max_grad_norm
+        for param_name, param in reference.named_parameters():
+            for r in result:
+                torch.testing.assert_close(r["grads"][param_name], param.grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, n=param_name, v=name: f"{v} {n}: {m}")
 
 
 def test_shard_under_torchrun_trains_like_ddp_and_saves_what_the_plain_model_loads(tmp_path):

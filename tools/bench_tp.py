@@ -1,6 +1,6 @@
-"""Tensor parallelism: picofx `TensorParallel` against DTensor `parallelize_module` + torch.compile, 2 gloo ranks.
+"""Tensor parallelism: picofx `TensorParallel` against DTensor `parallelize_module` + torch.compile, on gloo ranks.
 
-    python tools/bench_tp.py [--size small] [--batch 2] [--seq 64] [--steps 8] [--json bench_tp.json]
+    python tools/bench_tp.py [--world 2] [--size small] [--batch 2] [--seq 64] [--steps 8] [--json bench_tp.json]
 
 Every rank trains the reference LLaMA (`small`: a 32k vocabulary) on the same batch; one step is
 forward, backward, AdamW step, zero_grad. Contenders, in interleaved rounds (one step of each per
@@ -18,11 +18,15 @@ round), medians, a step taking as long as its slowest rank:
 
 Columns: step (median ms), exposed communication (step - the floor of the same compiler), peak
 bytes per rank (`picofx.cost.memory.measure_peak` of a whole step: local parameters + the most it
-allocates, gradients and AdamW's temporaries included) and activation bytes (the most the forward
-alone allocates, its loss and what it saves for the backward kept alive: activations and the
-forward's temporaries, no gradients).
-Targets (issue 27): step <= 0.9x parallelize_module, peak <= 1.0x, activations of sequence
-parallel <= 0.6x those of TP without it. The CPU is shared: read the ratios, not the milliseconds.
+allocates, gradients and AdamW's temporaries included), forward peak (the most the forward alone
+allocates, its loss and what it saves kept alive: temporaries included) and, for picofx, stored
+activations (what the compiled forward keeps for the backward that depends on the batch), in all
+and without the loss head's vocabulary-wide values (Megatron's activation memory of the layers).
+Targets (issue 27): step <= 0.9x parallelize_module, peak <= 1.0x, stored layer activations of
+sequence parallel <= 0.6x those of TP without it. Megatron's count bounds that last ratio: of a layer's 34
+bytes per token and hidden unit, TP splits 24 and sequence parallelism the other 10, so the best
+ratio is 34/t / (24/t + 10): 0.77 at --world 2, 0.53 at --world 4. The CPU is shared: read the
+ratios, not the milliseconds.
 """
 from __future__ import annotations
 
@@ -42,7 +46,6 @@ from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
 from rank_model import reference_model_and_batch  # tools/rank_model.py
 from results import write_json  # tools/results.py
 
-WORLD = 2
 TP, SP, ASYNC, DTENSOR = ("picofx TP + fuse + Inductor", "picofx TP+SP + fuse + Inductor",
                           "picofx TP+SP async + fuse + Inductor", "parallelize_module + compile")
 TARGETS = {"step": 0.9, "peak": 1.0, "sp_activations": 0.6}
@@ -50,6 +53,7 @@ TARGETS = {"step": 0.9, "peak": 1.0, "sp_activations": 0.6}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="gloo ranks, all of them tensor parallel")
     p.add_argument("--size", default="small", choices=sorted(CONFIGS))
     p.add_argument("--batch", type=int, default=2, help="every rank the same batch")
     p.add_argument("--seq", type=int, default=64)
@@ -111,7 +115,7 @@ def contenders(model_for, batch) -> dict[str, Contender]:
     floor = model_for()
     out["floor (torch.compile)"] = Contender("torch.compile", floor, eager_step(torch.compile(floor)))
     out["floor (picofx fuse + Inductor)"] = picofx_step(["fuse"])
-    hand = hand_parallelized(model_for(), WORLD)
+    hand = hand_parallelized(model_for(), dist.get_world_size())
     out[DTENSOR] = Contender("torch.compile", hand, eager_step(torch.compile(hand)))
     out[TP] = picofx_step([TensorParallel(async_overlap=False), "fuse"])
     out[SP] = picofx_step([TensorParallel(sequence_parallel=True, async_overlap=False), "fuse"])
@@ -137,10 +141,34 @@ def measure(rank: int, world: int, args) -> dict:
         held = [local(p) for p in c.module.parameters()]
         peaks[name] = measure_peak(c.step, resident=held)
         activations[name] = measure_peak(lambda: keep_alive(c.forward()))
+    stored = {name: stored_activation_bytes(c.module, CONFIGS[args.size].vocab_size) for name, c in runs.items() if c.floor == "picofx"}
     slowest = torch.tensor([statistics.median(t) for t in times.values()], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {"median_s": dict(zip(times, slowest.tolist())), "peak_bytes": peaks, "activation_bytes": activations,
+            "stored_bytes": stored,
             "floors": {name: c.floor for name, c in runs.items()}}
+
+
+def stored_activation_bytes(opt, vocab: int) -> dict:
+    """Bytes the compiled forward keeps for the backward that depend on the batch: in all, and
+    without the loss head's (values as wide as the whole or local vocabulary): Megatron's
+    activation memory of the layers. Values computed from parameters alone (a fused projection's
+    concatenated weights) are not counted; the batch is the graph's integer inputs (token ids and
+    labels)."""
+    forward = opt.graphs["forward"]
+    batch = {n for n in forward.graph.nodes if n.op == "placeholder" and not n.meta["val"].is_floating_point()}
+    depends: dict = {}
+    for node in forward.graph.nodes:
+        depends[node] = node in batch or any(depends[a] for a in node.all_input_nodes)
+    saved = [n.meta["val"] for n in set(forward.graph.output_node().args[0][1:])
+             if isinstance(n, torch.fx.Node) and depends[n] and isinstance(n.meta.get("val"), torch.Tensor)]
+    widths = {vocab, vocab // dist.get_world_size()}
+    return {"all": sum(v.numel() * v.element_size() for v in saved),
+            "layers": sum(v.numel() * v.element_size() for v in saved if v.dim() and v.shape[-1] not in widths)}
+
+
+def megabytes(nbytes: int | None) -> str:
+    return "" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
 
 def keep_alive(loss: torch.Tensor) -> None:
@@ -153,27 +181,31 @@ def verdict(value: float, target: float) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    result = run_ranks(measure, WORLD, args, timeout=3600, collective_timeout=900)[0]
+    result = run_ranks(measure, args.world, args, timeout=3600, collective_timeout=900)[0]
     medians, kinds = result["median_s"], result["floors"]
     floor = {kinds[n]: medians[n] for n in medians if n.startswith("floor")}
-    print(f"\n{WORLD} gloo ranks on CPU, Llama {args.size}, every rank {args.batch} x {args.seq} tokens; "
+    print(f"\n{args.world} gloo ranks on CPU, Llama {args.size}, every rank {args.batch} x {args.seq} tokens; "
           f"medians of {args.steps} steps (forward, backward, AdamW)")
-    print(f"{'contender':38s} {'step ms':>8s} {'exposed ms':>11s} {'peak MB':>8s} {'activations MB':>15s}")
+    print(f"{'contender':38s} {'step ms':>8s} {'exposed ms':>11s} {'peak MB':>8s} {'forward peak MB':>15s} "
+          f"{'stored MB':>9s} {'in layers MB':>12s}")
     rows = []
     for name, seconds in medians.items():
         exposed = None if name.startswith("floor") else (seconds - floor[kinds[name]]) * 1e3
         peak = result["peak_bytes"][name]
+        stored = result["stored_bytes"].get(name, {})
         row = {"contender": name, "step_ms": seconds * 1e3, "exposed_ms": exposed, "peak_bytes": peak,
-               "activation_bytes": result["activation_bytes"][name]}
+               "activation_bytes": result["activation_bytes"][name],
+               "stored_activation_bytes": stored.get("all"), "stored_layer_bytes": stored.get("layers")}
         rows.append(row)
         print(f"{name:38s} {row['step_ms']:8.1f} {'' if exposed is None else f'{exposed:11.1f}':>11s} "
-              f"{peak / 2**20:8.1f} {row['activation_bytes'] / 2**20:15.1f}")
+              f"{peak / 2**20:8.1f} {row['activation_bytes'] / 2**20:15.1f} "
+              f"{megabytes(stored.get('all')):>9s} {megabytes(stored.get('layers')):>12s}")
     by = {r["contender"]: r for r in rows}
     hand = by[DTENSOR]
     ratios = {name: {"step": by[name]["step_ms"] / hand["step_ms"], "peak": by[name]["peak_bytes"] / hand["peak_bytes"]}
               for name in (TP, SP, ASYNC)}
     for name in (SP, ASYNC):
-        ratios[name]["sp_activations"] = by[name]["activation_bytes"] / by[TP]["activation_bytes"]
+        ratios[name]["sp_activations"] = by[name]["stored_layer_bytes"] / by[TP]["stored_layer_bytes"]
     print(f"\nagainst {DTENSOR} (step, peak) and {TP} (activations):")
     for name, r in ratios.items():
         print(f"  {name:38s} " + ", ".join(f"{k} {verdict(v, TARGETS[k])}" for k, v in r.items()))

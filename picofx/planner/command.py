@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from picofx.cost.device import devices
@@ -10,8 +9,7 @@ from picofx.cost.model import CostModel
 from picofx.examples.llama import LlamaConfig
 from picofx.planner.costs import PASSES, model_costs
 from picofx.planner.layouts import Run, plan_layouts, suggestions
-from picofx.parallel.launch import run_ranks
-from picofx.planner.measure import link_rates, measure, scaled, shared_cpu, single_rank_step
+from picofx.planner.measure import calibrated_device, measure
 from picofx.planner.models import MODELS, model_config
 from picofx.planner.show import show
 
@@ -92,22 +90,9 @@ def measured_table(measured: list) -> str:
 
 
 def calibrated_cpu(config, gpus: int, seq: int, global_batch: int, link: dict | None = None, say=print):
-    """This machine's CPU as `gpus` ranks of it see it, its speed fitted to one measured
-    single-rank step of the model (what the roofline misses on a CPU: dispatch, Python, the
-    optimizer), then shared among the ranks. `link`: the ranks' measured link rates
-    (picofx.cost.device.calibrate_link); None: measured here on `gpus` gloo ranks."""
-    device = shared_cpu(1)
-    predicted = model_costs(config, seq, CostModel(device), ("fuse",))
-    micro = max(1, global_batch // gpus)
-    seconds = (micro * (config.num_hidden_layers * (predicted.layer_forward_s + predicted.layer_backward_s)
-                        + predicted.rest_forward_s + predicted.rest_backward_s)
-               + device.op_overhead * (config.num_hidden_layers * predicted.layer_ops + predicted.rest_ops))
-    factor = single_rank_step(config, seq, micro) / seconds
-    link = link or run_ranks(link_rates, gpus, timeout=300, collective_timeout=120)[0]
-    say(f"calibrated: one rank's step of {micro} x {seq} tokens measured {factor:.1f}x the roofline's; "
-        f"gloo between {gpus} ranks: {link['link_bandwidth'] / 1e9:.2f} GB/s, "
-        f"{link['link_latency'] * 1e6:.0f} us per ring step")
-    return dataclasses.replace(scaled(shared_cpu(gpus), factor), **link)
+    """This machine's CPU as `gpus` ranks of it see it (picofx.planner.measure.calibrated_device);
+    `link`: the ranks' measured link rates, None: measured here on `gpus` gloo ranks."""
+    return calibrated_device(config, gpus, link=link, say=say)
 
 
 def plan_command(args) -> dict:

@@ -37,6 +37,8 @@ class ModelCosts:
     flops_per_token: float    # the model's, forward and backward (6N + 12 L h T, as PaLM counts)
     layer_ops: int = 0        # ops a layer runs, forward and backward: each costs the device's op overhead
     rest_ops: int = 0         # once per call, whatever the batch (the times above leave it out)
+    layer_tensors: int = 0    # parameter tensors of a layer: each costs the optimizer's per-tensor overhead
+    rest_tensors: int = 0
 
     @property
     def layers(self) -> int:
@@ -51,27 +53,29 @@ class ModelCosts:
         return 2 * self.config.vocab_size * self.config.hidden_size + self.config.hidden_size
 
 
-def _ops(gm) -> int:
+def count_ops(gm) -> int:
+    """The ops of a graph that dispatch work (views and other aliases left out)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_alias(n))
 
 
 def _step(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes):
     """The predicted step of `config` with `layers` layers on one sequence: its forward and backward
-    seconds without the per-op overhead, and its op count."""
+    seconds without the per-op overhead, its op count and its parameter tensors."""
     with plan.fake_mode():
         model = Llama(with_layers(config, layers, seq))
         ids = torch.zeros(1, seq, dtype=torch.long)
     step = plan.predict(model, {"input_ids": ids, "labels": ids}, loss_fn=causal_lm_loss, passes=passes,
                         cost_model=cost_model)
     overhead = cost_model.device.op_overhead
-    fw_ops, bw_ops = _ops(step.forward), _ops(step.backward)
+    fw_ops, bw_ops = count_ops(step.forward), count_ops(step.backward)
     return (step, cost_model.graph_time(step.forward) - fw_ops * overhead,
-            cost_model.graph_time(step.backward) - bw_ops * overhead, fw_ops + bw_ops)
+            cost_model.graph_time(step.backward) - bw_ops * overhead, fw_ops + bw_ops,
+            len(list(model.parameters())))
 
 
 def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PASSES) -> ModelCosts:
-    one, fw1, bw1, ops1 = _step(config, 1, seq, cost_model, passes)
-    two, fw2, bw2, ops2 = _step(config, 2, seq, cost_model, passes)
+    one, fw1, bw1, ops1, tensors1 = _step(config, 1, seq, cost_model, passes)
+    two, fw2, bw2, ops2, tensors2 = _step(config, 2, seq, cost_model, passes)
     layer_saved = two.memory.saved_activations - one.memory.saved_activations
     transient = max(one.memory.forward_peak, one.memory.backward_peak - one.memory.gradients) \
         - one.memory.saved_activations
@@ -80,4 +84,5 @@ def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PAS
     matmul_params = params - config.vocab_size * h  # the embedding lookup does no matmul
     return ModelCosts(config, seq, fw2 - fw1, bw2 - bw1, layer_saved, 2 * fw1 - fw2, 2 * bw1 - bw2,
                       max(0, 2 * one.memory.saved_activations - two.memory.saved_activations), max(transient, 0),
-                      params, 6 * matmul_params + 12 * layers * h * seq, ops2 - ops1, 2 * ops1 - ops2)
+                      params, 6 * matmul_params + 12 * layers * h * seq, ops2 - ops1, 2 * ops1 - ops2,
+                      tensors2 - tensors1, 2 * tensors1 - tensors2)

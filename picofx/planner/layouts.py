@@ -11,7 +11,7 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
 - pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
   (pp - 1) / (m + pp - 1) of the step;
 - replicated data parallel: a ring all-reduce of the stage's fp32 gradients (bf16 with compress),
-  hidden behind the last micro-batch's backward as far as it lasts;
+  hidden behind the last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores);
 - sharded: per micro-batch, each layer's bf16 gather (twice: forward, backward) and fp32
   reduce-scatter, overlapped layer by layer (`picofx.cost.shard`);
 - memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
@@ -116,9 +116,14 @@ def predict(run: Run, layout: Layout) -> Prediction:
         dp_exposed, dp_what = layout.microbatches * sharded.exposed_s, "parameter all-gathers and gradient reduce-scatters"
     else:
         grad_bytes = stage_params * (2 if layout.compress == "bf16" else 4)
-        dp_exposed = max(0.0, ring_all_reduce_seconds(grad_bytes, layout.dp, dp_link) - bw)
+        all_reduce = ring_all_reduce_seconds(grad_bytes, layout.dp, dp_link)
+        # ranks sharing cores: gloo's threads take the cores the backward would use, nothing hides
+        dp_exposed = all_reduce if run.device.cpu_share < 1 else max(0.0, all_reduce - bw)
         dp_what = "gradient all-reduce"
     optimizer = ADAMW_TRAFFIC * stage_params / (layout.dp if layout.shard else 1) / run.device.memory_bandwidth
+    tensor_cost = run.device.optimizer_tensor_overhead + \
+        (run.device.dtensor_parameter_overhead if tp > 1 or layout.shard else 0.0)  # the parameters are DTensors
+    optimizer += (stage_layers * c.layer_tensors + c.rest_tensors) * tensor_cost
     step = compute_step + dp_exposed + optimizer
 
     states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)

@@ -6,7 +6,7 @@ import torch
 
 import picofx
 from picofx.examples import zoo
-from picofx.manager import PassManager, Stage
+from picofx.manager import PassInfo, PassManager, Stage
 from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
 aten = torch.ops.aten
@@ -57,6 +57,18 @@ def test_numerics_verification_catches_a_wrong_pass_and_rolls_back(llama):
         run_pass(add_as_sub, gm, ctx)
     assert gm.code == code_before
     assert all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+def test_a_communicating_pass_is_not_compared_on_one_rank_and_says_so(llama):
+    """Its graph computes this rank's part (averaged gradients, pieces of parameters), which the
+    graph before it cannot equal; the report says the numerics were not compared and why."""
+    def exchange(gm, ctx):
+        return add_as_sub(gm, ctx)
+
+    exchange.info = PassInfo(Stage.FORWARD, communicates=True)
+    gm, ctx = captured(llama)
+    record = run_pass(exchange, gm, ctx)
+    assert record.notes["numerics"].startswith("not compared: this rank's graph computes its part")
 
 
 def test_a_pass_that_raises_leaves_the_graph_intact(llama):

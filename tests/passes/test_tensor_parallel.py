@@ -16,6 +16,12 @@ LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
 
 
+def assert_gradients_equal(actual: dict, expected: dict, names=None) -> None:
+    """Each gradient of `names` (default: every expected one) equal within GRAD, named when not."""
+    for name in names or expected:
+        torch.testing.assert_close(actual[name], expected[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def single(z: zoo.ZooModel) -> tuple[torch.Tensor, dict]:
     batch = dict(z.example_inputs)
     out = z.model(**batch) if z.loss_fn is None else z.loss_fn(z.model(batch["input_ids"]), batch["labels"])
@@ -42,8 +48,7 @@ def test_loss_and_gathered_gradients_equal_the_single_process_run(llama_ranks, c
         result = rank[case]
         torch.testing.assert_close(result["loss"], loss, **LOSS)
         assert result["grads"].keys() == grads.keys()
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(result["grads"], grads)
 
 
 def test_parameters_are_dtensors_placed_as_megatron_under_their_own_names(llama_ranks):
@@ -122,8 +127,7 @@ def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(back
         assert rank["fused"]["qkv_projection"] == 2 and rank["fused"]["swiglu"] == 2
         assert rank["fused"]["grouped_query_attention"] == 2 and rank["fused"]["rms_norm"] == 5
         torch.testing.assert_close(rank["loss"], loss, **LOSS)
-        for name, grad in grads.items():
-            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(rank["grads"], grads)
 
 
 def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
@@ -141,8 +145,7 @@ def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
     assert sorted(r["replica"] for r in ranks) == [0, 0, 1, 1]
     for rank in ranks:
         torch.testing.assert_close(rank["loss"], losses[rank["replica"]], **LOSS)
-        for name, grad in summed.items():
-            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(rank["grads"], summed)
 
 
 def test_sharded_data_parallel_times_tensor_parallel_stores_a_quarter_and_trains_as_one_process(tmp_path):
@@ -157,8 +160,7 @@ def test_sharded_data_parallel_times_tensor_parallel_stores_a_quarter_and_trains
     for rank in ranks:
         assert "list it before shard" in rank["wrong_order"]
         torch.testing.assert_close(torch.stack([r["loss"] for r in ranks]).mean(), loss, **LOSS)
-        for name, grad in grads.items():
-            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(rank["grads"], grads)
         assert rank["local_bytes"] <= rank["whole_bytes"] // 4 + 4096  # norms: half over dp_shard, whole over tp
     placements = ranks[0]["placements"]
     assert placements["decoder_layers.0.attention.q_proj.weight"] == "[_StridedShard(dim=0, sf=2), Shard(dim=0)]"
@@ -194,8 +196,7 @@ def test_tensor_parallel_times_pipeline_on_four_ranks_equals_one_process():
         torch.testing.assert_close(rank["loss"], loss, **LOSS)
         assert "list it after the pipeline" in rank["wrong_order"]
         assert rank["placed"] and rank["local_bytes"] < rank["whole_bytes"] * 0.6
-        for name, grad in rank["grads"].items():
-            torch.testing.assert_close(grad, grads[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(rank["grads"], grads, names=rank["grads"])
         held |= set(rank["grads"])
     assert held == set(grads)  # every parameter on some stage
 
@@ -216,8 +217,7 @@ def test_heads_and_vocabularies_tp_does_not_divide_equal_one_process(uneven_rank
     for rank in uneven_ranks:
         result = rank[case]
         torch.testing.assert_close(result["loss"], loss, **LOSS)
-        for name, grad in grads.items():
-            torch.testing.assert_close(result["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(result["grads"], grads)
     placements, plan = uneven_ranks[0][case]["placements"], uneven_ranks[0][case]["plan"]
     if case == "kv":
         assert placements["decoder_layers.0.attention.k_proj.weight"] == "R"
@@ -239,8 +239,7 @@ def test_pipeline_times_sharded_data_parallel_times_tensor_parallel_on_eight_ran
     for rank in ranks:
         assert set(rank["placements"].values()) == {2}  # every parameter a (dp_shard, tp) DTensor
         assert rank["local_bytes"] < rank["whole_bytes"] * 0.3  # 1/4 of its stage, plus replicated norms
-        for name, grad in rank["grads"].items():
-            torch.testing.assert_close(grad, grads[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(rank["grads"], grads, names=rank["grads"])
         held |= set(rank["grads"])
     replicas = [r["loss"] for r in ranks[:4:2]]  # ranks 0 and 2: pp 0, tp 0, dp_shard 0 and 1
     torch.testing.assert_close(sum(replicas) / 2, loss, **LOSS)
@@ -254,8 +253,7 @@ def test_shapes_tp_cannot_split_are_refused_by_name_or_kept_whole_and_still_equa
     for case, whole in (("heads", "q_proj"), ("kv groups", "k_proj")):
         loss, grads = single(zoo.build("llama-tiny", **tensor_parallel_ranks.AWKWARD_HEADS[case]))
         torch.testing.assert_close(result[case]["loss"], loss, **LOSS)
-        for name, grad in grads.items():
-            torch.testing.assert_close(result[case]["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert_gradients_equal(result[case]["grads"], grads)
         placements = result[case]["placements"]
         assert placements[f"decoder_layers.0.attention.{whole}.weight"] == "R"
         assert placements["decoder_layers.0.mlp.up_proj.weight"] == "S(0)"

@@ -177,10 +177,10 @@ def calibrate_link(group, device: torch.device | str = "cpu", large_bytes: int =
             "network_name": f"{backend}, {world} ranks", "link_source": "measured"}
 
 
-def calibrate_parameters(base: Device, group=None, tensors: int = 32, numel: int = 64, repeats: int = 5) -> Device:
+def calibrate_parameters(base: Device, mesh=None, tensors: int = 32, numel: int = 64, repeats: int = 5) -> Device:
     """`base` with what each parameter tensor costs a training step beyond its bytes, measured on
     `tensors` small fp32 parameters: AdamW's per-tensor step (its loop of small ops, one thread's
-    eager dispatch) and, with a process `group` (every rank calls it), the extra a DTensor
+    eager dispatch) and, with a one-dimensional DeviceMesh `mesh` (every rank of it calls), the extra a DTensor
     parameter costs (to_local in the forward, its gradient back as a DTensor, AdamW's DTensor
     dispatch), each as the best of `repeats` steps."""
     plain = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
@@ -189,14 +189,10 @@ def calibrate_parameters(base: Device, group=None, tensors: int = 32, numel: int
     optimizer = torch.optim.AdamW(plain, lr=1e-4)
     per_tensor = _best_time(optimizer.step, torch.device("cpu"), repeats) / tensors
     extra = {"optimizer_tensor_overhead": per_tensor}
-    if group is not None:
-        from torch.distributed.device_mesh import DeviceMesh
+    if mesh is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        import torch.distributed as dist
-
-        mesh = DeviceMesh.from_group(group, "cpu")
-        numel_all = numel * dist.get_world_size(group)
+        numel_all = numel * mesh.size()
         sharded = [torch.nn.Parameter(distribute_tensor(torch.randn(numel_all), mesh, [Shard(0)]))
                    for _ in range(tensors)]
 

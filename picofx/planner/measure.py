@@ -24,6 +24,7 @@ import time
 import torch
 
 from picofx.cost.device import Device, calibrate, calibrate_parameters, cpu
+from picofx.parallel.mesh import resolve_dim
 from picofx.parallel.launch import run_ranks
 
 TIMEOUT_S = 900
@@ -104,10 +105,9 @@ def eager_op_overhead(config, layers: int = 2, seq: int = 4, repeats: int = 10) 
 def one_rank_device(rank: int, world: int, config) -> Device:
     """On one single-threaded rank of its own group: this CPU as one rank sees it (see the module),
     its matmul rate at the model's hidden size (at most 1024), as the step's matmuls run."""
-    import torch.distributed as dist
-
     size = max(64, min(1024, config.hidden_size))
-    device = calibrate_parameters(calibrate(cpu(1), matmul_size=size), group=dist.group.WORLD)
+    ranks = resolve_dim(None, None, "dp_shard", "picofx plan --measure").as_device_mesh("cpu")
+    device = calibrate_parameters(calibrate(cpu(1), matmul_size=size), mesh=ranks)
     return dataclasses.replace(device, op_overhead=eager_op_overhead(config))
 
 

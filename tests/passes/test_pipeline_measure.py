@@ -85,12 +85,15 @@ def test_measured_cuts_keep_the_wide_block_whole_on_the_slowest_stage_and_are_op
     assert len(wide_stages) == 1, layout.table()  # never cut inside the wide block
     assert plan.stages[wide_stages.pop()] is max(plan.stages, key=lambda s: s.time), layout.table()
     # Which narrow neighbour shares the wide block's stage is decided by timing noise and the links'
-    # cost, so the check is against every other cut on the measured times, not one expected cut. The DP
-    # minimises the slowest stage and then refines the step locally: within 2% of the exhaustive best.
+    # cost, so the check is against every other cut on the measured times, not one expected cut:
+    # the DP finds the least slowest stage, and refining it only lowers the step, so the plan's step
+    # is at most that of the best cut whose slowest stage is least.
     args = dict(schedule="GPipe", microbatches=4, virtual=1, link=CostModel().device.intra_node_link,
                 state_per_parameter_byte=state_per_parameter_byte(model))
     others = [plan_for(units, [0, a, b], **args) for a, b in itertools.combinations(range(1, len(units)), 2)]
-    assert plan.step_time <= 1.02 * min(other.step_time for other in others), layout.table()
+    least = min(max(s.time for s in other.stages) for other in others)
+    assert plan.step_time <= min(o.step_time for o in others if max(s.time for s in o.stages) == least) + 1e-12, \
+        layout.table()
 
 
 def test_measuring_a_model_on_the_meta_device_is_refused():

@@ -22,6 +22,23 @@ def assert_gradients_equal(actual: dict, expected: dict, names=None) -> None:
         torch.testing.assert_close(actual[name], expected[name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_trained_and_saved_as(ranks: list, model, directory: str) -> None:
+    """Every rank's parameters, and the DCP checkpoint the ranks saved loaded into a plain model,
+    equal `model`'s (trained in one process) within AdamW's atol."""
+    import torch.distributed.checkpoint as dcp
+
+    expected = {n: p.detach() for n, p in model.named_parameters()}
+    for rank in ranks:
+        for name, value in expected.items():
+            torch.testing.assert_close(rank["parameters"][name], value, rtol=0, atol=1e-5, msg=name)
+    plain = zoo.build("llama-tiny", seed=1).model
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    plain.load_state_dict(state, strict=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(plain.get_parameter(name), value, rtol=0, atol=1e-5, msg=name)
+
+
 def single(z: zoo.ZooModel) -> tuple[torch.Tensor, dict]:
     batch = dict(z.example_inputs)
     out = z.model(**batch) if z.loss_fn is None else z.loss_fn(z.model(batch["input_ids"]), batch["labels"])
@@ -105,18 +122,7 @@ def test_adamw_clipping_and_a_dcp_checkpoint_work_unchanged(tmp_path):
         torch.nn.utils.clip_grad_norm_(z.model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    expected = {n: p.detach() for n, p in z.model.named_parameters()}
-    for rank in ranks:
-        for name, value in expected.items():
-            torch.testing.assert_close(rank["parameters"][name], value, rtol=0, atol=1e-5, msg=name)
-    import torch.distributed.checkpoint as dcp
-
-    plain = zoo.build("llama-tiny", seed=1).model
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
-    plain.load_state_dict(state, strict=True)
-    for name, value in expected.items():
-        torch.testing.assert_close(plain.get_parameter(name), value, rtol=0, atol=1e-5, msg=name)
+    assert_trained_and_saved_as(ranks, z.model, directory)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -173,18 +179,7 @@ def test_sharded_data_parallel_times_tensor_parallel_stores_a_quarter_and_trains
         single(zoo.ZooModel(z.model, later_batch(z.example_inputs, step + 5), z.loss_fn))
         torch.nn.utils.clip_grad_norm_(z.model.parameters(), max_norm=1.0)
         optimizer.step()
-    expected = {n: p.detach() for n, p in z.model.named_parameters()}
-    for rank in ranks:
-        for name, value in expected.items():
-            torch.testing.assert_close(rank["parameters"][name], value, rtol=0, atol=1e-5, msg=name)
-    import torch.distributed.checkpoint as dcp
-
-    plain = zoo.build("llama-tiny", seed=1).model
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
-    plain.load_state_dict(state, strict=True)
-    for name, value in expected.items():
-        torch.testing.assert_close(plain.get_parameter(name), value, rtol=0, atol=1e-5, msg=name)
+    assert_trained_and_saved_as(ranks, z.model, directory)
 
 
 def test_tensor_parallel_times_pipeline_on_four_ranks_equals_one_process():

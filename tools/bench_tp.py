@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ from picofx.examples.llama import CONFIGS, causal_lm_loss
 from picofx.parallel.launch import run_ranks
 from picofx.passes import TensorParallel
 from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
-from rank_model import reference_model_and_batch  # tools/rank_model.py
+from rank_model import interleaved_step_times, reference_model_and_batch  # tools/rank_model.py
 from results import write_json  # tools/results.py
 
 TP, SP, ASYNC, DTENSOR = ("picofx TP + fuse + Inductor", "picofx TP+SP + fuse + Inductor",
@@ -127,14 +126,7 @@ def measure(rank: int, world: int, args) -> dict:
     quiet_rank()
     model_for, batch = reference_model_and_batch(args.size, args.batch, args.seq, 0)  # one batch for all ranks
     runs = contenders(model_for, batch)
-    times = {name: [] for name in runs}
-    for round_ in range(args.steps + 2):  # two warm-up rounds
-        for name, c in runs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            c.step()
-            if round_ >= 2:
-                times[name].append(time.perf_counter() - start)
+    times = interleaved_step_times(runs, args.steps)
     peaks, activations = {}, {}
     for name, c in runs.items():
         dist.barrier()

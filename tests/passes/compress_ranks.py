@@ -104,13 +104,14 @@ def tied_embedding(rank: int, world: int, batch: int) -> dict:
 
 
 def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int, lr: float, warmup: int = 0) -> dict:
-    """AdamW on fresh token walks every step, per kind: each step's loss averaged over the ranks,
-    and the step variants compiled (Overlap's warmup adds one)."""
+    """AdamW on fresh token walks every step, per kind (or (kind, its own warmup)): each step's loss
+    averaged over the ranks, and the step variants compiled (Overlap's warmup adds one)."""
     import torch.distributed as dist
 
     out = {}
-    for kind in kinds:
-        z, opt = optimized(kind, rank, world, batch, warmup=warmup)
+    for entry in kinds:
+        kind, steps_whole = entry if isinstance(entry, tuple) else (entry, warmup)
+        z, opt = optimized(kind, rank, world, batch, warmup=steps_whole)
         optimizer = torch.optim.AdamW(z.model.parameters(), lr=lr)
         losses = []
         for step in range(steps):
@@ -120,7 +121,7 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
             optimizer.step()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-        out[str(kind)] = {"losses": losses, "variants": sorted(key[2] for key in opt._steps),
+        out[str(entry if isinstance(entry, tuple) else kind)] = {"losses": losses, "variants": sorted(key[2] for key in opt._steps),
                           "params": {n: p.detach().clone() for n, p in z.model.named_parameters()}}
     return out
 

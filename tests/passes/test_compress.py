@@ -131,20 +131,20 @@ def test_block_layout_keeps_tensors_apart():
 def test_training_converges_like_uncompressed():
     """80 AdamW steps (lr 3e-3) on fresh random token walks, mean loss of the last 20 steps
     against uncompressed. The issue's margins are for 200 steps (int8 3%, top-k 0.01 and
-    PowerSGD 4 10%); measured here at 80: sparse_rows equal, int8 1.0004x, PowerSGD 1.22x,
-    top-k 1.36x (at 200: int8 1.00x, PowerSGD 1.52x, with warmup=2 1.32x, top-k 1.83x; torch's
-    DDP powerSGD_hook at rank 4, starting at step 2, 1.35x). The bounds below are those
-    measurements with some room."""
-    kinds = (None, "sparse_rows", "int8", "topk:0.01", "powersgd:4")
-    ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 80, 3e-3, timeout=420)
-    warm = run_ranks(compress_ranks.training_losses, 2, 8, ("powersgd:4",), 80, 3e-3, 2, timeout=300)
+    PowerSGD 4 10%). Measured at 80: sparse_rows equal, int8 1.0004x; from the first step, top-k
+    1.36x and PowerSGD 1.22x; after uncompressed warm-up steps (torch's start_powerSGD_iter),
+    half the run for top-k 1.15x, a quarter for PowerSGD 1.13x (at 200 steps, warm-ups of 100 and
+    50: 1.03x and 1.07x; tools/bench_compress.py). The bounds are those with some room."""
+    kinds = (None, "sparse_rows", "int8", "topk:0.01", "powersgd:4", ("topk:0.01", 40), ("powersgd:4", 20))
+    ranks = run_ranks(compress_ranks.training_losses, 2, 8, kinds, 80, 3e-3, timeout=480)
     mean = {k: sum(v["losses"][-20:]) / 20 for k, v in ranks[0].items()}
     base = mean["None"]
     assert base < ranks[0]["None"]["losses"][0] - 1.0  # it learns
     assert mean["sparse_rows"] == pytest.approx(base, rel=1e-4)
     assert mean["int8"] == pytest.approx(base, rel=0.01)
     assert mean["powersgd:4"] < 1.3 * base and mean["topk:0.01"] < 1.45 * base
-    assert sum(warm[0]["powersgd:4"]["losses"][-20:]) / 20 < mean["powersgd:4"]  # two whole steps first help
+    warm_topk, warm_powersgd = mean["('topk:0.01', 40)"], mean["('powersgd:4', 20)"]
+    assert warm_topk < min(1.22 * base, mean["topk:0.01"]) and warm_powersgd < min(1.2 * base, mean["powersgd:4"])
     for kind in kinds[2:]:  # replicas stay bit-identical through the optimizer
         a, b = ranks[0][str(kind)]["params"], ranks[1][str(kind)]["params"]
         assert all(torch.equal(a[n], b[n]) for n in a), kind

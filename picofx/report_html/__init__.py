@@ -43,11 +43,11 @@ def _numel(shape) -> int:
 
 
 def render(report=None, *, graphs: dict | list | None = None, pipeline=None, plans: dict | None = None,
-           losses: list[float] | None = None, measured_peak: int | None = None, world: int | None = None,
+           losses: list[float] | dict | None = None, measured_peak: int | None = None, world: int | None = None,
            cost_model=None, title: str = "picofx report", subtitle: str = "") -> str:
     """The page's HTML. `report`: a Report's to_dict() as Report.to_html gives it; `graphs`: the step's graphs
     ({"forward", "backward", ...}, or a list of pipeline stage graphs); `pipeline`: a PipelineLayout
-    (found on the graphs where not given); `plans`: `picofx plan --json`'s dict; `losses`: per step;
+    (found on the graphs where not given); `plans`: `picofx plan --json`'s dict; `losses`: per step (or {run name: per step});
     `measured_peak`: bytes (else a pass's "measured_peak"); `world`: ranks the timeline predicts
     for (else the layouts' own)."""
     graphs = dict(enumerate(graphs)) if isinstance(graphs, list) else dict(graphs or {})

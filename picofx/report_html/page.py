@@ -24,6 +24,14 @@ svg text.measured { fill: #a45f00; } svg text.predicted { fill: #2a62c9; }
 .axis { stroke: #556; } .grid { stroke: #e3e5ea; } .lane { fill: #f6f7fa; } .phase { fill: #f1f3f8; }
 .line { fill: none; stroke-width: 2; } .line.memory { stroke: #2a62c9; } .line.loss { stroke: #7a3fb8; }
 .mark { stroke-width: 1.5; stroke-dasharray: 6 4; }
+.line.run0 { stroke: #7a3fb8; } .key.run0 { background: #7a3fb8; }
+.line.run1 { stroke: #2a62c9; } .key.run1 { background: #2a62c9; }
+.line.run2 { stroke: #2a9d6f; } .key.run2 { background: #2a9d6f; }
+.line.run3 { stroke: #d07a00; } .key.run3 { background: #d07a00; }
+.line.run4 { stroke: #d63a2f; } .key.run4 { background: #d63a2f; }
+.line.run5 { stroke: #176b49; } .key.run5 { background: #176b49; }
+.line.run6 { stroke: #c2409a; } .key.run6 { background: #c2409a; }
+.line.run7 { stroke: #556070; } .key.run7 { background: #556070; }
 .mark.predicted { stroke: #2a62c9; } .mark.measured { stroke: #d07a00; }
 .compute, .forward { fill: #2a62c9; } .backward { fill: #6b93de; }
 .comm, .fits { fill: #2a9d6f; } .best { fill: #176b49; }

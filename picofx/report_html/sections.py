@@ -167,11 +167,20 @@ def plans_section(plans: dict | None, top: int = 12, unfit: int = 4) -> str:
                    "<h3>Predicted step per plan</h3>", step, "<h3>Predicted memory per GPU</h3>", memory)
 
 
-def loss_section(losses: list[float] | None) -> str:
+SERIES = 8  # distinct line colours (page.py's .run0 ... .run7); more runs reuse them in order
+
+
+def loss_section(losses: list[float] | dict[str, list[float]] | None) -> str:
+    """`losses`: per step, one run's, or several runs' by name (drawn side by side, one colour each)."""
     if not losses:
         return ""
-    points = [(i + 1, float(v)) for i, v in enumerate(losses)]
-    chart = line_chart([{"name": "training loss", "points": points, "cls": "loss"}], x_label="step",
-                       y_label="loss", x_fmt=lambda v: f"{v:g}", y_fmt=lambda v: f"{v:.3g}", from_zero=False)
-    text = f"{len(losses)} steps: loss {losses[0]:.4f} at the first, {losses[-1]:.4f} at the last."
-    return section("loss", "Loss over the training run", para(text), chart)
+    runs = losses if isinstance(losses, dict) else {"training loss": losses}
+    series = [{"name": name, "points": [(i + 1, float(v)) for i, v in enumerate(values)],
+               "cls": f"loss run{k % SERIES}" if len(runs) > 1 else "loss"}
+              for k, (name, values) in enumerate(runs.items())]
+    chart = line_chart(series, x_label="step", y_label="loss", x_fmt=lambda v: f"{v:g}", y_fmt=lambda v: f"{v:.3g}",
+                       from_zero=False)
+    lines = [f"{name}: {len(v)} steps, loss {v[0]:.4f} at the first, {v[-1]:.4f} at the last." for name, v in runs.items()]
+    key = legend(*((f"run{k % SERIES}", name) for k, name in enumerate(runs))) if len(runs) > 1 else ""
+    return section("loss", "Loss over the training run" + ("s" if len(runs) > 1 else ""),
+                   *(para(text) for text in lines), key, chart)

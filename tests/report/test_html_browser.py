@@ -110,3 +110,11 @@ def test_the_page_of_a_training_run(train_page, tmp_path):
     path, losses = train_page
     check(path, tmp_path, ["train_llama.py", "Loss over the training run", f"{len(losses)} steps",
                            f"{losses[-1]:.4f}", "Memory over the step"], charts=2)
+
+
+def test_a_page_of_several_runs_losses(tmp_path):
+    from picofx.report_html import write_html
+
+    runs = {"none": [5.5, 3.0, 1.0], "int8:ef": [5.5, 3.1, 1.0], "powersgd:4": [5.5, 3.6, 1.4]}
+    page = write_html(str(tmp_path / "runs.html"), losses=runs, title="picofx: gradient compression")
+    check(page, tmp_path, ["Loss over the training runs", "powersgd:4: 3 steps", "int8:ef"], charts=1)

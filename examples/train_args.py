@@ -134,7 +134,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                         "as FSDP) instead of each holding a replica (pass overlap)")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
-                        "compress): bf16, int8, int8:ef, topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
+                        "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
+                        "topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
     p.add_argument("--layout", choices=["auto"],
                    help="auto: under torchrun, the layout picofx.plan predicts fastest for the launch's ranks among "
                         "those this script runs (rank 0 plans and prints which and why); --batch is then the "
@@ -206,9 +207,10 @@ def check_layout(args, world: int | None) -> None:
                          "embedding where the sequence shards begin")
     if args.compress is not None:
         parse_compress(args.compress)
-        if args.dp < 2 or args.shard or args.pp > 1 or args.tp > 1:
-            raise ValueError("--compress compresses the replicas' gradient all-reduce: run it with --dp 2 or more "
-                             "alone (sharded, pipelined and tensor-parallel exchanges are not compressed)")
+        if args.dp < 2 or args.pp > 1 or args.tp > 1:
+            raise ValueError("--compress compresses the data-parallel ranks' gradient all-reduce (--dp) or "
+                             "reduce-scatter (--shard): run it with --dp 2 or more, without --pp or --tp "
+                             "(pipelined and tensor-parallel exchanges are not compressed)")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.pp > 1:

@@ -12,6 +12,7 @@ continue a run exactly where it stopped.
     python examples/train_llama.py --passes checkpoint --memory-budget 0.5    # half the peak without it
     torchrun --nproc-per-node 2 examples/train_llama.py --dp 2                # 2 replicas, pass overlap
     torchrun --nproc-per-node 2 examples/train_llama.py --dp 2 --compress int8:ef  # their gradients sent as int8
+    torchrun --nproc-per-node 2 examples/train_llama.py --shard --compress int8  # reduce-scattered as int8
     torchrun --nproc-per-node 2 examples/train_llama.py --pp 2                # 2 pipeline stages
     torchrun --nproc-per-node 4 examples/train_llama.py --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
@@ -124,7 +125,8 @@ def parallel_passes(args) -> tuple[list, object]:
         return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
     if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
         mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
-        return ([pipeline_pass(args)] if args.pp > 1 else []) + ["shard"], mesh
+        sharding = picofx.passes.Shard(compress=args.compress) if args.compress else "shard"
+        return ([pipeline_pass(args)] if args.pp > 1 else []) + [sharding], mesh
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
         return [picofx.passes.Overlap(compress=args.compress) if args.compress else "overlap"], mesh
@@ -187,8 +189,9 @@ def layout_line(args) -> str:
         return f"{args.world} ranks: {args.pp} pipeline stages, each {args.tp}-way tensor parallel"
     if args.shard:
         stages = f"{args.pp} pipeline stages, each " if args.pp > 1 else ""
+        compressed = f", gradients reduce-scattered as {args.compress}" if args.compress else ""
         return (f"{args.world} ranks: {stages}sharded data parallel, each rank holding 1/{args.dp} of "
-                f"{'its stage' if args.pp > 1 else 'the model'}, each replica on its own batches")
+                f"{'its stage' if args.pp > 1 else 'the model'}, each replica on its own batches{compressed}")
     if args.tp > 1:
         replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
         sequence = " with sequence parallelism" if args.sequence_parallel else ""

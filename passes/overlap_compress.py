@@ -168,6 +168,15 @@ class SparseRows:
 
     def exchange(self, em: Emitter, b: BucketIn):
         vocab, hidden = b.shapes[0]
+        id_work, row_work = self.gather(em, b)
+        yield
+        table = em(aten.full.default, [vocab, hidden], 0.0, dtype=b.dtype, device=b.device)
+        table = em(aten.index_put.default, table, [em(convert, em.wait(id_work), torch.int64)], em.wait(row_work), True)
+        return em(aten.reshape.default, em(aten.div.Tensor, table, em.world), [-1])
+
+    def gather(self, em: Emitter, b: BucketIn) -> tuple[fx.Node, fx.Node]:
+        """Issue the all-gathers of every rank's int32 ids and their rows (dropped and padding rows zeroed)."""
+        hidden = b.shapes[0][1]
         padding_idx = b.source.padding_idx
         ids, rows, mask = b.source.ids, b.source.rows, b.source.mask
         if mask is not None:  # a dropped row adds zeros at id 0
@@ -180,11 +189,7 @@ class SparseRows:
         if padding_idx >= 0:  # as embedding_dense_backward: the padding row gets no gradient
             keep = em(aten.ne.Scalar, ids, padding_idx)
             rows = em(aten.mul.Tensor, rows, em(aten.unsqueeze.default, em(convert, keep, b.dtype), -1))
-        id_work, row_work = em.all_gather(ids), em.all_gather(rows)
-        yield
-        table = em(aten.full.default, [vocab, hidden], 0.0, dtype=b.dtype, device=b.device)
-        table = em(aten.index_put.default, table, [em(convert, em.wait(id_work), torch.int64)], em.wait(row_work), True)
-        return em(aten.reshape.default, em(aten.div.Tensor, table, em.world), [-1])
+        return em.all_gather(ids), em.all_gather(rows)
 
 
 def quantize(em: Emitter, blocks: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -22,7 +22,8 @@ parameters gathered.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
+from picofx.passes.overlap_compress import CompressionState
+from picofx.passes.shard_compress import compress_scatters, parse_shard_compress
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -70,19 +73,26 @@ class Shard:
     gradients reduce-scattered in reduce_dtype (None: param_dtype, as FSDP2 defaults it; fp32 with
     bf16 parameters casts each bf16 gradient up before the reduce-scatter). The graph computes in
     the dtype it did (list "precision" before "shard" to compute in bf16); the call's inputs are
-    not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported."""
+    not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported.
+    compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
+    "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that compressor
+    (passes/shard_compress.py)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
     bucket: int | str = "auto"
     prefetch: int = 1
     mixed_precision: Any = None
+    compress: str | None = None
+    # per optimized model: the forward's layout (the backward compresses by it) and the compressor state
+    layouts: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
     info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("dp_shard",),
                     communicates=True)
     stage = info.stage
 
     def __post_init__(self):
         precision_policy(self.mixed_precision)
+        parse_shard_compress(self.compress)
         if self.bucket not in ("auto", 0):
             parse_budget(self.bucket)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -96,9 +106,14 @@ class Shard:
         if ctx.graph_role == "backward":
             gather, reduce = precision_policy(self.mixed_precision)
             recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
-            averaged = average_gradients(gm)
-            return PassResult(recast.changed or averaged.changed,
-                              {**averaged.notes, **recast.notes, "reductions": describe_reductions(gm)})
+            compressed = PassResult(False, {})
+            if self.compress is not None and ctx.model in self.layouts:
+                layout = self.layouts[ctx.model]
+                compressed = compress_scatters(gm, ctx, self.compress, layout, layout.state)
+            averaged = average_gradients(gm)  # what compress_scatters wrote is averaged already
+            return PassResult(recast.changed or averaged.changed or compressed.changed,
+                              {**averaged.notes, **recast.notes, **compressed.notes,
+                               "reductions": describe_reductions(gm)})
         return PassResult(False, {})
 
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
@@ -129,7 +144,11 @@ class Shard:
         gm.graph.eliminate_dead_code()
         wire_text = None if wire is None and reduce is None else (
             str(wire) if reduce in (None, wire) else f"{wire}, reduced in {reduce}")  # the ranks must agree on both
-        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text)
+        kept = self.layouts.get(ctx.model)  # the compressor state outlives recompiles of the model's steps
+        state = None if self.compress is None else kept.state if kept is not None else CompressionState(dim.rank)
+        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text,
+                                            self.compress, state)
+        self.layouts[ctx.model] = layouts_of(gm).shards
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
                                  "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,

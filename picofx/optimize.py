@@ -233,7 +233,8 @@ class OptimizedModule(nn.Module):
         """The gradient compressors' state kept between steps (error-feedback residuals, PowerSGD's
         Q; pass overlap's `compress`), or None. Save it with the model's DCP checkpoint:
         `dcp.save({"model": ..., "compression": opt.compression})`; it loads in place."""
-        return next((s for step in self._steps.values() if (s := compression_state(step.graphs))), None)
+        return next((s for step in self._steps.values()
+                     if (s := compression_state(step.graphs, getattr(step, "shards", None)))), None)
 
     def reset_compression(self) -> None:
         """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value, and

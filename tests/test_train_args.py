@@ -34,6 +34,11 @@ def test_compress_names_overlap_s_compressor_for_the_replicas():
     assert (args.dp, args.compress) == (4, "topk:0.01")
 
 
+def test_compress_under_shard_names_shard_s_compressor():
+    args = parse_args(["--shard", "--compress", "int8"], environ=TORCHRUN_4)
+    assert (args.dp, args.shard, args.compress) == (4, True, "int8")
+
+
 def test_one_process_is_one_replica():
     args = parse_args([], environ={})
     assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
@@ -46,7 +51,7 @@ def test_one_process_is_one_replica():
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
     (["--tp", "2", "--pp", "2", "--sequence-parallel"], "--sequence-parallel with --pp is not supported yet"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
-    (["--shard", "--compress", "int8"], "--compress compresses the replicas' gradient all-reduce"),
+    (["--tp", "2", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
     (["--compress", "int9"], "'int9' is not a compressor"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),

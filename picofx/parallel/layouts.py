@@ -91,6 +91,8 @@ class ShardLayout:
     reshard_after_forward: bool = True
     entries: tuple[ShardEntry, ...] = ()
     gather_dtype: str | None = None  # mixed precision: the dtype parameters are gathered and reduced in
+    compress: str | None = None  # how gradients are reduce-scattered (Shard's compress)
+    state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the backward updates
 
     @property
     def world(self) -> int:
@@ -98,12 +100,14 @@ class ShardLayout:
 
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
-        text = repr((self.world, self.reshard_after_forward, self.gather_dtype, shared))  # local_rows differ by rank
+        text = repr((self.world, self.reshard_after_forward, self.gather_dtype, self.compress, shared))  # local_rows differ by rank
         return hashlib.sha256(text.encode()).hexdigest()
 
     def first_difference(self, theirs: "ShardLayout", rank: int) -> str:
         if self.gather_dtype != theirs.gather_dtype:
             return f"mixed precision gathers in {self.gather_dtype} here, {theirs.gather_dtype} on rank {rank}"
+        if self.compress != theirs.compress:
+            return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
         if self.reshard_after_forward != theirs.reshard_after_forward:
             return (f"reshard_after_forward={self.reshard_after_forward} here, "
                     f"{theirs.reshard_after_forward} on rank {rank}")

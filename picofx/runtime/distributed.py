@@ -44,7 +44,8 @@ def check_layout(layout: BucketLayout | ShardLayout | TensorParallelLayout) -> N
     mine = layout.digest()
     gathered: list = [None] * layout.world
     # the MeshDim holds process groups, which do not pickle; first_difference reads neither it nor the state
-    plain = dataclasses.replace(layout, dim=None, **({"state": None} if isinstance(layout, BucketLayout) else {}))
+    plain = dataclasses.replace(layout, dim=None, **({"state": None} if isinstance(layout, (BucketLayout, ShardLayout))
+                                                     else {}))
     dist.all_gather_object(gathered, (mine, plain), group=layout.dim.group)
     me = layout.dim.rank
     what, collectives = (("gradient bucket", "all-reduces") if isinstance(layout, BucketLayout)
@@ -66,10 +67,11 @@ def check_layouts(graphs: dict) -> None:
                 check_layout(layout)
 
 
-def compression_state(graphs: dict):
+def compression_state(graphs: dict, shards: ShardLayout | None = None):
     """The gradient compressors' state (passes/overlap_compress.CompressionState) the graphs
-    update, or None where no bucket keeps any."""
-    states = (recorded(gm).buckets.state for gm in graphs.values() if recorded(gm).buckets is not None)
+    update, or the sharded step's (`shards`, its ShardLayout), or None where no bucket keeps any."""
+    states = [recorded(gm).buckets.state for gm in graphs.values() if recorded(gm).buckets is not None]
+    states += [shards.state] if shards is not None else []
     return next((s for s in states if s is not None and s.tensors), None)
 
 

@@ -1,0 +1,103 @@
+"""What each rank runs in tests/passes/test_shard_compress.py (spawned: module-level functions).
+
+Each kind of `Shard(compress=...)` on the tiny LLaMA: gathered gradients of a step, the backward's
+notes; for int8:ef two more steps, the state's DCP round trip and AdamW steps; top-k and
+PowerSGD next to Overlap with the same compressor; each rank's own eager gradients for the
+int8 block bound."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import picofx
+from picofx.examples import zoo
+from picofx.passes import Overlap, Shard
+
+from compress_ranks import walks
+from overlap_ranks import clear, grads, shard
+from shard_ranks import gathered_grads
+
+KINDS = (None, "sparse_rows", "bf16", "int8:ef")
+
+
+def backward_notes(opt, name: str) -> dict:
+    return next(r.notes for r in opt.report.records if r.name == name and r.graph_role == "backward"
+                and r.stage.value == "partitioned")
+
+
+def local_grads(model, batch: dict, loss_fn) -> dict:
+    """This rank's own gradients of its batch, eager (before any exchange)."""
+    model = copy.deepcopy(model)
+    loss_fn(model(batch["input_ids"]), batch["labels"]).backward()
+    return grads(model)
+
+
+def step(opt, model, batch: dict) -> dict:
+    clear(model)
+    opt.forward_backward(**batch)
+    return gathered_grads(model)
+
+
+def shard_compress_checks(rank: int, world: int, batch: int, checkpoint_dir: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    for kind in KINDS:
+        z = zoo.build("llama-tiny", batch=batch)
+        first = shard(z.example_inputs, rank, world)
+        if kind is None:
+            out["local"] = local_grads(z.model, first, z.loss_fn)
+        opt = picofx.optimize(z.model, first, [Shard(compress=kind)], backend="eager", loss_fn=z.loss_fn)
+        result = out[str(kind)] = {"first": step(opt, z.model, first), "notes": backward_notes(opt, "shard")}
+        if kind != "int8:ef":
+            continue
+        second = shard(walks(256, batch, 32, seed=7), rank, world)
+        result["second"] = step(opt, z.model, second)
+        state = opt.compression
+        result["state"] = {k: v.clone() for k, v in state.tensors.items()}
+        dcp.save({"compression": state}, checkpoint_id=checkpoint_dir)
+        opt.reset_compression()
+        result["reset_state"] = {k: v.clone() for k, v in state.tensors.items()}
+        dcp.load({"compression": state}, checkpoint_id=checkpoint_dir)
+        result["loaded_state"] = {k: v.clone() for k, v in state.tensors.items()}
+        opt.reset_compression()
+        result["second_after_reset"] = step(opt, z.model, second)
+        result["losses"] = adamw_losses(opt, z.model, first)
+    out["tied"] = tied_notes(rank, world, batch)
+    out["codecs"] = {kind: next_to_overlap(rank, world, batch, kind, bucket)
+                     for kind, bucket in (("topk:0.01", 0), ("powersgd:4", "auto"))}
+    return out
+
+
+def adamw_losses(opt, model, batch: dict, steps: int = 4) -> list[float]:
+    optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(opt.forward_backward(**batch).item())
+        optimizer.step()
+    return losses
+
+
+def tied_notes(rank: int, world: int, batch: int) -> dict:
+    from picofx.examples.llama_configs import LlamaVariant, build
+
+    z = build(LlamaVariant(tied=True), batch=batch)
+    example = shard(z.example_inputs, rank, world)
+    opt = picofx.optimize(z.model, example, [Shard(compress="sparse_rows")], backend="eager", loss_fn=z.loss_fn)
+    opt.forward_backward(**example)
+    return backward_notes(opt, "shard")
+
+
+def next_to_overlap(rank: int, world: int, batch: int, kind: str, bucket) -> dict:
+    """Shard and Overlap with `kind` on the same step; top-k one parameter per bucket in both."""
+    out = {}
+    overlap = Overlap(compress=kind, **({"bucket": 1, "first_bucket": 1} if bucket == 0 else {}))
+    for name, p in (("shard", Shard(compress=kind, bucket=bucket)), ("overlap", overlap)):
+        z = zoo.build("llama-tiny", batch=batch)
+        example = shard(z.example_inputs, rank, world)
+        opt = picofx.optimize(z.model, example, [p], backend="eager", loss_fn=z.loss_fn)
+        out[name] = {"grads": step(opt, z.model, example), "notes": backward_notes(opt, name),
+                     "state": sorted(opt.compression.tensors)}
+    return out

@@ -1,0 +1,125 @@
+"""Shard(compress=...) (passes/shard_compress.py) on two gloo ranks: one spawn runs every kind on
+the tiny LLaMA (tests/passes/shard_compress_ranks.py); the comparisons happen here.
+
+Tolerances: sparse_rows is exact up to fp32 summation order (rtol 1e-5); bf16 within 2^-7 normwise
+per tensor; int8 within its block bound: each rank's error is at most half a step, absmax/254, of
+its block, so the mean's is at most the ranks' absmax/254 averaged; top-k and PowerSGD equal
+Overlap's with the same compressor where the buckets compress the same."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from picofx.passes import Shard
+
+import shard_compress_ranks
+from spawn_ranks import run_ranks
+
+BATCH = 4  # two ranks of 2
+EXACT = dict(rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("shard_compress_dcp"))
+    return run_ranks(shard_compress_ranks.shard_compress_checks, 2, BATCH, directory, timeout=300)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def int8_bound(locals_: list[torch.Tensor], block: int = 256) -> torch.Tensor:
+    """Per entry of the whole gradient: the mean over ranks of absmax/254 of the block it is quantized in
+    (rank r's rows [r*P, (r+1)*P) flattened, cut into blocks of `block`)."""
+    world, shape = len(locals_), locals_[0].shape
+    rows = -(-shape[0] // world)
+    grads = torch.stack([g.reshape(shape[0], -1) for g in locals_])  # (ranks, rows, rest)
+    grads = torch.nn.functional.pad(grads, (0, 0, 0, world * rows - shape[0])).reshape(world, world, -1)
+    width = grads.shape[-1]
+    grads = torch.nn.functional.pad(grads, (0, -width % block)).reshape(world, world, -1, block)
+    bound = (grads.abs().amax(-1) / 254).mean(0)  # (chunks, blocks)
+    bound = bound.repeat_interleave(block, -1)[:, :width]
+    return bound.reshape(world * rows, -1)[:shape[0]].reshape(shape)
+
+
+def test_uncompressed_is_the_mean_of_the_ranks_gradients(ranks):
+    for name, g in ranks[0]["None"]["first"].items():
+        mean = (ranks[0]["local"][name] + ranks[1]["local"][name]) / 2
+        torch.testing.assert_close(g, mean, **EXACT)
+
+
+def test_sparse_rows_equals_uncompressed(ranks):
+    for name, g in ranks[0]["None"]["first"].items():
+        torch.testing.assert_close(ranks[0]["sparse_rows"]["first"][name], g, **EXACT,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    notes = ranks[0]["sparse_rows"]["notes"]
+    assert notes["embedding_rows"].startswith("sparse: embedding.weight"), notes["embedding_rows"]
+    rows = [b for b in notes["compression"] if b["compressor"] == "sparse_rows"]
+    assert len(rows) == 1 and rows[0]["wire_bytes"] < rows[0]["fp32_reduce_scatter_bytes"]
+    assert {b["compressor"] for b in notes["compression"]} == {"none", "sparse_rows"}
+
+
+def test_tied_embedding_stays_dense(ranks):
+    notes = ranks[0]["tied"]
+    assert notes["embedding_rows"].startswith("dense:") and "tied" in notes["embedding_rows"], notes["embedding_rows"]
+    assert all(b["compressor"] == "none" for b in notes["compression"])
+
+
+def test_bf16_within_its_rounding(ranks):
+    for name, g in ranks[0]["None"]["first"].items():
+        assert relative_error(ranks[0]["bf16"]["first"][name], g) <= 2 ** -7, name
+    notes = ranks[0]["bf16"]["notes"]
+    assert notes["wire_ratio"] == 0.5 and {r["dtype"] for r in notes["reductions"]} == {"torch.bfloat16"}
+
+
+def test_int8_within_its_block_bound_at_under_a_third_of_the_bytes(ranks):
+    quantized = ranks[0]["int8:ef"]["first"]
+    for name, g in ranks[0]["None"]["first"].items():
+        bound = int8_bound([ranks[0]["local"][name], ranks[1]["local"][name]])
+        error = (quantized[name] - g).abs()
+        assert (error <= bound * (1 + 1e-4) + 1e-7).all(), (name, (error - bound).max().item())
+        assert not torch.equal(quantized[name], g) or g.abs().max() == 0, name  # it did quantize
+    notes = ranks[0]["int8:ef"]["notes"]
+    assert notes["wire_ratio"] <= 0.30 and all(b["compressor"] == "int8:ef" for b in notes["compression"])
+    assert notes["wire_bytes"] == sum(b["wire_bytes"] for b in notes["compression"])
+
+
+def test_error_feedback_carries_over_resets_and_round_trips(ranks):
+    for r in ranks:
+        result = r["int8:ef"]
+        residuals = {k: v for k, v in result["state"].items() if k.startswith("residual/shard_bucket")}
+        assert residuals and len(residuals) == len(result["state"])
+        assert all(v.abs().sum() > 0 for v in residuals.values())
+        assert all(v.abs().sum() == 0 for v in result["reset_state"].values())
+        for key, value in result["state"].items():  # DCP restored this rank's own residuals
+            assert torch.equal(result["loaded_state"][key], value), key
+        # the second step sent the first's residual too; after the reset it does not
+        assert any(not torch.equal(result["second"][n], result["second_after_reset"][n]) for n in result["second"])
+    assert any(not torch.equal(ranks[0]["int8:ef"]["state"][k], ranks[1]["int8:ef"]["state"][k])
+               for k in ranks[0]["int8:ef"]["state"])  # each rank's own
+
+
+def test_adamw_steps_lower_the_loss(ranks):
+    for r in ranks:
+        losses = r["int8:ef"]["losses"]
+        assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.parametrize("kind", ["topk:0.01", "powersgd:4"])
+def test_whole_gradient_codecs_equal_overlap_s(ranks, kind):
+    both = ranks[0]["codecs"][kind]
+    for name, g in both["overlap"]["grads"].items():
+        torch.testing.assert_close(both["shard"]["grads"][name], g, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{kind} {n}: {m}")
+    assert both["shard"]["state"] == both["overlap"]["state"]  # the same residuals (and Q) by parameter
+    notes = both["shard"]["notes"]
+    assert all(b["compressor"] == kind for b in notes["compression"])
+    assert notes["wire_ratio"] < (0.1 if kind.startswith("topk") else 0.5)
+
+
+def test_compress_spellings():
+    assert Shard(compress="sparse_rows+int8").compress == "sparse_rows+int8"
+    for bad in ("int4", "topk:2", "sparse_rows+int8+topk:0.1", 8):
+        with pytest.raises(ValueError, match=r"Shard\(compress="):
+            Shard(compress=bad)

@@ -7,10 +7,17 @@ Per run: bytes each rank puts on the wire per step against an fp32 ring all-redu
 report; DDP's hooks: their own arithmetic), the median step time, and the mean loss of the last
 20 steps against uncompressed. Eager on both sides (DDP without torch.compile): on 2 CPU ranks
 the step times say little about a GPU cluster; the bytes and losses are the point.
+
+The cost model's step for Llama-2-7B on 2 nodes x 8 H100 (seq 4096) with each compressor comes
+first, without ranks (`--predict-only` prints just it): for each replicated layout whose data
+parallel crosses the nodes (tp inside a node), the fastest that fits uncompressed, then the same
+with each compressor (picofx.planner.compress: the compressors' own wire bytes, the exposed part
+of the exchange as the planner overlaps it, the compressor's passes over the gradient).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -29,6 +36,50 @@ RUNS = [("none", None, 0), ("bf16", "bf16", 0), ("sparse_rows", "sparse_rows", 0
         ("powersgd:4", "powersgd:4", 0), ("powersgd:4 warmup=2", "powersgd:4", 2),
         ("ddp bf16_compress_hook", "ddp:bf16", 0), ("ddp powerSGD_hook:4", "ddp:powersgd", 0)]
 BATCH, SEQ, VOCAB, LR = 8, 32, 256, 3e-3
+PREDICTED = (None, "bf16", "int8", "topk:0.01", "powersgd:4", "sparse_rows")
+
+
+def predicted_steps(model="llama2-7b", gpus=16, per_node=8, seq=4096, global_batch=32, gpu="h100") -> dict:
+    from picofx.cost.device import devices
+    from picofx.cost.model import CostModel
+    from picofx.planner.compress import exchange
+    from picofx.planner.costs import model_costs
+    from picofx.planner.layouts import Run, plan_layouts, predict
+    from picofx.planner.models import model_config
+
+    config, device = model_config(model), devices()[gpu]
+    run = Run(model_costs(config, seq, CostModel(device)), device, gpus, per_node, global_batch)
+    plans, rows = plan_layouts(run), []
+    for tp in (t for t in (8, 4, 2, 1) if gpus // t > 1 and gpus > per_node):
+        best = next((p for p in plans if p.fits and (p.layout.tp, p.layout.pp, p.layout.shard) == (tp, 1, False)), None)
+        if best is None:
+            continue
+        for kind in PREDICTED:
+            layout = dataclasses.replace(best.layout, compress=kind)
+            p = predict(run, layout)
+            b = global_batch // (layout.dp * layout.microbatches)
+            sent = exchange(config, layout, b * seq, device, run.link(layout.dp * layout.tp))
+            rows.append({"layout": dataclasses.replace(layout, compress=None).describe(), "compress": kind or "none",
+                         "wire_bytes": sent.wire_bytes, "fp32_ring_bytes": sent.fp32_ring_bytes,
+                         "exchange_s": sent.link_s, "exposed_comm_s": p.time["data_parallel_exposed"],
+                         "compressor_s": p.time["compression"], "step_s": p.step_s, "embedding": sent.rows})
+        base = rows[-len(PREDICTED)]["step_s"]
+        for r in rows[-len(PREDICTED):]:
+            r["vs_none"] = r["step_s"] / base
+    return {"model": model, "gpus": gpus, "gpus_per_node": per_node, "gpu": device.name, "seq": seq,
+            "global_batch": global_batch, "link": device.inter_node_link.name, "rows": rows}
+
+
+def print_predicted(out: dict) -> None:
+    print(f"predicted: {out['model']} on {out['gpus'] // out['gpus_per_node']} nodes x {out['gpus_per_node']} "
+          f"{out['gpu']} ({out['link']} between nodes), seq {out['seq']}, global batch {out['global_batch']}")
+    print(f"{'layout':30} {'compressor':12} {'wire/GPU':>9} {'x fp32':>7} {'exposed s':>10} {'codec s':>8} "
+          f"{'step s':>8} {'x none':>7}")
+    for r in out["rows"]:
+        note = "" if r["embedding"] in ("", "rows") else f"  embedding {r['embedding']}"
+        ratio = r["wire_bytes"] / r["fp32_ring_bytes"]
+        print(f"{r['layout']:30} {r['compress']:12} {r['wire_bytes'] / 1e9:8.3f}G {ratio:7.3f}"
+              f" {r['exposed_comm_s']:10.4f} {r['compressor_s']:8.4f} {r['step_s']:8.4f} {r['vs_none']:7.3f}{note}")
 
 
 def ddp_model(kind: str, model):
@@ -97,8 +148,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
+    parser.add_argument("--predict-only", action="store_true", help="print the cost model's Llama-2-7B table only")
+    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step of the prediction")
     args = parser.parse_args(argv)
     os.environ.setdefault("PICOFX_CACHE", "0")
+    predicted = predicted_steps(global_batch=args.global_batch)
+    print_predicted(predicted)
+    if args.predict_only:
+        return
     results = run_ranks(train, 2, args.steps, RUNS, timeout=3600, collective_timeout=600)[0]
     base = statistics.mean(results["none"]["losses"][-20:])
     print(f"{'run':24} {'wire/step':>10} {'x fp32':>7} {'step ms':>8} {'last-20 loss':>13} {'x none':>7}")
@@ -106,7 +163,8 @@ def main(argv=None) -> None:
         r["last20"] = statistics.mean(r["losses"][-20:])
         print(f"{label:24} {r['wire_bytes']:>10} {r['wire_bytes'] / r['fp32_ring_bytes']:>7.3f} {r['step_ms']:>8.1f} "
               f"{r['last20']:>13.4f} {r['last20'] / base:>7.3f}")
-    write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "runs": results}, args.json,
+    write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "runs": results, "predicted": predicted},
+               args.json,
                "bench_compress.json")
 
 

@@ -1,6 +1,7 @@
 """Data-parallel step time and exposed communication: 2 gloo ranks on the CPU, side by side.
 
-    python tools/bench_overlap.py [--size small] [--batch 2] [--seq 64] [--steps 10] [--json bench_overlap.json]
+    python tools/bench_overlap.py [--size small] [--batch 2] [--seq 64] [--steps 10] [--compress KIND]
+                                  [--json bench_overlap.json]
 
 Each rank trains the same model on its own batch of the same shape. Contenders, measured in
 interleaved rounds (one step of each per round, so a noisy neighbour hits all alike), medians:
@@ -10,6 +11,7 @@ interleaved rounds (one step of each per round, so a noisy neighbour hits all al
   DDP + torch.compile                    torch.compile(DDP(model)): DDPOptimizer splits the graph per bucket
   picofx, all-reduce after backward      picofx (Inductor) then one bucketed all-reduce once the backward ends
   picofx Overlap (eager / Inductor)      pass `overlap`: buckets all-reduced inside the backward graph
+                                         (exchanged as --compress says: Overlap(compress=KIND))
 
 Exposed communication = step - the floor of the same execution (eager or compiled). The CPU is
 shared: run it on an idle machine, and read the ratios, not the milliseconds.
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--bucket", default="auto")
+    p.add_argument("--compress", metavar="KIND", help="Overlap(compress=KIND) for picofx's Overlap rows, e.g. "
+                                                      "sparse_rows, bf16, int8, sparse_rows+int8 (default: none)")
     p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
@@ -63,7 +67,7 @@ def all_reduce_after_backward(model, world: int, bucket_bytes: int = 25 << 20):
             bucket, size = [], 0
 
 
-def contenders(model_for, batch, world: int, bucket):
+def contenders(model_for, batch, world: int, bucket, compress=None):
     """name -> (kind of floor, step function); each step runs forward and backward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -87,12 +91,13 @@ def contenders(model_for, batch, world: int, bucket):
         all_reduce_after_backward(opt._model, world)
 
     out["picofx, all-reduce after backward"] = ("picofx Inductor", after_step)
-    overlap_eager = picofx.optimize(model_for(), batch, [Overlap(bucket=bucket)], backend="eager", loss_fn=causal_lm_loss)
+    overlap_pass = Overlap(bucket=bucket, compress=compress)
+    overlap_eager = picofx.optimize(model_for(), batch, [overlap_pass], backend="eager", loss_fn=causal_lm_loss)
     out["floor (picofx eager)"] = ("picofx eager", (lambda opt=picofx.optimize(model_for(), batch, [], backend="eager",
                                                                                 loss_fn=causal_lm_loss):
                                                     opt.forward_backward(**batch)))
     out["picofx Overlap (eager)"] = ("picofx eager", lambda: overlap_eager.forward_backward(**batch))
-    overlap = picofx.optimize(model_for(), batch, [Overlap(bucket=bucket)], backend="inductor", loss_fn=causal_lm_loss)
+    overlap = picofx.optimize(model_for(), batch, [overlap_pass], backend="inductor", loss_fn=causal_lm_loss)
     out["picofx Overlap + Inductor"] = ("picofx Inductor", lambda: overlap.forward_backward(**batch))
     return out, overlap.report
 
@@ -100,7 +105,7 @@ def contenders(model_for, batch, world: int, bucket):
 def measure(rank: int, world: int, args) -> dict:
     quiet_rank()
     model_for, batch = reference_model_and_batch(args.size, args.batch, args.seq, rank)
-    steps, report = contenders(model_for, batch, world, args.bucket)
+    steps, report = contenders(model_for, batch, world, args.bucket, args.compress)
     times = {name: [] for name in steps}
     for round_ in range(args.steps + 2):  # two warm-up rounds
         for name, (_, step) in steps.items():
@@ -123,7 +128,8 @@ def main(argv=None) -> dict:
     kinds, medians = result["floors"], result["median_s"]
     floor = {kinds[n]: medians[n] for n in medians if n.startswith("floor")}
     rows = []
-    print(f"\n2 gloo ranks on CPU, Llama {args.size}, per rank {args.batch} x {args.seq} tokens; medians of {args.steps} steps")
+    print(f"\n2 gloo ranks on CPU, Llama {args.size}, per rank {args.batch} x {args.seq} tokens; medians of {args.steps} steps"
+          + (f"; Overlap(compress={args.compress!r})" if args.compress else ""))
     print(f"{'contender':36s} {'step ms':>9s} {'floor ms':>9s} {'exposed comm ms':>16s}")
     for name, seconds in medians.items():
         base = floor[kinds[name]]

@@ -21,6 +21,7 @@ import torch
 from picofx.cost.device import Device, device_for, devices
 from picofx.examples.llama import LlamaConfig
 from picofx.planner.command import PASSES, calibrated_cpu, plan_run, table
+from picofx.planner.compress import kinds_to_consider
 from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout, Prediction, Run
 from picofx.planner.models import HF_KEYS, model_config
 
@@ -155,24 +156,30 @@ def _allowed(layout: Layout, limits: dict) -> bool:
 
 
 def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_node: int | None = None,
-         memory: int | None = None, link: dict | None = None, say=print, **limits) -> Plans:
+         memory: int | None = None, link: dict | None = None, compress=None, say=print, **limits) -> Plans:
     """Every layout of `model` training over `world` GPUs, predicted and ranked as `picofx plan` ranks them.
 
     model: an nn.Module (with a LlamaConfig or Hugging Face `.config`), a zoo name, a config file or
     a LlamaConfig. gpu: "h100", "h200", "a100", "cpu" (calibrated here), "cuda" (this machine's GPU),
     a picofx Device, or None (cuda if torch sees one, else cpu). memory: bytes per GPU instead of the
-    device's. limits: Layout fields the plans must have, each a value, a collection of values or a
-    predicate (tp=1, pp=(1, 2), shard=True, microbatches=lambda m: m <= 8)."""
+    device's. compress: the gradient compressors replicated layouts are also planned with, as
+    Overlap(compress=...) spells them: a name, "a,b" or a collection (None: bf16, int8 and sparse_rows
+    on a GPU, none on the CPU; lossy "topk:F", "powersgd:R" only when listed). limits: Layout fields
+    the plans must have, each a value, a collection of values or a predicate (tp=1, pp=(1, 2),
+    shard=True, microbatches=lambda m: m <= 8)."""
     unknown = set(limits) - LAYOUT_FIELDS
     if unknown:
         raise TypeError(f"picofx.plan: unknown limits {sorted(unknown)}; limits are Layout fields: "
                         f"{sorted(LAYOUT_FIELDS)}")
     config = as_config(model)
+    on_cpu = gpu == "cpu" or (gpu is None and not torch.cuda.is_available()) or \
+        (isinstance(gpu, Device) and "cpu" in gpu.name.lower())
+    kinds = kinds_to_consider(compress, on_cpu=on_cpu)
     device, compute = _device(gpu, config, world, seq, global_batch, link, say)
     if memory is not None:
         device = dataclasses.replace(device, memory_capacity=memory)
     run, predictions = plan_run(config, gpus=world, gpus_per_node=gpus_per_node or min(world, 8), seq=seq,
-                                global_batch=global_batch, device=device, passes=compute)
+                                global_batch=global_batch, device=device, passes=compute, compress=kinds)
     kept = [p for p in predictions if _allowed(p.layout, limits)]
     if not kept:
         raise ValueError(f"picofx.plan: no layout of {world} GPUs with a global batch of {global_batch}"

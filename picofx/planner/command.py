@@ -7,6 +7,7 @@ import json
 from picofx.cost.device import devices
 from picofx.cost.model import CostModel
 from picofx.examples.llama import LlamaConfig
+from picofx.planner.compress import DEFAULT_KINDS, kinds_to_consider
 from picofx.planner.costs import PASSES, model_costs
 from picofx.planner.layouts import Run, plan_layouts, suggestions
 from picofx.planner.measure import calibrated_device, measure
@@ -31,6 +32,10 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all GPUs")
+    p.add_argument("--compress", metavar="KINDS",
+                   help="gradient compressors to plan for replicated data parallel, comma-separated, as "
+                        "Overlap(compress=...) spells them (default: " + ",".join(DEFAULT_KINDS) + "; on --gpu cpu "
+                        "none; lossy topk:F and powersgd:R only when listed; 'none': no compression)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
     p.add_argument("--json", help="write {'plans': [...], 'best': index} here")
     p.add_argument("--html", metavar="FILE", help="write the plan table and charts of step and memory per plan as "
@@ -46,15 +51,18 @@ def add_plan_parser(commands) -> None:
 
 
 def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
-             global_batch: int, device=None, passes=PASSES) -> tuple[Run, list]:
+             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list]:
     """Every layout of `model` (a name or path as the command takes it, or a LlamaConfig) over `gpus`,
     predicted and ranked (those that fit first, fastest first). `device`: a picofx.cost.device.Device
-    instead of the `gpu` kind's entry."""
+    instead of the `gpu` kind's entry. `compress`: the compressors replicated layouts are also planned
+    with (picofx.planner.compress.kinds_to_consider; None: the defaults for the device)."""
+    on_cpu = gpu == "cpu" if device is None else "cpu" in device.name.lower()
+    kinds = kinds_to_consider(compress, on_cpu=on_cpu)
     device = device or devices()[gpu]
     config = model if isinstance(model, LlamaConfig) else model_config(model)
     run = Run(model_costs(config, seq, CostModel(device), passes), device, gpus,
               min(gpus_per_node, gpus), global_batch)
-    predictions = plan_layouts(run)
+    predictions = plan_layouts(run, kinds)
     for p in predictions[:20]:
         p.suggestions = suggestions(run, p)
     return run, predictions
@@ -100,7 +108,7 @@ def plan_command(args) -> dict:
     device = calibrated_cpu(model_config(args.model), args.gpus, args.seq, args.global_batch) if here else None
     run, predictions = plan_run(args.model, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
                                 seq=args.seq, global_batch=args.global_batch, device=device,
-                                passes=("fuse",) if here else PASSES)
+                                passes=("fuse",) if here else PASSES, compress=args.compress)
     if not predictions:
         raise ValueError(f"no layout of {args.model} runs on {args.gpus} GPUs with a global batch of "
                          f"{args.global_batch}: the batch must divide over the data-parallel ranks")

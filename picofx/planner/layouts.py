@@ -10,8 +10,10 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   as all-gather + reduce-scatter under sequence parallelism), not overlapped;
 - pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
   (pp - 1) / (m + pp - 1) of the step;
-- replicated data parallel: a ring all-reduce of the stage's fp32 gradients (bf16 with compress),
-  hidden behind the last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores);
+- replicated data parallel: the stage's gradients exchanged as `compress` says (none: a ring
+  all-reduce of fp32; the bytes each compressor sends: `picofx.planner.compress`), hidden behind the
+  last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores), plus the
+  compressor's own passes over the gradient;
 - sharded: per micro-batch, each layer's bf16 gather (twice: forward, backward) and fp32
   reduce-scatter, overlapped layer by layer (`picofx.cost.shard`);
 - memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
@@ -28,6 +30,7 @@ import torch
 from picofx.cost.comm import ring_all_reduce_seconds
 from picofx.cost.device import Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
+from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange
 from picofx.planner.costs import ModelCosts
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -107,6 +110,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     bubble = (pp - 1) * micro
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
     dp_link = run.link(layout.dp * tp)
+    compression = 0.0
     if layout.dp == 1:
         dp_exposed, dp_what = 0.0, ""
     elif layout.shard:
@@ -115,16 +119,16 @@ def predict(run: Run, layout: Layout) -> Prediction:
         sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2)
         dp_exposed, dp_what = layout.microbatches * sharded.exposed_s, "parameter all-gathers and gradient reduce-scatters"
     else:
-        grad_bytes = stage_params * (2 if layout.compress == "bf16" else 4)
-        all_reduce = ring_all_reduce_seconds(grad_bytes, layout.dp, dp_link)
+        sent = gradient_exchange(c.config, layout, b * c.seq, run.device, dp_link)
+        all_reduce, compression = sent.link_s, sent.compute_s
         # ranks sharing cores: gloo's threads take the cores the backward would use, nothing hides
         dp_exposed = all_reduce if run.device.cpu_share < 1 else max(0.0, all_reduce - bw)
-        dp_what = "gradient all-reduce"
+        dp_what = f"gradient exchange ({layout.compress})" if layout.compress else "gradient all-reduce"
     optimizer = ADAMW_TRAFFIC * stage_params / (layout.dp if layout.shard else 1) / run.device.memory_bandwidth
     tensor_cost = run.device.optimizer_tensor_overhead + \
         (run.device.dtensor_parameter_overhead if tp > 1 or layout.shard else 0.0)  # the parameters are DTensors
     optimizer += (stage_layers * c.layer_tensors + c.rest_tensors) * tensor_cost
-    step = compute_step + dp_exposed + optimizer
+    step = compute_step + dp_exposed + compression + optimizer
 
     states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)
     in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
@@ -144,7 +148,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     peak = run.device.flops_per_second(torch.bfloat16)
     time = {"compute": compute_step - bubble - slots * tp_comm, "recompute": slots * recompute,
             "tensor_parallel_comm": slots * tp_comm, "bubble": bubble, "data_parallel_exposed": dp_exposed,
-            "optimizer": optimizer}
+            "compression": compression, "optimizer": optimizer}
     prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
                             c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
     if not fits:
@@ -186,7 +190,9 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(run: Run) -> list[Layout]:
+def enumerate_layouts(run: Run, compress: tuple = ()) -> list[Layout]:
+    """Every valid layout; replicated data parallel also with each compressor named in `compress`
+    that changes its bytes (sparse_rows only where the embedding goes as rows)."""
     layouts = []
     for tp in [d for d in divisors(run.gpus) if d <= run.gpus_per_node]:
         for pp in divisors(run.gpus // tp):
@@ -199,7 +205,24 @@ def enumerate_layouts(run: Run) -> list[Layout]:
                             layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp)
                             if valid(run, layout) is None:
                                 layouts.append(layout)
+                                layouts += compressed(run, layout, compress)
     return layouts
+
+
+def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
+    """`layout` with each compressor of `kinds` that applies: replicated dp > 1 (the sharded
+    prediction has no compressed reduce-scatter), sparse_rows where the embedding goes as rows."""
+    if layout.dp == 1 or layout.shard or layout.compress:
+        return []
+    out = []
+    for kind in kinds:
+        other = dataclasses.replace(layout, compress=kind)
+        if kind.startswith("sparse_rows"):
+            b = run.global_batch // (layout.dp * layout.microbatches)
+            if embedding_as_rows(run.costs.config, other, b * run.costs.seq)[0] != "rows":
+                continue
+        out.append(other)
+    return out
 
 
 def suggestions(run: Run, p: Prediction) -> list[str]:
@@ -212,7 +235,8 @@ def suggestions(run: Run, p: Prediction) -> list[str]:
                ("sequence parallelism", dataclasses.replace(layout, sequence_parallel=True)),
                ("sharded data parallel" if not layout.shard else "replicated data parallel",
                 dataclasses.replace(layout, shard=not layout.shard)),
-               ("bf16 gradient all-reduce", dataclasses.replace(layout, compress="bf16"))]
+               ("bf16 gradient all-reduce", dataclasses.replace(layout, compress="bf16")),
+               ("int8 gradient exchange", dataclasses.replace(layout, compress="int8"))]
     for what, other in options:
         if other == layout or other.microbatches < 1 or valid(run, other) is not None:
             continue
@@ -227,6 +251,8 @@ def suggestions(run: Run, p: Prediction) -> list[str]:
             out.append(f"{what}: fits ({q.memory_per_gpu / 1e9:.1f} GB per GPU), step {q.step_s * 1e3:.0f} ms")
         elif q.step_s < p.step_s * 0.98:
             change = f"step {100 * (q.step_s / p.step_s - 1):+.0f}%"
+            if other.compress != layout.compress:
+                change = f"exposed gradient exchange {exposed_ms(p):.0f} -> {exposed_ms(q):.0f} ms, " + change
             if layout.pp > 1 and other.microbatches != layout.microbatches:
                 change = (f"bubble {100 * p.time['bubble'] / p.step_s:.0f}% -> "
                           f"{100 * q.time['bubble'] / q.step_s:.0f}%, " + change)
@@ -234,8 +260,14 @@ def suggestions(run: Run, p: Prediction) -> list[str]:
     return out
 
 
-def plan_layouts(run: Run) -> list[Prediction]:
-    """Every valid layout predicted: those that fit first, fastest first; then the rest."""
-    predictions = [predict(run, layout) for layout in enumerate_layouts(run)]
+def exposed_ms(p: Prediction) -> float:
+    """The data-parallel exchange's exposed milliseconds, the compressor's compute included."""
+    return 1e3 * (p.time["data_parallel_exposed"] + p.time.get("compression", 0.0))
+
+
+def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
+    """Every valid layout predicted (replicated ones also with each compressor of `compress`):
+    those that fit first, fastest first; then the rest."""
+    predictions = [predict(run, layout) for layout in enumerate_layouts(run, compress)]
     predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
     return predictions

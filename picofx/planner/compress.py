@@ -1,0 +1,126 @@
+"""Gradient compression as a planner option: which compressors a layout's replicas may use, the bytes
+each rank sends per step, the seconds on the link and the compute the compressor adds.
+
+The bytes are the overlap pass's own: each compressor's `wire_bytes(shapes, itemsize, world)` over
+the gradients one rank holds (those of the first pipeline stage, split by tensor parallelism as
+pass `tensor_parallel` splits them), and for "sparse_rows" the pass's rule: the embedding goes as
+(token id, row) pairs only where that is fewer bytes than the table, and never for gradients
+accumulated over micro-batches (a dense table then). The link time is that of an all-reduce taking
+as long as the bytes sent, as the pass times its buckets. The compute: quantizing, casting and
+scattering are memory-bound passes over the gradient, charged at the device's memory bandwidth.
+
+Lossy kinds ("topk:F", "powersgd:R") change what the model learns: they are planned only when asked.
+Sharded data parallel is left out: the planner's shard prediction has no compressed reduce-scatter.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+from picofx.cost.comm import ring_all_reduce_seconds
+
+DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
+LOSSY = ("topk", "powersgd")
+FP32 = 4
+# memory traffic per fp32 gradient element, beyond the uncompressed exchange's, counted from each
+# exchange's ops as a GPU compiler fuses them (reads + writes, bytes)
+TRAFFIC_PER_ELEMENT = {
+    "none": 0,
+    "bf16": 12,       # cast to bf16 (4 + 2), back to fp32 (2 + 4)
+    "int8": 39,       # blocks (8), quantize (4 + 4 + 1), dequantize and sum the copies (1 + 4 + 4),
+                      # dequantize the gathered result (1 + 4), back from blocks (8)
+    "int8:ef": 55,    # and the residual: added (4 + 4), the quantization error stored (4 + 4)
+    "topk": 48,       # residual added (12), magnitudes (8), top-k read (4), the rest stored (12), scatter-add (12)
+    "powersgd": 44,   # residual added (12), M Q and M^T P read M (8), P Q^T written (4), residual stored (12), cast (8)
+}
+
+
+def kinds_to_consider(asked=None, *, on_cpu: bool = False) -> tuple[str, ...]:
+    """The compressor names to plan: `asked` (a name, "a,b", or a collection of names; None: the
+    lossless and near-lossless DEFAULT_KINDS, none on a CPU, whose ranks run the plans themselves
+    with --measure and --layout auto and whose compressor costs are not calibrated). Validated
+    with the overlap pass's own spelling."""
+    if asked is None:
+        return () if on_cpu else DEFAULT_KINDS
+    if isinstance(asked, str):
+        asked = [k.strip() for k in asked.split(",")]
+    kinds = tuple(dict.fromkeys(k for k in asked if k and k != "none"))
+    for kind in kinds:
+        overlap_pass()(compress=kind)  # raises ValueError naming the kinds it takes
+    return kinds
+
+
+def overlap_pass():
+    """Pass `overlap`'s class, through the registry (the core imports no pass)."""
+    from picofx.manager import PASSES
+
+    return PASSES["overlap"]
+
+
+def sparse_rows_codec():
+    """The overlap pass's SparseRows compressor (its module's, found through the registry)."""
+    return vars(sys.modules[overlap_pass().__module__])["SparseRows"]()
+
+
+def gradient_shapes(config, tp: int, pp: int) -> tuple[tuple, list[tuple]]:
+    """One rank's gradients of the first pipeline stage (the whole model without a pipeline): the
+    embedding's, then the others. Tensor parallel splits q, k, v, gate and up by rows, o and down
+    by columns, the embedding and head by vocabulary; norms stay whole."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    inter, vocab = config.intermediate_size, config.vocab_size
+    layer = [(h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp),
+             (inter // tp, h), (inter // tp, h), (h, inter // tp), (h,), (h,)]
+    layers = -(-config.num_hidden_layers // pp)
+    others = layer * layers
+    if pp == 1:
+        others += [(h,), (-(-vocab // tp), h)]  # final norm, head
+    return (-(-vocab // tp), h), others
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One step's gradient exchange of a replica: what each rank sends and what it costs."""
+
+    kind: str | None
+    wire_bytes: int          # each rank sends per step
+    fp32_ring_bytes: int     # an fp32 ring all-reduce of the same gradients
+    link_s: float            # on the link
+    compute_s: float         # the compressor's passes over the gradient
+    rows: str                # how the embedding goes: "rows", "dense (...)" or "" (not asked)
+
+
+def exchange(config, layout, tokens: int, device, link) -> Exchange:
+    """The gradient exchange of `layout` (replicated, dp > 1) with `layout.compress`; `tokens`:
+    each rank's tokens per micro-batch (the embedding's rows)."""
+    spec, dense = overlap_pass()(compress=layout.compress).spec, overlap_pass()().spec.other
+    world = layout.dp
+    table, others = gradient_shapes(config, layout.tp, layout.pp)
+    table_numel = math.prod(table)
+    rows, rows_bytes = embedding_as_rows(config, layout, tokens) if spec.rows else ("", 0)
+    shapes = others if rows == "rows" else [table, *others]
+    wire = spec.other.wire_bytes(shapes, FP32, world) + (rows_bytes if rows == "rows" else 0)
+    fp32 = dense.wire_bytes([table, *others], FP32, world)
+    # the all-reduce that takes as long as `wire` bytes sent: its ring sends 2(n-1)/n of what it reduces
+    link_s = ring_all_reduce_seconds(wire * world / (2 * (world - 1)), world, link) if world > 1 else 0.0
+    traffic = TRAFFIC_PER_ELEMENT[family(spec.other.label)] * sum(math.prod(s) for s in shapes)
+    if rows == "rows":  # a zero table, every rank's rows added into it
+        traffic += table_numel * FP32 + world * tokens * (2 * table[1] * FP32 + 4)
+    return Exchange(layout.compress, int(wire), fp32, link_s, traffic / device.memory_bandwidth, rows)
+
+
+def embedding_as_rows(config, layout, tokens: int) -> tuple[str, int]:
+    """How sparse_rows sends the embedding's gradient ("rows", or "dense (why)") and the bytes
+    each rank would send as rows, by pass overlap's rule (rows_worth_it)."""
+    table = gradient_shapes(config, layout.tp, layout.pp)[0]
+    rows_bytes = sparse_rows_codec().wire_bytes(tokens, table[1], FP32, layout.dp)
+    dense_table = overlap_pass()().spec.other.wire_bytes([table], FP32, layout.dp)
+    if layout.microbatches > 1:
+        return "dense (gradients accumulated over micro-batches are a dense table)", rows_bytes
+    if rows_bytes >= dense_table:
+        return f"dense (as rows {rows_bytes / 1e6:.1f} MB per rank, the table {dense_table / 1e6:.1f} MB)", rows_bytes
+    return "rows", rows_bytes
+
+
+def family(label: str) -> str:
+    return label if label in TRAFFIC_PER_ELEMENT else label.partition(":")[0]

@@ -225,7 +225,8 @@ def scattered_sources(gm: fx.GraphModule, names) -> dict[fx.Node, list[str]]:
 
 
 def embedding_source(flat: fx.Node, entries: list[ShardEntry], world: int) -> tuple[Rows | None, str]:
-    """The bucket's gradient as Rows (the embedding, alone in its bucket, untied), or why not."""
+    """The bucket's gradient as Rows (the embedding, alone in its bucket, untied), or why not; the
+    bytes compared are in the dtype the bucket is reduced in (`flat`'s)."""
     if len(entries) != 1 or len(entries[0].shape) != 2:
         return None, "dense: no bucket holds an embedding alone"
     node = flat
@@ -235,7 +236,7 @@ def embedding_source(flat: fx.Node, entries: list[ShardEntry], world: int) -> tu
     if rows is None:
         return None, why
     e = entries[0]
-    itemsize = node.meta["val"].element_size()
+    itemsize = flat.meta["val"].element_size()
     sparse = SparseRows().wire_bytes(rows.ids.meta["val"].numel(), e.shape[1], itemsize, world)
     dense = rs_bytes(world * e.padded_rows * e.shape[1], itemsize, world)
     if sparse >= dense:

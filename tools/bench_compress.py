@@ -1,12 +1,16 @@
 """Gradient compression side by side on 2 gloo ranks: the reference LLaMA trained with AdamW on
 fresh random token walks, per compressor of the overlap pass and for DDP with torch's comm hooks.
 
-    python tools/bench_compress.py --steps 200 --json bench_compress.json
+    python tools/bench_compress.py --steps 200 [--backend inductor] [--json FILE] [--html FILE]
 
-Per run: bytes each rank puts on the wire per step against an fp32 ring all-reduce (the pass's
-report; DDP's hooks: their own arithmetic), the median step time, and the mean loss of the last
-20 steps against uncompressed. Eager on both sides (DDP without torch.compile): on 2 CPU ranks
-the step times say little about a GPU cluster; the bytes and losses are the point.
+Per run, every run stepping in turn on the same batches (one step of each per round): bytes each
+rank puts on the wire per compressed step against an fp32 ring all-reduce (the pass's report; DDP's
+hooks: their own arithmetic) and over the whole run (warm-up steps send fp32), the median step past
+the warm-up, its exposed communication (the step less the floor: the same step without
+communication, picofx's for picofx, the plain model's for DDP), and the mean loss of the last 20
+steps against uncompressed; `--html` draws the loss curves on one page. `--backend inductor`
+compiles picofx with Inductor and DDP and its floor with torch.compile. On 2 CPU ranks the step
+times say little about a GPU cluster; the bytes and losses are the point.
 
 The cost model's step for Llama-2-7B on 2 nodes x 8 H100 (seq 4096) with each compressor comes
 first, without ranks (`--predict-only` prints just it): for each replicated layout whose data
@@ -31,10 +35,14 @@ from results import write_json  # tools/results.py
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "passes"))  # the ranks' scenarios
 from compress_ranks import optimized, shard, walks  # noqa: E402
 
+# (label, kind, warm-up as a fraction of the steps): the first synced steps send whole gradients
+# (Overlap's warmup; DDP's PowerSGD hook's start_powerSGD_iter)
 RUNS = [("none", None, 0), ("bf16", "bf16", 0), ("sparse_rows", "sparse_rows", 0),
         ("sparse_rows+int8", "sparse_rows+int8", 0), ("int8:ef", "int8:ef", 0), ("topk:0.01", "topk:0.01", 0),
-        ("powersgd:4", "powersgd:4", 0), ("powersgd:4 warmup=2", "powersgd:4", 2),
-        ("ddp bf16_compress_hook", "ddp:bf16", 0), ("ddp powerSGD_hook:4", "ddp:powersgd", 0)]
+        ("topk:0.01 warm 1/2", "topk:0.01", 0.5), ("powersgd:4", "powersgd:4", 0),
+        ("powersgd:4 warm 1/4", "powersgd:4", 0.25), ("ddp bf16_compress_hook", "ddp:bf16", 0),
+        ("ddp powerSGD_hook:4", "ddp:powersgd", 0), ("ddp powerSGD_hook:4 warm 1/4", "ddp:powersgd", 0.25)]
+FLOORS = [("floor picofx", "floor:picofx", 0), ("floor torch", "floor:torch", 0)]  # no communication
 BATCH, SEQ, VOCAB, LR = 8, 32, 256, 3e-3
 PREDICTED = (None, "bf16", "int8", "topk:0.01", "powersgd:4", "sparse_rows")
 
@@ -82,7 +90,7 @@ def print_predicted(out: dict) -> None:
               f" {r['exposed_comm_s']:10.4f} {r['compressor_s']:8.4f} {r['step_s']:8.4f} {r['vs_none']:7.3f}{note}")
 
 
-def ddp_model(kind: str, model):
+def ddp_model(kind: str, model, warm_steps: int):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -90,9 +98,9 @@ def ddp_model(kind: str, model):
     ddp = DDP(model)
     if kind == "ddp:bf16":  # register_comm_hook refuses the bf16 hook without NCCL; gloo sums bf16 on CPU
         dist._register_comm_hook(ddp.reducer, None, default_hooks.bf16_compress_hook)
-    else:
-        ddp.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2),
-                               psgd.powerSGD_hook)
+    else:  # torch's hook needs start_powerSGD_iter >= 2 (its first steps build DDP's buckets)
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=warm_steps)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
     return ddp
 
 
@@ -108,40 +116,75 @@ def ddp_wire_bytes(kind: str, model, world: int) -> int:
     return ring(4 * kept)
 
 
-def train(rank: int, world: int, steps: int, runs: list) -> dict:
-    import torch.distributed as dist
+def contender(kind, warm_steps: int, rank: int, world: int, backend: str):
+    """(the model, its step: batch -> loss, bytes on the wire per compressed step)."""
+    import picofx
     from picofx.examples import zoo
 
-    out = {}
-    for label, kind, warmup in runs:
-        if kind is not None and kind.startswith("ddp:"):
-            z = zoo.build("llama-tiny", batch=BATCH)
-            model, wire = ddp_model(kind, z.model), ddp_wire_bytes(kind, z.model, world)
-            step_fn = lambda data: z.loss_fn(model(data["input_ids"]), data["labels"])  # noqa: E731
-        else:
-            z, opt = optimized(kind, rank, world, BATCH, warmup=warmup)
-            notes = next(r.notes for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
-            wire = notes["wire_bytes"]
-            step_fn = lambda data: opt(**data)  # noqa: E731
-        params = z.model.parameters()
-        optimizer = torch.optim.AdamW(params, lr=LR)
-        losses, times = [], []
-        for step in range(steps):
-            data = shard(walks(VOCAB, BATCH, SEQ, seed=1000 + step), rank, world)
+    if kind is not None and kind.startswith(("ddp:", "floor:torch")):
+        z = zoo.build("llama-tiny", batch=BATCH)
+        model = z.model if kind == "floor:torch" else ddp_model(kind, z.model, warm_steps)
+        wire = 0 if kind == "floor:torch" else ddp_wire_bytes(kind, z.model, world)
+        model = model if backend == "eager" else torch.compile(model, backend=backend)
+        return z.model, lambda data: z.loss_fn(model(data["input_ids"]), data["labels"]), wire
+    if kind == "floor:picofx":
+        z = zoo.build("llama-tiny", batch=BATCH)
+        opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [], backend=backend, loss_fn=z.loss_fn)
+        return z.model, lambda data: opt(**data), 0
+    z, opt = optimized(kind, rank, world, BATCH, backend=backend, warmup=warm_steps)
+    notes = next(r.notes for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
+    return z.model, lambda data: opt(**data), notes["wire_bytes"]
+
+
+def train(rank: int, world: int, steps: int, runs: list, backend: str) -> dict:
+    """Every run trains its own model on the same batches, one step of each run per round (a noisy
+    neighbour slows all alike); per run its losses, median step and bytes on the wire."""
+    import torch.distributed as dist
+
+    live = {}
+    for label, kind, warm in runs:
+        warm_steps = max(2, round(warm * steps)) if kind == "ddp:powersgd" else round(warm * steps)
+        model, step_fn, wire = contender(kind, warm_steps, rank, world, backend)
+        live[label] = (model, step_fn, torch.optim.AdamW(model.parameters(), lr=LR), wire, warm_steps)
+    losses = {label: [] for label in live}
+    times = {label: [] for label in live}
+    for step in range(steps):
+        data = shard(walks(VOCAB, BATCH, SEQ, seed=1000 + step), rank, world)
+        for label, (model, step_fn, optimizer, _, _) in live.items():
+            dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            out_ = step_fn(data)
-            loss = out_ if isinstance(out_, torch.Tensor) else out_.loss
+            out = step_fn(data)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
             loss.backward()
             optimizer.step()
-            times.append(time.perf_counter() - start)
+            times[label].append(time.perf_counter() - start)
             loss = loss.detach()
             dist.all_reduce(loss)
-            losses.append(loss.item() / world)
-        ring = 2 * (world - 1) * sum(4 * p.numel() for p in z.model.parameters()) // world
-        out[label] = {"losses": losses, "step_ms": 1e3 * statistics.median(times[5:] or times),
-                      "wire_bytes": wire, "fp32_ring_bytes": ring}
+            losses[label].append(loss.item() / world)
+    out = {}
+    for label, (model, _, _, wire, warm_steps) in live.items():
+        ring = 2 * (world - 1) * sum(4 * p.numel() for p in model.parameters()) // world
+        compressed = times[label][max(5, warm_steps):] or times[label]  # past compile and the warm-up
+        out[label] = {"losses": losses[label], "step_ms": 1e3 * statistics.median(compressed),
+                      "wire_bytes": wire, "fp32_ring_bytes": ring, "warmup_steps": warm_steps,
+                      "run_wire_bytes": (warm_steps * ring + (steps - warm_steps) * wire) / steps}
     return out
+
+
+def print_runs(results: dict) -> None:
+    base = statistics.mean(results["none"]["losses"][-20:])
+    floors = {"picofx": results.pop("floor picofx")["step_ms"], "torch": results.pop("floor torch")["step_ms"]}
+    print(f"floor (no communication): picofx {floors['picofx']:.1f} ms, torch {floors['torch']:.1f} ms per step")
+    print(f"{'run':30} {'wire/step':>10} {'x fp32':>7} {'run x fp32':>10} {'step ms':>8} {'exposed ms':>11} "
+          f"{'last-20 loss':>13} {'x none':>7}")
+    for label, r in results.items():
+        r["last20"] = statistics.mean(r["losses"][-20:])
+        r["exposed_ms"] = r["step_ms"] - floors["torch" if label.startswith("ddp") else "picofx"]
+        print(f"{label:30} {r['wire_bytes']:>10} {r['wire_bytes'] / r['fp32_ring_bytes']:>7.3f} "
+              f"{r['run_wire_bytes'] / r['fp32_ring_bytes']:>10.3f} {r['step_ms']:>8.1f} {r['exposed_ms']:>11.1f} "
+              f"{r['last20']:>13.4f} {r['last20'] / base:>7.3f}")
+    results["floors_ms"] = floors
 
 
 def main(argv=None) -> None:
@@ -150,22 +193,24 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     parser.add_argument("--predict-only", action="store_true", help="print the cost model's Llama-2-7B table only")
     parser.add_argument("--global-batch", type=int, default=32, help="sequences per step of the prediction")
+    parser.add_argument("--backend", default="eager", help="picofx's backend; DDP and the floor under "
+                                                           "torch.compile with it unless eager")
+    parser.add_argument("--html", metavar="FILE", help="also write the runs' loss curves as one HTML page")
     args = parser.parse_args(argv)
     os.environ.setdefault("PICOFX_CACHE", "0")
     predicted = predicted_steps(global_batch=args.global_batch)
     print_predicted(predicted)
     if args.predict_only:
         return
-    results = run_ranks(train, 2, args.steps, RUNS, timeout=3600, collective_timeout=600)[0]
-    base = statistics.mean(results["none"]["losses"][-20:])
-    print(f"{'run':24} {'wire/step':>10} {'x fp32':>7} {'step ms':>8} {'last-20 loss':>13} {'x none':>7}")
-    for label, r in results.items():
-        r["last20"] = statistics.mean(r["losses"][-20:])
-        print(f"{label:24} {r['wire_bytes']:>10} {r['wire_bytes'] / r['fp32_ring_bytes']:>7.3f} {r['step_ms']:>8.1f} "
-              f"{r['last20']:>13.4f} {r['last20'] / base:>7.3f}")
-    write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "runs": results, "predicted": predicted},
-               args.json,
-               "bench_compress.json")
+    results = run_ranks(train, 2, args.steps, RUNS + FLOORS, args.backend, timeout=3600, collective_timeout=600)[0]
+    print_runs(results)
+    write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "backend": args.backend, "runs": results,
+                "predicted": predicted}, args.json, "bench_compress.json")
+    if args.html:
+        from picofx.report_html import write_html
+
+        curves = {label: r["losses"] for label, r in results.items() if label != "floors_ms"}
+        print(f"wrote {write_html(args.html, losses=curves, title='picofx: gradient compression on 2 ranks', subtitle=f'reference LLaMA, AdamW {LR:g}, {args.steps} steps of fresh token walks')}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ svg text.measured { fill: #a45f00; } svg text.predicted { fill: #2a62c9; }
 .line.run5 { stroke: #176b49; } .key.run5 { background: #176b49; }
 .line.run6 { stroke: #c2409a; } .key.run6 { background: #c2409a; }
 .line.run7 { stroke: #556070; } .key.run7 { background: #556070; }
+.line.run8 { stroke: #8a6d00; } .key.run8 { background: #8a6d00; }
+.line.run9 { stroke: #00838f; } .key.run9 { background: #00838f; }
+.line.run10 { stroke: #9e9e2e; } .key.run10 { background: #9e9e2e; }
+.line.run11 { stroke: #e07050; } .key.run11 { background: #e07050; }
 .mark.predicted { stroke: #2a62c9; } .mark.measured { stroke: #d07a00; }
 .compute, .forward { fill: #2a62c9; } .backward { fill: #6b93de; }
 .comm, .fits { fill: #2a9d6f; } .best { fill: #176b49; }

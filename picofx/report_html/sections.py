@@ -167,7 +167,7 @@ def plans_section(plans: dict | None, top: int = 12, unfit: int = 4) -> str:
                    "<h3>Predicted step per plan</h3>", step, "<h3>Predicted memory per GPU</h3>", memory)
 
 
-SERIES = 8  # distinct line colours (page.py's .run0 ... .run7); more runs reuse them in order
+SERIES = 12  # distinct line colours (page.py's .run0 ... .run11); more runs reuse them in order
 
 
 def loss_section(losses: list[float] | dict[str, list[float]] | None) -> str:
@@ -180,7 +180,11 @@ def loss_section(losses: list[float] | dict[str, list[float]] | None) -> str:
               for k, (name, values) in enumerate(runs.items())]
     chart = line_chart(series, x_label="step", y_label="loss", x_fmt=lambda v: f"{v:g}", y_fmt=lambda v: f"{v:.3g}",
                        from_zero=False)
-    lines = [f"{name}: {len(v)} steps, loss {v[0]:.4f} at the first, {v[-1]:.4f} at the last." for name, v in runs.items()]
-    key = legend(*((f"run{k % SERIES}", name) for k, name in enumerate(runs))) if len(runs) > 1 else ""
-    return section("loss", "Loss over the training run" + ("s" if len(runs) > 1 else ""),
-                   *(para(text) for text in lines), key, chart)
+    if len(runs) == 1:
+        v = next(iter(runs.values()))
+        return section("loss", "Loss over the training run",
+                       para(f"{len(v)} steps: loss {v[0]:.4f} at the first, {v[-1]:.4f} at the last."), chart)
+    rows = ["<tr><th>run</th><th>steps</th><th>first loss</th><th>last loss</th></tr>"] + [
+        f'<tr><td><span class="key run{k % SERIES}"></span>{escape(name)}</td><td>{len(v)}</td><td>{v[0]:.4f}</td>'
+        f"<td>{v[-1]:.4f}</td></tr>" for k, (name, v) in enumerate(runs.items())]
+    return section("loss", "Loss over the training runs", f'<table class="plans">{"".join(rows)}</table>', chart)

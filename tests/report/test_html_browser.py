@@ -117,4 +117,4 @@ def test_a_page_of_several_runs_losses(tmp_path):
 
     runs = {"none": [5.5, 3.0, 1.0], "int8:ef": [5.5, 3.1, 1.0], "powersgd:4": [5.5, 3.6, 1.4]}
     page = write_html(str(tmp_path / "runs.html"), losses=runs, title="picofx: gradient compression")
-    check(page, tmp_path, ["Loss over the training runs", "powersgd:4: 3 steps", "int8:ef"], charts=1)
+    check(page, tmp_path, ["Loss over the training runs", "powersgd:4 3 5.5000 1.4000", "int8:ef"], charts=1)

@@ -40,6 +40,7 @@ class TopK:
         index = em(operator.getitem, em(aten.topk.default, em(aten.abs.default, x), self.kept_count(b.numel)), 1)
         values = em(aten.gather.default, x, 0, index)
         left = em(aten.scatter.value, x, 0, index, 0.0)
+        em.record_error(b, [left], [x])
         for kept, piece in zip(residual, em.split(left, b.shapes)):
             em.store(kept, piece)
         index_work, value_work = em.all_gather(em(convert, index, torch.int32)), em.all_gather(values)
@@ -96,7 +97,7 @@ class PowerSGD:
             new_q = [em(aten.mm.default, em(aten.permute.default, ms[i], [1, 0]), ps[i]) for i in matrices]
             q_work = em.all_reduce(em.flat_of(new_q))
         yield
-        out = {}
+        out, left = {}, {}
         if plain:
             mean = em(aten.div.Tensor, em.wait(plain_work), em.world)
             out.update(zip(plain, em.split(mean, [b.shapes[i] for i in plain])))
@@ -106,8 +107,10 @@ class PowerSGD:
             for i, q in zip(matrices, em.split(q_mean, q_shapes)):
                 approx = em(aten.mm.default, ps[i], em(aten.permute.default, q, [1, 0]))
                 em.store(qs[i], q)
-                em.store(residuals[i], em(aten.sub.Tensor, ms[i], approx))
+                left[i] = em(aten.sub.Tensor, ms[i], approx)
+                em.store(residuals[i], left[i])
                 out[i] = approx
+            em.record_error(b, list(left.values()), [ms[i] for i in matrices] + [grads[i] for i in plain])
         return em.flat_of([out[i] for i in range(len(grads))])
 
 

@@ -59,7 +59,12 @@ class CompressionState:
             value.copy_(self.initial[key])
 
     def saved_name(self, key: str) -> str:
-        return f"rank{self.rank}/{key}" if key.startswith("residual") else key
+        return f"rank{self.rank}/{key}" if key.startswith(("residual", "error")) else key
+
+    def errors(self) -> dict[str, float]:
+        """The last compressed step's relative error per bucket, by the bucket's first parameter:
+        what this rank's compressor left out of its input, ||left out|| / ||input||."""
+        return {k.removeprefix("error/"): v.item() for k, v in self.tensors.items() if k.startswith("error/")}
 
     def state_dict(self) -> dict:
         return {self.saved_name(k): v for k, v in self.tensors.items()}
@@ -112,6 +117,17 @@ class Emitter:
         return [self.kept(f"residual/{name}", lambda s=shape: torch.zeros(s, dtype=bucket.dtype, device=bucket.device))
                 for name, shape in zip(bucket.names, bucket.shapes)]
 
+    def record_error(self, b: "BucketIn", left_out: list[fx.Node], given: list[fx.Node]) -> None:
+        """Keep this step's ||left_out|| / ||given|| (norms over all the nodes) as the bucket's
+        "error/<first parameter>" in the state, for the report."""
+        def squares(nodes):
+            sums = [self(aten.sum.default, self(aten.mul.Tensor, n, n), dtype=torch.float32) for n in nodes]
+            return sums[0] if len(sums) == 1 else self(aten.sum.default, self(aten.stack.default, sums))
+        ratio = self(aten.sqrt.default, self(aten.div.Tensor, squares(left_out),
+                                             self(aten.clamp_min.default, squares(given), 1e-30)))
+        self.store(self.kept(f"error/{b.names[0]}", lambda: torch.zeros((), dtype=torch.float32, device=b.device)),
+                   ratio)
+
     def flat_of(self, nodes: list[fx.Node]) -> fx.Node:
         flats = [self(aten.reshape.default, n, [-1]) for n in nodes]
         return self(aten.cat.default, flats) if len(flats) > 1 else flats[0]
@@ -148,6 +164,8 @@ class Dense:
 
     def exchange(self, em: Emitter, b: BucketIn):
         x = em(convert, b.flat, self.cast) if self.cast else b.flat
+        if self.cast:
+            em.record_error(b, [em(aten.sub.Tensor, b.flat, em(convert, x, b.dtype))], [b.flat])
         work = em.all_reduce(x)
         yield
         out = em.wait(work)
@@ -259,8 +277,10 @@ class Int8:
         blocks = self.to_blocks(em, x, b)
         rows = self.padded(b.shapes, em.world) // self.block
         q, scale = quantize(em, blocks)
+        error = em(aten.sub.Tensor, blocks, dequantize(em, q, scale))
+        em.record_error(b, [error], [blocks])
         if self.feedback:
-            error = self.from_blocks(em, em(aten.sub.Tensor, blocks, dequantize(em, q, scale)), b)
+            error = self.from_blocks(em, error, b)
             for kept, piece in zip(residual, em.split(em(convert, error, b.dtype), b.shapes)):
                 em.store(kept, piece)
         q_work, scale_work = em.all_to_all(q, rows), em.all_to_all(scale, rows)

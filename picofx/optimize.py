@@ -22,7 +22,8 @@ from picofx.parallel.mesh import ParallelMesh, mesh_for
 from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
                                   cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
-from picofx.runtime.distributed import GradientSync, check_layouts, communicates, compression_state
+from picofx.runtime.distributed import (GradientSync, check_layouts, communicates, compression_state,
+                                        note_compression_errors)
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
@@ -248,6 +249,7 @@ class OptimizedModule(nn.Module):
         self._current.report.recompilations = len(self._steps) - 1
         # what Report.to_html draws from: the partitioned graphs, and the transformed forward with its layouts
         self._current.report.graphs = {"transformed": self._current.graph_module, **self._current.graphs}
+        note_compression_errors(self._current.report.records, self._current.graphs)
         return self._current.report
 
     @property

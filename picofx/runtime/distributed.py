@@ -75,6 +75,21 @@ def compression_state(graphs: dict, shards: ShardLayout | None = None):
     return next((s for s in states if s is not None and s.tensors), None)
 
 
+def note_compression_errors(records: list, graphs: dict) -> None:
+    """Give each compressed bucket in the "compression" notes of the overlap and shard passes its
+    last step's `relative_error` (what this rank's compressor left out, CompressionState.errors)."""
+    for gm in graphs.values():
+        for pass_name, layout in (("overlap", recorded(gm).buckets), ("shard", recorded(gm).shards)):
+            if layout is None or layout.state is None:
+                continue
+            errors, first = layout.state.errors(), {}
+            for entry in layout.entries:
+                first.setdefault(entry.bucket, entry.name)
+            for bucket in (b for r in records if r.name == pass_name for b in r.notes.get("compression", [])):
+                if first.get(bucket["bucket"]) in errors:
+                    bucket["relative_error"] = round(errors[first[bucket["bucket"]]], 6)
+
+
 def communicates(graphs: dict) -> bool:
     return any(recorded(gm).buckets is not None for gm in graphs.values())
 

@@ -70,6 +70,38 @@ def compressor_checks(rank: int, world: int, batch: int, checkpoint_dir: str) ->
         out[str(kind)] = result
     out["tied"] = tied_embedding(rank, world, batch)
     out["warmup"] = warmup_steps(rank, world, batch)
+    out["errors"] = compression_errors(rank, world, batch)
+    return out
+
+
+def compression_errors(rank: int, world: int, batch: int) -> dict:
+    """Per kind, after one step: the report's relative_error per bucket, and the same figure from
+    this rank's own gradients (the model run eagerly, unsynced) and the residuals the step left:
+    ||residual|| / ||gradient|| over the bucket's parameters (error feedback starts from zero)."""
+    from picofx.parallel.layouts import recorded
+
+    out = {}
+    for kind in ("bf16", "sparse_rows+int8", "int8:ef", "topk:0.01", "powersgd:4"):
+        z, opt = optimized(kind, rank, world, batch)
+        data = shard(z.example_inputs, rank, world)
+        step_grads(opt, z.model, data)
+        record = next(r for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
+        clear(z.model)
+        z.loss_fn(z.model(data["input_ids"]), data["labels"]).backward()
+        own = grads(z.model)
+        members: dict[int, list[str]] = {}
+        for entry in recorded(opt.graphs["backward"]).buckets.entries:
+            members.setdefault(entry.bucket, []).append(entry.name)
+        state = opt.compression.tensors if opt.compression is not None else {}
+        expected = {}
+        for k, names in members.items():
+            residuals = [state[f"residual/{n}"] for n in names if f"residual/{n}" in state]
+            if residuals:
+                left = torch.cat([r.reshape(-1) for r in residuals]).norm()
+                expected[k] = (left / torch.cat([own[n].reshape(-1) for n in names]).norm()).item()
+        out[kind] = {"reported": {b["bucket"]: b.get("relative_error") for b in record.notes["compression"]},
+                     "compressor": {b["bucket"]: b["compressor"] for b in record.notes["compression"]},
+                     "expected": expected}
     return out
 
 

@@ -86,6 +86,24 @@ def test_error_feedback_carries_over_and_resets(ranks, kind):
         assert any(not torch.equal(ranks[0][kind]["state"][k], ranks[0][kind]["reset_state"][k]) for k in q)
 
 
+
+def test_the_report_gives_each_compressed_buckets_relative_error(ranks):
+    """After a step, opt.report's compression notes carry each lossy bucket's relative error: for
+    error feedback, the residual it left over this rank's own gradient, recomputed here."""
+    for r in ranks:
+        errors = r["errors"]
+        for kind in ("int8:ef", "topk:0.01", "powersgd:4"):
+            found = errors[kind]
+            assert found["expected"] and found["expected"].keys() <= found["reported"].keys(), kind
+            for k, value in found["expected"].items():
+                assert found["reported"][k] == pytest.approx(value, rel=1e-3, abs=1e-6), (kind, k)
+        # each entry within half a step (absmax / 254) of its block's: at most sqrt(256) / 254 normwise
+        assert all(0 < e <= 16 / 254 for e in errors["int8:ef"]["reported"].values()), errors["int8:ef"]
+        assert all(0.5 < e < 1 for e in errors["topk:0.01"]["reported"].values())  # 99% of the entries stay behind
+        assert all(0 < e <= 2 ** -8 for e in errors["bf16"]["reported"].values())  # bf16's 8-bit mantissa
+        mixed = errors["sparse_rows+int8"]
+        assert all((e is None) == (mixed["compressor"][k] == "sparse_rows") for k, e in mixed["reported"].items())
+
 def test_warmup_steps_run_uncompressed(ranks):
     """Overlap(warmup=1): the first synced step is the uncompressed average; the next is compressed;
     reset_compression starts the warm-up again."""

@@ -24,7 +24,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
 RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard", "tp",
-               "sequence_parallel")
+               "sequence_parallel", "compress")
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -152,6 +152,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     environ = os.environ if environ is None else environ
     p = build_parser(doc, speaks=environ.get("RANK", "0") == "0")
     args = p.parse_args(argv)
+    args.layout_chosen = None  # --layout auto --resume: the saved run's layout, said when the run starts
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
@@ -284,6 +285,8 @@ def check_paths(args) -> None:
             raise ValueError(f"--resume {args.resume}: no checkpoint there (a directory written by --save holds "
                              "a .metadata file)")
         step, saved = saved_run(args.resume, RUN_OPTIONS)
+        if getattr(args, "layout", None) == "auto" and args.world > 1:
+            adopt_saved_layout(args, saved)
         changed = [f"--{name.replace('_', '-')} {saved[name]} there, {value} here" for name, value in
                    run_options(args).items() if saved[name] != value]
         if changed:
@@ -294,6 +297,27 @@ def check_paths(args) -> None:
                              f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
     if args.data is not None:
         check_data_source(args.data)
+
+
+def adopt_saved_layout(args, saved: dict) -> None:
+    """--layout auto with --resume: the layout the saved run chose, not a new plan (one made now,
+    on other timings, could differ, and the checkpoint is of that layout). --batch stays the global
+    batch, as the saved run was given it."""
+    dp, tp, pp = (int(saved[name]) for name in ("dp", "tp", "pp"))
+    if dp * tp * pp != args.world:
+        raise ValueError(f"--resume {args.resume} was saved by a run on {dp * tp * pp} ranks (dp {dp} x tp {tp} x "
+                         f"pp {pp}), and torchrun started {args.world}: launch with --nproc-per-node {dp * tp * pp}")
+    args.layout, args.dp, args.tp, args.pp = None, dp, tp, pp
+    args.shard, args.sequence_parallel = saved["shard"] == "True", saved["sequence_parallel"] == "True"
+    args.microbatches, args.batch = int(saved["microbatches"]), args.batch // dp
+    args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"
+
+
+def layout_options(args) -> str:
+    """The layout as the options that give it."""
+    given = [f"--{name} {value}" for name, value in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if value > 1]
+    flags = [flag for flag, on in (("--shard", args.shard), ("--sequence-parallel", args.sequence_parallel)) if on]
+    return " ".join(given + flags + ([f"--microbatches {args.microbatches}"] if args.pp > 1 else []))
 
 
 def run_options(args) -> dict:

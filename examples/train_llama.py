@@ -248,6 +248,8 @@ def main(argv=None) -> dict:
     ranks = Ranks(args)
     if args.layout == "auto" and args.world > 1:
         auto_layout(args, ranks)
+    elif args.layout_chosen:
+        ranks.say(args.layout_chosen)
     ranks.say(f"train_llama.py: {layout_line(args)}; {args.size} model, {args.steps} steps of "
               f"{args.batch} x {args.seq} tokens on {args.device}, backend {args.backend}")
     message = None

@@ -14,9 +14,9 @@ ROOT = pathlib.Path(__file__).parents[2]
 RUN = ["--layout", "auto", "--backend", "eager", "--steps", "20", "--log-every", "5", "--seq", "32"]
 
 
-def launch(ranks: int, *options: str, timeout: int) -> str:
+def launch(ranks: int, *options: str, timeout: int, auto: bool = True) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(ROOT / "examples" / "train_llama.py"), *RUN, *options]
+               str(ROOT / "examples" / "train_llama.py"), *(RUN if auto else RUN[2:]), *options]
     env = {**os.environ, "PICOFX_CACHE": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -48,6 +48,23 @@ def test_four_ranks_train_with_the_plan_rank_0_chose():
     _, losses = chosen_and_losses(out, 4)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
 
+
+@pytest.mark.slow
+def test_a_resumed_auto_run_keeps_the_saved_runs_layout(tmp_path):
+    """--layout auto --resume takes the layout the saved run chose (a new plan could differ) and goes
+    on bit for bit as that layout, given explicitly, trains straight through."""
+    saved, more = str(tmp_path / "run"), ["--batch", "8", "--log-every", "1"]
+    first = launch(2, *more, "--steps", "3", "--save", saved, timeout=420)
+    (dp, tp, pp), before = chosen_and_losses(first, 2)
+    resumed = launch(2, *more, "--steps", "6", "--resume", saved, timeout=420)
+    said = re.search(r"^layout auto: resumed with the layout the saved run chose \((.*)\)$", resumed, re.M)
+    assert said and not re.search(r"^layout auto: dp", resumed, re.M), resumed[-3000:]
+    after = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", resumed, re.M)]
+    explicit = said[1].split() + ["--batch", str(8 // dp), "--log-every", "1", "--steps", "6"]
+    straight = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)",
+                                             launch(2, *explicit, timeout=420, auto=False), re.M)]
+    assert len(straight) == 6 and before + after == straight, (said[1], before, after, straight)
+    assert (f"--dp {dp}" in said[1]) == (dp > 1) and (f"--tp {tp}" in said[1]) == (tp > 1)
 
 def test_layout_auto_refuses_a_layout_given_with_it():
     from picofx.examples.train_args import parse_args

@@ -52,11 +52,12 @@ def planned_choice(args, config, link) -> tuple:
     import picofx
 
     try:
-        compressed = dict(tp=1, pp=1, shard=False) if getattr(args, "compress", None) else {}  # --compress: dp alone
+        compressed = dict(tp=1, pp=1, shard=False) if args.compress else {}  # --compress: replicated dp alone
         plans = picofx.plan(config, world=args.world, seq=args.seq, global_batch=args.batch,
-                            gpu="cpu" if args.device == "cpu" else args.device, link=link,
+                            gpu="cpu" if args.device == "cpu" else args.device, link=link, compress=args.compress,
                             say=lambda *a: None, schedule="1F1B", **compressed)
-        index = next((i for i, p in enumerate(plans.predictions) if p.fits and unrunnable(p.layout) is None), None)
+        index = next((i for i, p in enumerate(plans.predictions) if p.fits and unrunnable(p.layout) is None
+                      and p.layout.compress == (args.compress or p.layout.compress)), None)
         if index is None:
             return None, (f"--layout auto: none of the {len(plans)} plans for {args.world} ranks both fits and is "
                           f"runnable here at --batch {args.batch}; give the layout with --dp/--tp/--pp/--shard")

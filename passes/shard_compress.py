@@ -64,6 +64,10 @@ class ScatterBucket:
     source: Rows | None = None
 
     @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
     def shard_shapes(self) -> list[tuple]:
         return [(e.padded_rows, *e.shape[1:]) for e in self.entries]
 
@@ -93,6 +97,7 @@ class ScatterCast:
 
     def exchange(self, em: Emitter, b: ScatterBucket):
         cast = em(convert, b.flat, self.cast)
+        em.record_error(b, [em(aten.sub.Tensor, b.flat, em(convert, cast, b.dtype))], [b.flat])
         work = em(c10d.reduce_scatter_tensor.default, cast, "sum", em.world, em.group)
         with fake_mode_of(em.gm):  # the shard pass's report reads what its reduce-scatters carry
             cast.meta["val"] = torch.empty(em.world * b.width, dtype=self.cast, device=b.device)
@@ -142,8 +147,10 @@ class ScatterInt8:
             x = em(aten.add.Tensor, x, em(convert, residual, torch.float32))
         blocks = self.to_blocks(em, em(aten.view.default, x, [em.world, b.width]), b)
         q, scale = quantize(em, blocks)
+        error = em(aten.sub.Tensor, blocks, dequantize(em, q, scale))
+        em.record_error(b, [error], [blocks])
         if self.feedback:
-            error = self.from_blocks(em, em(aten.sub.Tensor, blocks, dequantize(em, q, scale)), b, em.world)
+            error = self.from_blocks(em, error, b, em.world)
             em.store(residual, em(convert, em(aten.reshape.default, error, [-1]), b.dtype))
         count = em.world * (self.starts(b)[-1] // self.block)
         q_work, scale_work = em.all_to_all(q, count), em.all_to_all(scale, count)

@@ -249,7 +249,7 @@ class OptimizedModule(nn.Module):
         self._current.report.recompilations = len(self._steps) - 1
         # what Report.to_html draws from: the partitioned graphs, and the transformed forward with its layouts
         self._current.report.graphs = {"transformed": self._current.graph_module, **self._current.graphs}
-        note_compression_errors(self._current.report.records, self._current.graphs)
+        note_compression_errors(self._current.report.records, self._current.report.graphs)  # shard's: "transformed"
         return self._current.report
 
     @property

@@ -101,3 +101,24 @@ def next_to_overlap(rank: int, world: int, batch: int, kind: str, bucket) -> dic
         out[name] = {"grads": step(opt, z.model, example), "notes": backward_notes(opt, name),
                      "state": sorted(k for k in opt.compression.tensors if k.startswith(("residual", "powersgd")))}
     return out
+
+
+def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int, lr: float) -> dict:
+    """AdamW over the shards on fresh token walks every step, per kind: each step's loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    out = {}
+    for kind in kinds:
+        z = zoo.build("llama-tiny", batch=batch)
+        opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard(compress=kind)],
+                              backend="eager", loss_fn=z.loss_fn)
+        optimizer = torch.optim.AdamW(opt.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = opt.forward_backward(**shard(walks(256, batch, 32, seed=1000 + step), rank, world))
+            optimizer.step()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / world)
+        out[str(kind)] = losses
+    return out

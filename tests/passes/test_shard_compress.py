@@ -125,3 +125,18 @@ def test_compress_spellings():
     for bad in ("int4", "topk:2", "sparse_rows+int8+topk:0.1", 8):
         with pytest.raises(ValueError, match=r"Shard\(compress="):
             Shard(compress=bad)
+
+
+@pytest.mark.slow
+def test_training_converges_like_uncompressed():
+    """80 AdamW steps (lr 3e-3) on fresh token walks, mean loss of the last 20 steps against
+    uncompressed Shard. Measured: sparse_rows equal, bf16 1.0002x, int8 1.0013x, int8:ef 1.0024x,
+    PowerSGD 4 1.22x, top-k 0.01 1.52x (one layer per bucket; Overlap's buckets 1.36x)."""
+    kinds = (None, "sparse_rows", "int8", "int8:ef", "topk:0.01", "powersgd:4")
+    losses = run_ranks(shard_compress_ranks.training_losses, 2, 8, kinds, 80, 3e-3, timeout=420)[0]
+    mean = {k: sum(v[-20:]) / 20 for k, v in losses.items()}
+    base = mean["None"]
+    assert base < losses["None"][0] - 1.0  # it learns
+    assert mean["sparse_rows"] == pytest.approx(base, rel=1e-4)
+    assert mean["int8"] == pytest.approx(base, rel=0.01) and mean["int8:ef"] == pytest.approx(base, rel=0.01)
+    assert mean["powersgd:4"] < 1.3 * base and mean["topk:0.01"] < 1.65 * base

@@ -17,6 +17,8 @@ the whole parameters alive between forward and backward. The decision is recorde
 on the forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor
 shards and feeds the graph their padded local pieces.
 
+With `compress`, each bucket's reduce-scatter becomes a compressor's exchange (passes/shard_compress.py).
+
 List `shard` after the passes that rewrite the forward graph (fuse, precision): they see the
 parameters gathered.
 """

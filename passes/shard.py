@@ -39,7 +39,7 @@ from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
-from picofx.passes.overlap_compress import CompressionState
+from picofx.passes.overlap_compress import CompressionState, Dense
 from picofx.passes.shard_compress import compress_scatters, parse_shard_compress
 
 aten = torch.ops.aten
@@ -78,7 +78,8 @@ class Shard:
     not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported.
     compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
     "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that compressor
-    (passes/shard_compress.py)."""
+    (passes/shard_compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
+    uncompressed (a variant of the step; sparse_rows, being exact, stays)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -86,6 +87,7 @@ class Shard:
     prefetch: int = 1
     mixed_precision: Any = None
     compress: str | None = None
+    warmup: int = 0
     # per optimized model: the forward's layout (the backward compresses by it) and the compressor state
     layouts: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
     info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("dp_shard",),
@@ -94,7 +96,9 @@ class Shard:
 
     def __post_init__(self):
         precision_policy(self.mixed_precision)
-        parse_shard_compress(self.compress)
+        object.__setattr__(self, "spec", parse_shard_compress(self.compress))
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"Shard(warmup={self.warmup!r}): a number of steps, 0 or more")
         if self.bucket not in ("auto", 0):
             parse_budget(self.bucket)
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -149,7 +153,7 @@ class Shard:
         kept = self.layouts.get(ctx.model)  # the compressor state outlives recompiles of the model's steps
         state = None if self.compress is None else kept.state if kept is not None else CompressionState(dim.rank)
         layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text,
-                                            self.compress, state)
+                                            self.compress, state, self.warmup if self.spec.other != Dense() else 0)
         self.layouts[ctx.model] = layouts_of(gm).shards
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,

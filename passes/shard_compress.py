@@ -270,6 +270,7 @@ def compress_scatters(gm: fx.GraphModule, ctx: Context, compress: str, layout: S
     by_name = {e.name: e for e in layout.entries}
     order = {n: i for i, n in enumerate(graph.nodes)}
     report, reasons = [], []
+    other = Dense() if ctx.gradient_sync == "sync_uncompressed" else spec.other  # Shard's warm-up steps
     for scatter, names in scattered_sources(gm, ctx.input_names).items():
         index = by_name[names[0]].bucket
         entries = [e for e in layout.entries if e.bucket == index]
@@ -280,7 +281,7 @@ def compress_scatters(gm: fx.GraphModule, ctx: Context, compress: str, layout: S
         if spec.rows:
             source, why = embedding_source(flat_in, entries, dim.size)
             reasons.append(why)
-        codec = ScatterRows() if source is not None else codec_for(spec.other)
+        codec = ScatterRows() if source is not None else codec_for(other)
         if codec is None:
             report.append({"bucket": index, "compressor": "none", "wire_bytes": wire_all,
                            "fp32_reduce_scatter_bytes": fp32})
@@ -307,8 +308,8 @@ def compress_scatters(gm: fx.GraphModule, ctx: Context, compress: str, layout: S
     graph.eliminate_dead_code()
     gm.recompile()
     sent, fp32 = sum(r["wire_bytes"] for r in report), sum(r["fp32_reduce_scatter_bytes"] for r in report)
-    notes = {"compress": compress, "compression": report, "wire_bytes": sent, "fp32_reduce_scatter_bytes": fp32,
-             "wire_ratio": round(sent / fp32, 4) if fp32 else 1.0}
+    notes = {"compress": compress, "gradient_sync": ctx.gradient_sync, "compression": report, "wire_bytes": sent,
+             "fp32_reduce_scatter_bytes": fp32, "wire_ratio": round(sent / fp32, 4) if fp32 else 1.0}
     if spec.rows:  # the sparse bucket's reason, else why the embedding's bucket stayed dense
         notes["embedding_rows"] = min(reasons or ["dense: no gradient is reduce-scattered"],
                                       key=lambda why: (not why.startswith("sparse"), "alone" in why))

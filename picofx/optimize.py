@@ -22,7 +22,7 @@ from picofx.parallel.mesh import ParallelMesh, mesh_for
 from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
                                   cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
-from picofx.runtime.distributed import (GradientSync, check_layouts, communicates, compression_state,
+from picofx.runtime.distributed import (GradientSync, check_layouts, compression_state,
                                         note_compression_errors)
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
@@ -205,8 +205,8 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         step = self._step_for(args, kwargs)
-        mode = self._sync.mode(step.graphs) if communicates(step.graphs) else "sync"
-        if mode != "sync":  # no_sync, or the first synced call after it: a variant of the backward
+        mode = self._sync.mode(step.graphs, step.shards if isinstance(step, CompiledStep) else None)
+        if mode != "sync":  # no_sync, the first synced call after it, or a warm-up step: a variant of the backward
             step = self._step_for(args, kwargs, mode)
             self._sync.before_call(mode, step.graphs, self._model)
         return step(self._model, args, kwargs)
@@ -239,7 +239,7 @@ class OptimizedModule(nn.Module):
 
     def reset_compression(self) -> None:
         """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value, and
-        the uncompressed warm-up steps (Overlap's `warmup`) start again."""
+        the uncompressed warm-up steps (Overlap's and Shard's `warmup`) start again."""
         if self.compression is not None:
             self.compression.reset()
         self._sync.warmed = 0

@@ -93,6 +93,7 @@ class ShardLayout:
     gather_dtype: str | None = None  # mixed precision: the dtype parameters are gathered and reduced in
     compress: str | None = None  # how gradients are reduce-scattered (Shard's compress)
     state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the backward updates
+    warmup: int = 0  # Shard's warmup: the first steps run a variant without lossy compression
 
     @property
     def world(self) -> int:

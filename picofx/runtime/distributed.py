@@ -90,10 +90,6 @@ def note_compression_errors(records: list, graphs: dict) -> None:
                     bucket["relative_error"] = round(errors[first[bucket["bucket"]]], 6)
 
 
-def communicates(graphs: dict) -> bool:
-    return any(recorded(gm).buckets is not None for gm in graphs.values())
-
-
 class GradientSync:
     """DDP's gradient accumulation for a compiled step. Under `no_sync()` the backward runs a
     variant without all-reduce and autograd accumulates each rank's own gradients in `.grad`.
@@ -115,16 +111,17 @@ class GradientSync:
         finally:
             self.enabled = previous
 
-    def mode(self, graphs: dict | None = None) -> str:
+    def mode(self, graphs: dict | None = None, shards: ShardLayout | None = None) -> str:
         """How the next backward syncs: "local" (no_sync), "sync_accumulated", "sync_uncompressed"
         (the first synced steps of a compressor with `warmup`, all-reduced whole, as torch's
-        PowerSGD hook starts), or "sync"."""
-        if not self.enabled:
+        PowerSGD hook starts), or "sync". A sharded step (`shards`, its layout) reduce-scatters
+        under no_sync too, so only its warm-up makes a variant."""
+        buckets = [recorded(gm).buckets for gm in (graphs or {}).values() if recorded(gm).buckets is not None]
+        if buckets and not self.enabled:
             return "local"
-        if self.accumulated:
+        if buckets and self.accumulated:
             return "sync_accumulated"
-        warmup = max((recorded(gm).buckets.warmup for gm in (graphs or {}).values()
-                      if recorded(gm).buckets is not None), default=0)
+        warmup = max([b.warmup for b in buckets] + [shards.warmup if shards is not None else 0])
         return "sync_uncompressed" if self.warmed < warmup else "sync"
 
     def before_call(self, mode: str, graphs: dict, model: nn.Module) -> None:

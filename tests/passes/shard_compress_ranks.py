@@ -50,10 +50,12 @@ def shard_compress_checks(rank: int, world: int, batch: int, checkpoint_dir: str
             out["local"] = local_grads(z.model, first, z.loss_fn)
         opt = picofx.optimize(z.model, first, [Shard(compress=kind)], backend="eager", loss_fn=z.loss_fn)
         result = out[str(kind)] = {"first": step(opt, z.model, first), "notes": backward_notes(opt, "shard")}
-        if kind != "int8:ef":
+        if kind not in (None, "int8:ef"):
             continue
         second = shard(walks(256, batch, 32, seed=7), rank, world)
         result["second"] = step(opt, z.model, second)
+        if kind is None:
+            continue
         state = opt.compression
         result["state"] = {k: v.clone() for k, v in state.tensors.items()}
         dcp.save({"compression": state}, checkpoint_id=checkpoint_dir)
@@ -65,6 +67,7 @@ def shard_compress_checks(rank: int, world: int, batch: int, checkpoint_dir: str
         result["second_after_reset"] = step(opt, z.model, second)
         result["losses"] = adamw_losses(opt, z.model, first)
     out["tied"] = tied_notes(rank, world, batch)
+    out["warmup"] = warmup_steps(rank, world, batch)
     out["codecs"] = {kind: next_to_overlap(rank, world, batch, kind, bucket)
                      for kind, bucket in (("topk:0.01", 0), ("powersgd:4", "auto"))}
     return out
@@ -78,6 +81,24 @@ def adamw_losses(opt, model, batch: dict, steps: int = 4) -> list[float]:
         losses.append(opt.forward_backward(**batch).item())
         optimizer.step()
     return losses
+
+
+def warmup_steps(rank: int, world: int, batch: int) -> dict:
+    """topk:0.01 with warmup=1: the first step reduce-scattered uncompressed, then compressed;
+    after reset_compression the warm-up runs again."""
+    z = zoo.build("llama-tiny", batch=batch)
+    first = shard(z.example_inputs, rank, world)
+    second = shard(walks(256, batch, 32, seed=7), rank, world)
+    opt = picofx.optimize(z.model, first, [Shard(compress="topk:0.01", warmup=1)], backend="eager", loss_fn=z.loss_fn)
+    out = {"first": step(opt, z.model, first)}
+    out["residual_after_first"] = {k: v.clone() for k, v in opt.compression.tensors.items() if k.startswith("residual")}
+    out["second"] = step(opt, z.model, second)
+    opt.reset_compression()
+    out["second_after_reset"] = step(opt, z.model, second)
+    out["variants"] = sorted(key[2] for key in opt._steps)
+    out["compressors"] = {key[2]: {b["compressor"] for r in built.report.records if r.name == "shard"
+                                   for b in r.notes.get("compression", [])} for key, built in opt._steps.items()}
+    return out
 
 
 def tied_notes(rank: int, world: int, batch: int) -> dict:
@@ -104,13 +125,15 @@ def next_to_overlap(rank: int, world: int, batch: int, kind: str, bucket) -> dic
 
 
 def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int, lr: float) -> dict:
-    """AdamW over the shards on fresh token walks every step, per kind: each step's loss averaged over the ranks."""
+    """AdamW over the shards on fresh token walks every step, per kind (or (kind, its warmup)):
+    each step's loss averaged over the ranks."""
     import torch.distributed as dist
 
     out = {}
-    for kind in kinds:
+    for entry in kinds:
+        kind, warmup = entry if isinstance(entry, tuple) else (entry, 0)
         z = zoo.build("llama-tiny", batch=batch)
-        opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard(compress=kind)],
+        opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [Shard(compress=kind, warmup=warmup)],
                               backend="eager", loss_fn=z.loss_fn)
         optimizer = torch.optim.AdamW(opt.parameters(), lr=lr)
         losses = []
@@ -120,5 +143,5 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
             optimizer.step()
             dist.all_reduce(loss)
             losses.append(loss.item() / world)
-        out[str(kind)] = losses
+        out[str(entry)] = losses
     return out

@@ -193,12 +193,13 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     parser.add_argument("--predict-only", action="store_true", help="print the cost model's Llama-2-7B table only")
     parser.add_argument("--global-batch", type=int, default=32, help="sequences per step of the prediction")
+    parser.add_argument("--gpus", type=int, default=16, help="H100s of the prediction, 8 per node")
     parser.add_argument("--backend", default="eager", help="picofx's backend; DDP and the floor under "
                                                            "torch.compile with it unless eager")
     parser.add_argument("--html", metavar="FILE", help="also write the runs' loss curves as one HTML page")
     args = parser.parse_args(argv)
     os.environ.setdefault("PICOFX_CACHE", "0")
-    predicted = predicted_steps(global_batch=args.global_batch)
+    predicted = predicted_steps(gpus=args.gpus, global_batch=args.global_batch)
     print_predicted(predicted)
     if args.predict_only:
         return

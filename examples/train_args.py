@@ -136,6 +136,9 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
                         "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
                         "topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
+    p.add_argument("--compress-warmup", metavar="N", type=at_least(0), default=0,
+                   help="with --compress, the run's first N steps exchange whole gradients (the passes' warmup, "
+                        "as torch's PowerSGD hook's start_powerSGD_iter); a resumed run warms up what is left")
     p.add_argument("--layout", choices=["auto"],
                    help="auto: under torchrun, the layout picofx.plan predicts fastest for the launch's ranks among "
                         "those this script runs (rank 0 plans and prints which and why); --batch is then the "
@@ -212,6 +215,8 @@ def check_layout(args, world: int | None) -> None:
             raise ValueError("--compress compresses the data-parallel ranks' gradient all-reduce (--dp) or "
                              "reduce-scatter (--shard): run it with --dp 2 or more, without --pp or --tp "
                              "(pipelined and tensor-parallel exchanges are not compressed)")
+    if args.compress_warmup and args.compress is None:
+        raise ValueError("--compress-warmup counts steps before --compress's compressor starts: give --compress KIND")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.pp > 1:
@@ -292,6 +297,7 @@ def check_paths(args) -> None:
         if changed:
             raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
                              "resume with the options it was saved with")
+        args.compress_warmup = max(0, args.compress_warmup - step)  # the warm-up counts the run's steps
         if step >= args.steps:
             raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
                              f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")

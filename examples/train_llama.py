@@ -125,11 +125,13 @@ def parallel_passes(args) -> tuple[list, object]:
         return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
     if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
         mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
-        sharding = picofx.passes.Shard(compress=args.compress) if args.compress else "shard"
+        sharding = (picofx.passes.Shard(compress=args.compress, warmup=args.compress_warmup) if args.compress
+                    else "shard")
         return ([pipeline_pass(args)] if args.pp > 1 else []) + [sharding], mesh
     mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
     if args.pp == 1:
-        return [picofx.passes.Overlap(compress=args.compress) if args.compress else "overlap"], mesh
+        return [picofx.passes.Overlap(compress=args.compress, warmup=args.compress_warmup) if args.compress
+                else "overlap"], mesh
     return [pipeline_pass(args), *(["overlap"] if args.dp > 1 else [])], mesh  # stage grads averaged in the backward
 
 

@@ -39,6 +39,12 @@ def test_compress_under_shard_names_shard_s_compressor():
     assert (args.dp, args.shard, args.compress) == (4, True, "int8")
 
 
+def test_compress_warmup_counts_steps_before_the_compressor():
+    args = parse_args(["--shard", "--compress", "topk:0.01", "--compress-warmup", "40"], environ=TORCHRUN_4)
+    assert (args.compress, args.compress_warmup) == ("topk:0.01", 40)
+    assert parse_args(["--compress", "int8"], environ=TORCHRUN_4).compress_warmup == 0
+
+
 def test_one_process_is_one_replica():
     args = parse_args([], environ={})
     assert (args.dp, args.pp, args.world, args.dp_default) == (1, 1, 1, False)
@@ -53,6 +59,7 @@ def test_one_process_is_one_replica():
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
     (["--tp", "2", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
     (["--compress", "int9"], "'int9' is not a compressor"),
+    (["--compress-warmup", "5"], "--compress-warmup counts steps before --compress's compressor starts"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],

@@ -27,8 +27,10 @@ def straight_then_saved_then_resumed(rank: int, world: int, layout: list, direct
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2"], ["--shard"], ["--tp", "2", "--sequence-parallel"],
-                                    ["--dp", "2", "--compress", "int8:ef"], ["--shard", "--compress", "int8:ef"]],
-                         ids=["dp", "pp", "shard", "tp", "dp-int8-error-feedback", "shard-int8-error-feedback"])
+                                    ["--dp", "2", "--compress", "int8:ef"], ["--shard", "--compress", "int8:ef"],
+                                    ["--shard", "--compress", "topk:0.01", "--compress-warmup", "2"]],
+                         ids=["dp", "pp", "shard", "tp", "dp-int8-error-feedback", "shard-int8-error-feedback",
+                              "shard-topk-warmup-across-the-resume"])
 def test_save_and_resume_continue_bit_for_bit(layout, tmp_path):
     results = run_ranks(straight_then_saved_then_resumed, 2, layout, str(tmp_path / "run"), timeout=400,
                         collective_timeout=120)

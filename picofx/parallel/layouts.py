@@ -51,7 +51,7 @@ class BucketLayout:
         return self.dim.size
 
     def digest(self) -> str:
-        text = repr((self.world, self.compress, self.entries, self.codecs))
+        text = repr((self.world, self.compress, self.warmup, self.entries, self.codecs))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def buckets(self) -> list[list[LayoutEntry]]:
@@ -65,6 +65,8 @@ class BucketLayout:
     def first_difference(self, theirs: "BucketLayout", rank: int) -> str:
         if self.compress != theirs.compress:
             return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
+        if self.warmup != theirs.warmup:  # the ranks would switch to the compressed step at different steps
+            return f"warmup={self.warmup} here, {theirs.warmup} on rank {rank}"
         if self.codecs != theirs.codecs and self.entries == theirs.entries:
             return f"bucket compressors {list(self.codecs)} here, {list(theirs.codecs)} on rank {rank}"
         return first_differing_entry(self.entries, theirs.entries, rank,
@@ -101,7 +103,8 @@ class ShardLayout:
 
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
-        text = repr((self.world, self.reshard_after_forward, self.gather_dtype, self.compress, shared))  # local_rows differ by rank
+        text = repr((self.world, self.reshard_after_forward, self.gather_dtype, self.compress, self.warmup,
+                     shared))  # local_rows differ by rank
         return hashlib.sha256(text.encode()).hexdigest()
 
     def first_difference(self, theirs: "ShardLayout", rank: int) -> str:
@@ -109,6 +112,8 @@ class ShardLayout:
             return f"mixed precision gathers in {self.gather_dtype} here, {theirs.gather_dtype} on rank {rank}"
         if self.compress != theirs.compress:
             return f"compress={self.compress!r} here, {theirs.compress!r} on rank {rank}"
+        if self.warmup != theirs.warmup:
+            return f"warmup={self.warmup} here, {theirs.warmup} on rank {rank}"
         if self.reshard_after_forward != theirs.reshard_after_forward:
             return (f"reshard_after_forward={self.reshard_after_forward} here, "
                     f"{theirs.reshard_after_forward} on rank {rank}")

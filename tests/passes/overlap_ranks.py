@@ -143,6 +143,14 @@ def mismatched_layout(rank: int, world: int) -> None:
     picofx.optimize(z.model, z.example_inputs, [Overlap()], backend="eager", loss_fn=z.loss_fn)
 
 
+def mismatched_warmup(rank: int, world: int) -> None:
+    """The ranks give different compression warm-ups: they would switch to the compressed step at
+    different steps, so every rank must refuse before the first."""
+    z = zoo.build("llama-tiny", batch=2)
+    picofx.optimize(z.model, z.example_inputs, [Overlap(compress="topk:0.01", warmup=1 + rank)], backend="eager",
+                    loss_fn=z.loss_fn)
+
+
 def inductor_checks(rank: int, world: int, batch: int) -> dict:
     """Overlap under Inductor: gradients, the generated backward's order of issue, compute and
     wait, and no_sync accumulation."""

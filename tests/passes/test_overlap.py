@@ -147,6 +147,12 @@ def test_layout_mismatch_raises_on_every_rank():
         assert "decoder_layers.1.mlp.up_proj.weight" in error, error
 
 
+
+def test_different_warmups_raise_on_every_rank():
+    errors = run_ranks(overlap_ranks.mismatched_warmup, 2, timeout=240, collective_timeout=30, expect_errors=True)
+    assert "warmup=1 here, 2 on rank 1" in errors[0] and "warmup=2 here, 1 on rank 0" in errors[1], errors
+
+
 def test_no_process_group_says_how_to_launch():
     z = zoo.build("llama-tiny", batch=2)
     with pytest.raises(picofx.PassError, match="launch with torchrun and call torch.distributed.init_process_group"):

@@ -34,6 +34,10 @@ def optimized(kind, rank: int, world: int, batch: int, backend: str = "eager", *
     return z, opt
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
 def state_of(opt) -> dict:
     return {k: v.clone() for k, v in opt.compression.tensors.items()} if opt.compression is not None else {}
 

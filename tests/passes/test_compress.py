@@ -14,6 +14,7 @@ from picofx.passes.overlap_codecs import PowerSGD, TopK, parse_compress
 from picofx.passes.overlap_compress import Int8
 
 import compress_ranks
+from compress_ranks import relative_error
 from spawn_ranks import run_ranks
 
 BATCH = 4  # two ranks of 2
@@ -24,10 +25,6 @@ EXACT = dict(rtol=1e-5, atol=1e-7)
 def ranks(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("compress_dcp"))
     return run_ranks(compress_ranks.compressor_checks, 2, BATCH, directory, timeout=420)
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 def assert_identical_on_ranks(ranks, kind: str, *steps: str):

@@ -13,6 +13,7 @@ import torch
 from picofx.passes import Shard
 
 import shard_compress_ranks
+from compress_ranks import relative_error
 from spawn_ranks import run_ranks
 
 BATCH = 4  # two ranks of 2
@@ -23,10 +24,6 @@ EXACT = dict(rtol=1e-5, atol=1e-7)
 def ranks(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("shard_compress_dcp"))
     return run_ranks(shard_compress_ranks.shard_compress_checks, 2, BATCH, directory, timeout=300)
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
 def int8_bound(locals_: list[torch.Tensor], block: int = 256) -> torch.Tensor:

@@ -17,6 +17,7 @@ and the choice of a compressor by its name, are in overlap_codecs.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -122,10 +123,11 @@ class Emitter:
         "error/<first parameter>" in the state, for the report."""
         def squares(nodes):
             sums = [self(aten.sum.default, self(aten.mul.Tensor, n, n), dtype=torch.float32) for n in nodes]
-            return sums[0] if len(sums) == 1 else self(aten.sum.default, self(aten.stack.default, sums))
+            return functools.reduce(lambda a, b: self(aten.add.Tensor, a, b), sums)
         ratio = self(aten.sqrt.default, self(aten.div.Tensor, squares(left_out),
                                              self(aten.clamp_min.default, squares(given), 1e-30)))
-        self.store(self.kept(f"error/{b.names[0]}", lambda: torch.zeros((), dtype=torch.float32, device=b.device)),
+        # one element, not 0-d: Inductor would take a 0-d buffer for a constant and refuse to write it
+        self.store(self.kept(f"error/{b.names[0]}", lambda: torch.zeros(1, dtype=torch.float32, device=b.device)),
                    ratio)
 
     def flat_of(self, nodes: list[fx.Node]) -> fx.Node:

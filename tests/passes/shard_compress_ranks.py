@@ -145,3 +145,18 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
             losses.append(loss.item() / world)
         out[str(entry)] = losses
     return out
+
+
+def inductor_grads(rank: int, world: int, batch: int, kinds: tuple, backend: str) -> dict:
+    """Per kind, Shard(compress=kind) compiled by `backend`: two steps' gathered gradients and the
+    compressor state the compiled code left (Inductor writes the state buffers in place)."""
+    out = {}
+    for kind in kinds:
+        z = zoo.build("llama-tiny", batch=batch)
+        data = shard(z.example_inputs, rank, world)
+        opt = picofx.optimize(z.model, data, [Shard(compress=kind)], backend=backend, loss_fn=z.loss_fn)
+        first = step(opt, z.model, data)
+        second = step(opt, z.model, shard(walks(256, batch, 32, seed=7), rank, world))
+        state = {k: v.clone() for k, v in opt.compression.tensors.items()} if opt.compression is not None else {}
+        out[kind] = {"first": first, "second": second, "state": state}
+    return out

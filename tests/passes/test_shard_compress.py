@@ -157,3 +157,17 @@ def test_training_converges_like_uncompressed():
     assert mean["powersgd:4"] < 1.3 * base and mean["topk:0.01"] < 1.65 * base
     warm_topk, warm_powersgd = mean["('topk:0.01', 40)"], mean["('powersgd:4', 20)"]
     assert warm_topk < min(1.25 * base, mean["topk:0.01"]) and warm_powersgd < min(1.25 * base, mean["powersgd:4"])
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_compressed_reduce_scatters():
+    kinds = ("int8:ef", "sparse_rows+topk:0.01")
+    compiled = run_ranks(shard_compress_ranks.inductor_grads, 2, BATCH, kinds, "inductor", timeout=590,
+                         collective_timeout=300)
+    eager = run_ranks(shard_compress_ranks.inductor_grads, 2, BATCH, kinds, "eager", timeout=300)
+    for kind in kinds:
+        for step in ("first", "second"):  # the second step adds the residual the first left
+            for name, g in eager[0][kind][step].items():
+                assert relative_error(compiled[0][kind][step][name], g) <= 1e-3, (kind, step, name)
+        written = {k: v for k, v in compiled[0][kind]["state"].items() if k.startswith(("residual/", "error/"))}
+        assert written and any(v.abs().sum() > 0 for v in written.values()), kind

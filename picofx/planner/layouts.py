@@ -7,15 +7,19 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
 - compute: the captured layer's and the rest's predicted seconds x b / tp, the last pipeline stage
   holding the head; checkpointing adds one more forward of the layers;
 - tensor parallel: 4 ring all-reduces per layer of b x T x hidden bf16 activations (the same bytes
-  as all-gather + reduce-scatter under sequence parallelism), not overlapped;
+  as all-gather + reduce-scatter under sequence parallelism), one more for the head's input gradient
+  and one for the embedding's output, and the vocabulary-parallel loss's three of b x T fp32 numbers;
+  not overlapped;
 - pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
-  (pp - 1) / (m + pp - 1) of the step;
+  (pp - 1) / (m + pp - 1) of the step; each slot sends its activations on and receives their
+  gradient back, a link latency and b x T x hidden bf16 bytes each, not overlapped;
 - replicated data parallel: the stage's gradients exchanged as `compress` says (none: a ring
   all-reduce of fp32; the bytes each compressor sends: `picofx.planner.compress`), hidden behind the
   last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores), plus the
   compressor's own passes over the gradient;
-- sharded: per micro-batch, each layer's bf16 gather (twice: forward, backward) and fp32
-  reduce-scatter, overlapped layer by layer (`picofx.cost.shard`);
+- sharded: per micro-batch, each layer's (and the embedding's and head's) bf16 gather (twice:
+  forward, backward) and fp32 reduce-scatter, overlapped layer by layer (`picofx.cost.shard`; not at
+  all on CPU ranks sharing cores);
 - memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded.
@@ -103,8 +107,14 @@ def predict(run: Run, layout: Layout) -> Prediction:
     bw = b * (stage_layers * c.layer_backward_s + c.rest_backward_s) / tp + 2 * overhead / 3
     recompute = b * stage_layers * c.layer_forward_s / tp + overhead / 3 if layout.checkpoint else 0.0
     activation_bytes = b * c.seq * c.config.hidden_size * 2
-    tp_comm = 4 * stage_layers * ring_all_reduce_seconds(activation_bytes, tp, run.link(tp)) if tp > 1 else 0.0
-    micro = fw + bw + recompute + tp_comm
+    tp_comm = 0.0
+    if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
+        activations_all_reduced = 4 * stage_layers + (2 if pp == 1 else 1)
+        tp_comm = activations_all_reduced * ring_all_reduce_seconds(activation_bytes, tp, run.link(tp)) + \
+            3 * ring_all_reduce_seconds(b * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
+    neighbours = run.link(2 * layout.dp * tp)  # the next stage's rank is dp x tp ranks away
+    sends = 2 * (neighbours.latency + activation_bytes / neighbours.bandwidth) if pp > 1 else 0.0
+    micro = fw + bw + recompute + tp_comm + sends
     slots = layout.microbatches + pp - 1
     compute_step = slots * micro
     bubble = (pp - 1) * micro
@@ -114,10 +124,16 @@ def predict(run: Run, layout: Layout) -> Prediction:
     if layout.dp == 1:
         dp_exposed, dp_what = 0.0, ""
     elif layout.shard:
-        layers = [Layer(f"l{i}", stage_params / stage_layers, (fw + recompute) / stage_layers, bw / stage_layers)
-                  for i in range(stage_layers)]
+        ends = 2 if pp == 1 else 1  # the embedding and the head are units of their own, gathered apart
+        ends_params = c.embedding_parameters / min(pp, 2) / tp
+        units = stage_layers + ends
+        layers = [Layer(f"end{i}", ends_params / ends, (fw + recompute) / units, bw / units) for i in range(ends)]
+        layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units)
+                   for i in range(stage_layers)]
         sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2)
-        dp_exposed, dp_what = layout.microbatches * sharded.exposed_s, "parameter all-gathers and gradient reduce-scatters"
+        # ranks sharing cores: as for the all-reduce below, nothing hides
+        exposed = sharded.communication_s if run.device.cpu_share < 1 else sharded.exposed_s
+        dp_exposed, dp_what = layout.microbatches * exposed, "parameter all-gathers and gradient reduce-scatters"
     else:
         sent = gradient_exchange(c.config, layout, b * c.seq, run.device, dp_link)
         all_reduce, compression = sent.link_s, sent.compute_s
@@ -146,8 +162,9 @@ def predict(run: Run, layout: Layout) -> Prediction:
     fits = total <= capacity
     tokens_per_s = run.global_batch * c.seq / step
     peak = run.device.flops_per_second(torch.bfloat16)
-    time = {"compute": compute_step - bubble - slots * tp_comm, "recompute": slots * recompute,
-            "tensor_parallel_comm": slots * tp_comm, "bubble": bubble, "data_parallel_exposed": dp_exposed,
+    time = {"compute": compute_step - bubble - slots * (tp_comm + sends), "recompute": slots * recompute,
+            "tensor_parallel_comm": slots * tp_comm, "pipeline_sends": slots * sends, "bubble": bubble,
+            "data_parallel_exposed": dp_exposed,
             "compression": compression, "optimizer": optimizer}
     prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
                             c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
@@ -163,7 +180,8 @@ def bottleneck(p: Prediction, dp_what: str) -> str:
         return "memory"
     t = p.time
     costs = {"pipeline bubble": t["bubble"], f"exposed {dp_what}": t["data_parallel_exposed"],
-             "tensor-parallel all-reduces": t["tensor_parallel_comm"], "recomputation": t["recompute"]}
+             "tensor-parallel all-reduces": t["tensor_parallel_comm"], "recomputation": t["recompute"],
+             "pipeline activation sends": t["pipeline_sends"]}
     name, seconds = max(costs.items(), key=lambda kv: kv[1])
     return name if seconds > 0.15 * p.step_s else "compute"
 

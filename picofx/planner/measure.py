@@ -5,29 +5,32 @@ shard or overlap), trains the model with AdamW on random tokens for a few steps 
 gradient accumulation over the micro-batches where there is no pipeline), and reports the median
 step of its slowest rank.
 
-The device the predictions are made for is calibrated here, in one single-threaded rank as each
-measured rank runs: matmul rate and memory bandwidth (`calibrate`), the eager step's cost per
-graph op (the model's own step at sizes where compute is negligible: dispatch, autograd, the
-runtime's wrappers), AdamW's cost per parameter tensor and a DTensor parameter's extra
-(`calibrate_parameters`), each the best of its repeats; among all the ranks, the gloo link
-(`calibrate_link`) and the share of a core each rank gets while all compute (`cpu_share`: cores /
-ranks on an idle machine, less where other processes run). Rates are multiplied by that share,
-per-op and per-tensor costs divided by it.
+The device the predictions are made for is calibrated on the same number of single-threaded gloo
+ranks, all measuring at once, each figure the slowest rank's median (`lockstep_seconds`): so the
+ranks' contention for the cores (oversubscription, the scheduler, cache) and the wait for the
+slowest rank are in the calibration, not scaled from one rank alone. The figures: matmul rate at the
+model's hidden size and copy bandwidth, the eager step's cost per graph op (the model's own step at
+sizes where compute is negligible: dispatch, autograd, the runtime's wrappers), AdamW's cost per
+parameter tensor and a DTensor parameter's extra; the gloo link (`calibrate_link`, the latency
+between bursts of compute, `busy_latency`). Other processes change the machine's speed between the
+calibration and a plan's run, so the same per-op probe runs before each of the plan's steps and the
+plan is predicted again at the ratio of the two.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 
 import torch
 
-from picofx.cost.device import Device, calibrate, calibrate_parameters, cpu
+from picofx.cost.device import Device, cpu
 from picofx.parallel.mesh import resolve_dim
 from picofx.parallel.launch import run_ranks
 
 TIMEOUT_S = 900
+COPY_BYTES = 8 * 2**20
+TENSORS = 32  # parameter tensors the per-tensor costs are measured over
 
 
 def measurable(layout) -> str | None:
@@ -37,26 +40,14 @@ def measurable(layout) -> str | None:
     return None
 
 
-def shared(device: Device, world: int, cores: int | None = None, share: float | None = None) -> Device:
-    """`device` (one rank's, on a core of its own) as each of `world` ranks sees it when they share
-    `cores`: compute and memory rates times the share of a core each rank gets, per-op and
-    per-tensor costs divided by it. `share`: as measured (`cpu_share`, other processes included);
-    None: cores / world, at most 1."""
-    cores = cores or os.cpu_count() or 1
-    share = min(1.0, cores / world) if share is None else min(1.0, share)
-    return dataclasses.replace(at_share(device, share), name=f"{device.name}, {world} ranks on {cores} cores")
-
-
-def at_share(device: Device, share: float) -> Device:
-    """`device` with `share` of a core (instead of its `cpu_share`): rates scaled by the ratio, per-op
-    and per-tensor costs by its inverse."""
-    ratio = share / device.cpu_share
-    return dataclasses.replace(device, peak_flops={k: v * ratio for k, v in device.peak_flops.items()},
-                               memory_bandwidth=device.memory_bandwidth * ratio,
-                               op_overhead=device.op_overhead / ratio,
-                               optimizer_tensor_overhead=device.optimizer_tensor_overhead / ratio,
-                               dtensor_parameter_overhead=device.dtensor_parameter_overhead / ratio,
-                               cpu_share=share)
+def at_load(device: Device, slowdown: float) -> Device:
+    """`device` `slowdown` times slower than when it was calibrated (other processes came or went):
+    rates divided by it, per-op and per-tensor costs multiplied."""
+    return dataclasses.replace(device, peak_flops={k: v / slowdown for k, v in device.peak_flops.items()},
+                               memory_bandwidth=device.memory_bandwidth / slowdown,
+                               op_overhead=device.op_overhead * slowdown,
+                               optimizer_tensor_overhead=device.optimizer_tensor_overhead * slowdown,
+                               dtensor_parameter_overhead=device.dtensor_parameter_overhead * slowdown)
 
 
 def cpu_share(seconds: float = 1.0) -> float:
@@ -77,9 +68,27 @@ def shrunk(config):
                                vocab_size=16)
 
 
-def eager_op_overhead(config, layers: int = 2, seq: int = 4, repeats: int = 10) -> float:
-    """Seconds per graph op (the ops the planner counts) of picofx's eager training step (fuse) on
-    this thread: the best forward + backward of `config` shrunk, over its ops."""
+def lockstep_seconds(fn, repeats: int = 7, warm_up: bool = True) -> float:
+    """Seconds of `fn` as the slowest of the ranks sees it while all run it together: after a warm-up,
+    each repeat starts on a barrier and takes the slowest rank's time; the median repeat. Every rank calls it."""
+    import torch.distributed as dist
+
+    if warm_up:
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        times.append(seconds.item())
+    return statistics.median(times)
+
+
+def eager_step(config, layers: int = 2, seq: int = 4):
+    """picofx's eager training step (fuse) of `config` shrunk (compute negligible against dispatch) on
+    this thread, and the graph ops it runs (the ops the planner counts)."""
     from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
     from picofx.examples.llama import Llama, causal_lm_loss
     from picofx.planner.costs import count_ops
@@ -91,40 +100,67 @@ def eager_op_overhead(config, layers: int = 2, seq: int = 4, repeats: int = 10) 
     ids = torch.randint(0, small.vocab_size, (1, seq + 1))
     inputs = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
     opt = optimize(model, inputs, ["fuse"], backend="eager", loss_fn=causal_lm_loss)
+    opt.forward_backward(**inputs)
     ops = count_ops(opt.graphs["forward"]) + count_ops(opt.graphs["backward"])
-    for _ in range(2):
-        opt.forward_backward(**inputs)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        opt.forward_backward(**inputs)
-        best = min(best, time.perf_counter() - start)
-    return best / ops
+    return (lambda: opt.forward_backward(**inputs)), ops
 
 
-def one_rank_device(rank: int, world: int, config) -> Device:
-    """On one single-threaded rank of its own group: this CPU as one rank sees it (see the module),
-    its matmul rate at the model's hidden size (at most 1024), as the step's matmuls run."""
+def parameter_steps(tensors: int = TENSORS, numel: int = 64):
+    """Three steps over `tensors` small fp32 parameters: AdamW alone; a forward, backward and AdamW
+    step over plain parameters, and the same over DTensor parameters sharded over all ranks (the
+    difference is what a DTensor parameter adds)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = resolve_dim(None, None, "dp_shard", "picofx plan --measure").as_device_mesh("cpu")
+    plain = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.randn(numel * mesh.size()), mesh, [Shard(0)]))
+               for _ in range(tensors)]
+    optimizers = {id(plain): torch.optim.AdamW(plain, lr=1e-4), id(sharded): torch.optim.AdamW(sharded, lr=1e-4)}
+
+    def train(params, local):
+        sum((p.to_local() if local else p).sum() for p in params).backward()
+        optimizers[id(params)].step()
+        optimizers[id(params)].zero_grad(set_to_none=True)
+
+    for p in plain:
+        p.grad = torch.randn(numel)  # AdamW skips a parameter without one
+    return optimizers[id(plain)].step, (lambda: train(plain, False)), (lambda: train(sharded, True))
+
+
+def ranks_device(rank: int, world: int, config, link: dict | None) -> Device:
+    """On each of `world` single-threaded gloo ranks, all measuring at once (each figure the slowest
+    rank's, `lockstep_seconds`): this CPU as the ranks of a plan see it (see the module); `link`: the
+    ranks' link rates, None: measured here."""
     size = max(64, min(1024, config.hidden_size))
-    ranks = resolve_dim(None, None, "dp_shard", "picofx plan --measure").as_device_mesh("cpu")
-    device = calibrate_parameters(calibrate(cpu(1), matmul_size=size), mesh=ranks)
-    return dataclasses.replace(device, op_overhead=eager_op_overhead(config))
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    src = torch.empty(COPY_BYTES // 4)
+    dst = torch.empty_like(src)
+    step, ops = eager_step(config)
+    adamw, plain, sharded = parameter_steps()
+    link = {k: v for k, v in (link or link_rates(world)).items() if k != "cpu_share"}  # the share: measured here
+    share = torch.tensor([cpu_share()], dtype=torch.float64)
+    torch.distributed.all_reduce(share)
+    tensor_steps = [lockstep_seconds(fn) / TENSORS for fn in (adamw, plain, sharded)]
+    return dataclasses.replace(
+        cpu(1), name=f"{cpu(1).name}, calibrated on {world} ranks at once",
+        peak_flops={torch.float32: 2 * size**3 / lockstep_seconds(lambda: torch.mm(a, b))},
+        memory_bandwidth=2 * COPY_BYTES / lockstep_seconds(lambda: dst.copy_(src)),
+        op_overhead=lockstep_seconds(step) / ops, optimizer_tensor_overhead=tensor_steps[0],
+        dtensor_parameter_overhead=max(0.0, tensor_steps[2] - tensor_steps[1]), source="measured",
+        cpu_share=share.item() / world, **link)
 
 
 def calibrated_device(config, world: int, link: dict | None = None, say=print) -> Device:
-    """This machine's CPU as `world` single-threaded gloo ranks of `config`'s step see it. `link`:
-    the ranks' link rates (picofx.cost.device.calibrate_link) and, optionally, `cpu_share`; None:
-    both measured on `world` gloo ranks."""
-    one = run_ranks(one_rank_device, 1, config, timeout=300, collective_timeout=120)[0]
-    link = dict(link or run_ranks(link_rates, world, timeout=300, collective_timeout=120)[0])
-    share = link.pop("cpu_share", None)
-    device = dataclasses.replace(shared(one, world, share=share), **link)
-    say(f"calibrated: one rank (a core of its own): matmul {one.peak_flops[torch.float32] / 1e9:.0f} GFLOP/s, copy "
-        f"{one.memory_bandwidth / 1e9:.0f} GB/s, {one.op_overhead * 1e6:.0f} us per eager graph op, AdamW "
-        f"{one.optimizer_tensor_overhead * 1e6:.0f} us per tensor, a DTensor parameter +"
-        f"{one.dtensor_parameter_overhead * 1e6:.0f} us; {world} ranks get {device.cpu_share:.2f} core each; gloo "
-        f"between "
-        f"{world} ranks: {link['link_bandwidth'] / 1e9:.2f} GB/s, {link['link_latency'] * 1e6:.0f} us per ring step")
+    """This machine's CPU as `world` single-threaded gloo ranks of `config`'s step see it, all of them
+    measured at once (`ranks_device`). `link`: the ranks' link rates (picofx.cost.device.calibrate_link),
+    None: measured on the same ranks."""
+    device = run_ranks(ranks_device, world, config, link, timeout=300, collective_timeout=120)[0]
+    say(f"calibrated: {world} ranks measuring at once (the slowest rank's median): matmul "
+        f"{device.peak_flops[torch.float32] / 1e9:.1f} GFLOP/s, copy {device.memory_bandwidth / 1e9:.1f} GB/s, "
+        f"{device.op_overhead * 1e6:.0f} us per eager graph op, AdamW {device.optimizer_tensor_overhead * 1e6:.0f} us "
+        f"per tensor, a DTensor parameter +{device.dtensor_parameter_overhead * 1e6:.0f} us; each rank got "
+        f"{device.cpu_share:.2f} core; gloo: {device.link_bandwidth / 1e9:.2f} GB/s, "
+        f"{device.link_latency * 1e6:.0f} us per ring step")
     return device
 
 
@@ -154,19 +190,14 @@ def busy_latency(world: int, iterations: int = 20) -> float:
     return cost.item() / (2 * (world - 1))
 
 
-def link_rates(rank: int, world: int) -> dict:
-    """On one rank: the gloo link's bandwidth and latency among the `world` ranks (all of them; the
-    latency the larger of a tight loop's and `busy_latency`), and `cpu_share`, the share of a core
-    each rank gets while all of them compute (their mean)."""
-    import torch.distributed as dist
-
+def link_rates(world: int) -> dict:
+    """The gloo link's bandwidth and latency among the `world` ranks (every rank calls it; the latency
+    the larger of a tight loop's and `busy_latency`)."""
     from picofx.cost.device import calibrate_link
 
     link = calibrate_link(None)
     latency = max(link["link_latency"], busy_latency(world))
-    share = torch.tensor([cpu_share()], dtype=torch.float64)
-    dist.all_reduce(share)
-    return {**link, "link_latency": latency, "network_latency": latency, "cpu_share": share.item() / world}
+    return {**link, "link_latency": latency, "network_latency": latency}
 
 
 def measured_passes(layout) -> list:
@@ -190,8 +221,8 @@ def passes_and_mesh(layout):
 
 def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: int, steps: int) -> tuple:
     """On one rank: the seconds of each of `steps` training steps (after two warm-ups: the first
-    compiles, the second the gradient-accumulation variants), and the share of a core each rank got
-    just before them (`cpu_share`, all ranks computing)."""
+    compiles, the second the gradient-accumulation variants), and the eager step's cost per graph op
+    the ranks saw meanwhile (`ranks_device`'s probe, run in lockstep before each step; the median)."""
     from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
     from picofx.examples.llama import Llama, causal_lm_loss
 
@@ -204,11 +235,12 @@ def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: 
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
     opt = optimize(model, batch, passes, backend="eager", loss_fn=causal_lm_loss, mesh=mesh)
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-4)
-    share = torch.tensor([cpu_share()], dtype=torch.float64)  # what other processes leave the ranks now
-    torch.distributed.all_reduce(share)
+    probe, ops = eager_step(config)
     accumulate = 1 if layout.pp > 1 else layout.microbatches
-    times = []
+    times, probes = [], []
     for _ in range(steps + 2):
+        calls = lockstep_seconds(lambda: [probe() for _ in range(layout.microbatches)], repeats=1, warm_up=False)
+        probes.append(calls / (ops * layout.microbatches))
         start = time.perf_counter()
         for k in range(accumulate):
             if k < accumulate - 1 and layout.dp > 1:
@@ -219,14 +251,14 @@ def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    return times[2:], share.item() / world
+    return times[2:], statistics.median(probes[2:])
 
 
 def measure(predictions: list, run, top: int, steps: int = 8) -> list:
     """Fill `measured_step_s` of the first `top` plans that fit and can run here (the median step of
-    the slowest rank); returns them. On a calibrated CPU, whose share other processes change between
-    the calibration and a plan's run, the plan is predicted again at the share measured just before
-    its steps (the ranking stays the calibration's)."""
+    the slowest rank); returns them. On a calibrated CPU, which other processes slow down or leave
+    between the calibration and a plan's run, the plan is predicted again at the per-op cost its
+    ranks' probe measured meanwhile (the ranking stays the calibration's)."""
     from picofx.planner.layouts import predict
 
     chosen = [p for p in predictions if p.fits and measurable(p.layout) is None][:top]
@@ -235,10 +267,12 @@ def measure(predictions: list, run, top: int, steps: int = 8) -> list:
                         steps, timeout=TIMEOUT_S, collective_timeout=TIMEOUT_S / 2)
         slowest = [max(ranks) for ranks in zip(*(times for times, _ in out))]
         p.measured_step_s = statistics.median(slowest)
-        share, note = out[0][1], ""
-        if run.device.source == "measured" and run.device.cpu_share < 1:
-            again = predict(dataclasses.replace(run, device=at_share(run.device, share)), p.layout)
-            note = f"; {share:.2f} core per rank then: predicted {p.step_s:.4f} -> {again.step_s:.4f} s"
+        per_op, note = out[0][1], ""
+        if run.device.source == "measured":
+            slowdown = per_op / run.device.op_overhead
+            again = predict(dataclasses.replace(run, device=at_load(run.device, slowdown)), p.layout)
+            note = (f"; {per_op * 1e6:.0f} us per eager op meanwhile ({slowdown:.2f}x the calibration's): "
+                    f"predicted {p.step_s:.4f} -> {again.step_s:.4f} s")
             p.step_s, p.time, p.tokens_per_s, p.mfu = again.step_s, again.time, again.tokens_per_s, again.mfu
         print(f"measured {p.layout.describe()}: median step {p.measured_step_s:.4f} s of {steps} "
               f"(best {min(slowest):.4f} s){note}")

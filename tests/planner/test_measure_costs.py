@@ -1,5 +1,6 @@
 """The cost terms `picofx plan --measure` calibrates on a CPU: per-op overhead per call, AdamW's and
-DTensor's per-parameter-tensor costs, ranks sharing cores; and which measured layouts run."""
+DTensor's per-parameter-tensor costs, the slowest of the ranks measuring at once, a machine slowed
+down after its calibration; and which measured layouts run."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,8 @@ from picofx.cost.device import cpu
 from picofx.examples.llama import CONFIGS
 from picofx.planner.costs import ModelCosts
 from picofx.planner.layouts import Layout, Run, predict
-from picofx.planner.measure import at_share, measurable, measured_passes, shared
+from picofx.parallel.launch import run_ranks
+from picofx.planner.measure import at_load, lockstep_seconds, measurable, measured_passes
 
 INSTANT = float("inf")
 
@@ -48,16 +50,15 @@ def test_the_optimizer_pays_per_parameter_tensor_and_more_for_dtensors():
         assert step(costs(2), dtensors, **per_tensor) == pytest.approx((2 * 9 + 3) * 5e-3)
 
 
-def test_ranks_beyond_the_cores_share_them():
-    one = dataclasses.replace(cpu(1), op_overhead=1e-5, optimizer_tensor_overhead=2e-5, dtensor_parameter_overhead=3e-4)
-    four_on_two = shared(one, world=4, cores=2)
-    assert four_on_two.peak_flops[torch.float32] == pytest.approx(one.peak_flops[torch.float32] / 2)
-    assert four_on_two.memory_bandwidth == pytest.approx(one.memory_bandwidth / 2)
-    assert (four_on_two.op_overhead, four_on_two.optimizer_tensor_overhead, four_on_two.dtensor_parameter_overhead) \
-        == pytest.approx((2e-5, 4e-5, 6e-4))
-    assert shared(one, world=2, cores=4).op_overhead == one.op_overhead  # a core each: nothing shared
-    busy = shared(one, world=4, cores=2, share=0.25)  # as measured, other processes taking their part
-    assert busy.op_overhead == pytest.approx(4e-5) and busy.memory_bandwidth == pytest.approx(one.memory_bandwidth / 4)
+def sleep_by_rank(rank: int, world: int) -> float:
+    import time
+
+    return lockstep_seconds(lambda: time.sleep(0.02 * rank), repeats=3)
+
+
+def test_ranks_measured_at_once_each_take_the_slowest_ranks_time():
+    fast, slow = run_ranks(sleep_by_rank, 2, timeout=120)
+    assert fast == slow >= 0.02  # rank 0 sleeps not at all; both report rank 1's 20 ms
 
 
 def test_tensor_parallel_with_shard_or_pipeline_is_measured_in_train_llamas_pass_order():
@@ -72,12 +73,19 @@ def test_tensor_parallel_with_shard_or_pipeline_is_measured_in_train_llamas_pass
     assert names(Layout(dp=2, tp=1, pp=2, microbatches=2)) == ["fuse", "Pipeline", "overlap"]
 
 
-def test_a_plan_is_predicted_again_at_the_share_its_run_got():
-    one = dataclasses.replace(cpu(1), op_overhead=1e-5)
-    calibrated = shared(one, world=4, cores=2, share=0.5)
-    busier = at_share(calibrated, 0.25)
-    assert busier.op_overhead == pytest.approx(4e-5) and busier.cpu_share == 0.25
-    assert busier.peak_flops[torch.float32] == pytest.approx(one.peak_flops[torch.float32] / 4)
+def test_a_plan_is_predicted_again_as_much_slower_as_the_probe_ran():
+    calibrated = dataclasses.replace(cpu(1), op_overhead=1e-5, optimizer_tensor_overhead=2e-5,
+                                     dtensor_parameter_overhead=3e-4)
+    busier = at_load(calibrated, 2.0)
+    assert (busier.op_overhead, busier.optimizer_tensor_overhead, busier.dtensor_parameter_overhead) \
+        == pytest.approx((2e-5, 4e-5, 6e-4))
+    assert busier.peak_flops[torch.float32] == pytest.approx(calibrated.peak_flops[torch.float32] / 2)
+    assert busier.memory_bandwidth == pytest.approx(calibrated.memory_bandwidth / 2)
+    overheads = overhead_only(op_overhead=1e-5, optimizer_tensor_overhead=2e-5, dtensor_parameter_overhead=3e-4)
+    for layout in (Layout(dp=4, tp=1, pp=1, microbatches=2), Layout(dp=2, tp=2, pp=1, shard=True)):
+        slow, fast = (predict(Run(costs(2), device, 4, 4, 8), layout).step_s
+                      for device in (at_load(overheads, 2.0), overheads))
+        assert slow == pytest.approx(2 * fast)
 
 
 def test_the_model_costs_count_a_layers_ops_and_parameter_tensors():

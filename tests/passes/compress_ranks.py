@@ -115,11 +115,17 @@ def warmup_steps(rank: int, world: int, batch: int) -> dict:
     z, opt = optimized("powersgd:4", rank, world, batch, warmup=1)
     first = shard(z.example_inputs, rank, world)
     second = shard(walks(256, batch, 32, seed=7), rank, world)
-    out = {"first": step_grads(opt, z.model, first)}
+    return warmup_run(opt, lambda data: step_grads(opt, z.model, data), first, second)
+
+
+def warmup_run(opt, run_step, first: dict, second: dict) -> dict:
+    """A warmup=1 run's gradients (`run_step(batch)`) of two steps, its residuals after the first,
+    the second step again after reset_compression, and the step variants it compiled."""
+    out = {"first": run_step(first)}
     out["residual_after_first"] = {k: v.clone() for k, v in opt.compression.tensors.items() if k.startswith("residual")}
-    out["second"] = step_grads(opt, z.model, second)
+    out["second"] = run_step(second)
     opt.reset_compression()
-    out["second_after_reset"] = step_grads(opt, z.model, second)
+    out["second_after_reset"] = run_step(second)
     out["variants"] = sorted(key[2] for key in opt._steps)
     return out
 

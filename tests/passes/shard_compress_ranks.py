@@ -14,7 +14,7 @@ import picofx
 from picofx.examples import zoo
 from picofx.passes import Overlap, Shard
 
-from compress_ranks import walks
+from compress_ranks import walks, warmup_run
 from overlap_ranks import clear, grads, shard
 from shard_ranks import gathered_grads
 
@@ -90,12 +90,7 @@ def warmup_steps(rank: int, world: int, batch: int) -> dict:
     first = shard(z.example_inputs, rank, world)
     second = shard(walks(256, batch, 32, seed=7), rank, world)
     opt = picofx.optimize(z.model, first, [Shard(compress="topk:0.01", warmup=1)], backend="eager", loss_fn=z.loss_fn)
-    out = {"first": step(opt, z.model, first)}
-    out["residual_after_first"] = {k: v.clone() for k, v in opt.compression.tensors.items() if k.startswith("residual")}
-    out["second"] = step(opt, z.model, second)
-    opt.reset_compression()
-    out["second_after_reset"] = step(opt, z.model, second)
-    out["variants"] = sorted(key[2] for key in opt._steps)
+    out = warmup_run(opt, lambda data: step(opt, z.model, data), first, second)
     out["compressors"] = {key[2]: {b["compressor"] for r in built.report.records if r.name == "shard"
                                    for b in r.notes.get("compression", [])} for key, built in opt._steps.items()}
     return out

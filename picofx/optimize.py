@@ -73,6 +73,11 @@ class CompiledStep:
         return pytree.tree_unflatten(user_outputs, self.signature.out_spec)
 
 
+def shard_layout(step) -> ShardLayout | None:
+    """The ShardLayout of a compiled step that shards its parameters (a pipeline's step has none here)."""
+    return step.shards if isinstance(step, CompiledStep) else None
+
+
 def captured_inputs(manager: PassManager, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs to capture: a pass that runs the step in micro-batches (pipeline) captures one."""
     for p in manager.declared("microbatches"):
@@ -205,7 +210,7 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         step = self._step_for(args, kwargs)
-        mode = self._sync.mode(step.graphs, step.shards if isinstance(step, CompiledStep) else None)
+        mode = self._sync.mode(step.graphs, shard_layout(step))
         if mode != "sync":  # no_sync, the first synced call after it, or a warm-up step: a variant of the backward
             step = self._step_for(args, kwargs, mode)
             self._sync.before_call(mode, step.graphs, self._model)
@@ -235,7 +240,7 @@ class OptimizedModule(nn.Module):
         Q; pass overlap's `compress`), or None. Save it with the model's DCP checkpoint:
         `dcp.save({"model": ..., "compression": opt.compression})`; it loads in place."""
         return next((s for step in self._steps.values()
-                     if (s := compression_state(step.graphs, getattr(step, "shards", None)))), None)
+                     if (s := compression_state(step.graphs, shard_layout(step)))), None)
 
     def reset_compression(self) -> None:
         """Forget the compressors' state: residuals to zero, PowerSGD's Q to its first value, and

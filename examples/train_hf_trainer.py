@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import picofx
-from picofx.examples.train_data import stdlib_corpus
-from picofx.examples.zoo import hf_llama_config
+from picofx.cli.train_data import stdlib_corpus
+from picofx.models.zoo import hf_llama_config
 
 
 class ByteWindows(torch.utils.data.Dataset):
@@ -38,7 +38,7 @@ class ByteWindows(torch.utils.data.Dataset):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="tiny", help="model shape from picofx.examples.llama.CONFIGS (vocab 256)")
+    p.add_argument("--size", default="tiny", help="model shape from picofx.models.llama.CONFIGS (vocab 256)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=8, help="per process")
     p.add_argument("--seq", type=int, default=128)

@@ -3,28 +3,17 @@
     capture/   model -> ATen forward graph, annotated        manager/  passes, stages, verify, report, dump
     rewrite/   the rule API (pattern -> replacement)          cost/     devices, FLOPs, memory, plans
     runtime/   compiling and running the step                 kernels/  the fused ops (CPU and Triton)
-    passes     picofx.passes: fuse, precision, checkpoint, ...
+    passes/    fuse, precision, checkpoint, overlap, shard, tensor_parallel, pipeline
+    planner/   layouts predicted and ranked (picofx.plan)     cli/      picofx train | plan | dump
 """
 import importlib.metadata
 
 from picofx.errors import BudgetError, CaptureError, DistributedError, InputShapeError, PassError, VerificationError
 from picofx.manager import Context, DumpGraphs, PassManager, PassResult, Stage, register_pass
-from picofx.optimize import OptimizedModule, optimize
-from picofx import plan, rules  # noqa: E402  (public modules: picofx.plan.predict, picofx.rules.Rule)
+from picofx.api import OptimizedModule, optimize
+from picofx import rules  # noqa: E402  (public module: picofx.rules.Rule)
 from picofx.cost import device  # noqa: E402  (picofx.device.H100, picofx.device.calibrate)
 
-
-class _PlanModule(type(plan)):
-    """picofx.plan stays the module (picofx.plan.predict, picofx.plan.fake_mode) and, called, is the
-    layout planner: picofx.plan(model, world=N, ...) (picofx.planner.api.plan)."""
-
-    def __call__(self, model, **options):
-        from picofx.planner.api import plan as plan_layouts  # the planner imports picofx.plan
-
-        return plan_layouts(model, **options)
-
-
-plan.__class__ = _PlanModule
 
 try:
     __version__ = importlib.metadata.version("picofx")
@@ -33,6 +22,8 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
 
 # Last: the passes register their names (and the fuse rules) as they are imported.
 from picofx import passes  # noqa: E402,F401  isort: skip
+# The planner composes passes: it comes after them.
+from picofx.planner.api import plan  # noqa: E402  isort: skip
 
 __all__ = ["BudgetError", "CaptureError", "Context", "DistributedError", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
            "PassManager", "PassResult", "Stage", "VerificationError", "device", "optimize", "passes", "plan",

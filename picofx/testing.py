@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from picofx.capture.export import capture
-from picofx.optimize import graph_inputs, optimize
+from picofx.api import graph_inputs, optimize
 from picofx.manager import Context, PassManager, Stage
 from picofx.manager.verify import FP32_TOLERANCE
 from picofx.capture.vocabulary import SIGNATURE_META

@@ -6,7 +6,7 @@ import torch
 
 import picofx
 from picofx.capture.export import input_key
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Checkpoint
 from picofx.runtime.cache import NotCacheable, cache_key
 
@@ -27,7 +27,7 @@ def use_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PICOFX_CACHE", "1")
     monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))
     captures = []
-    optimize_module = sys.modules["picofx.optimize"]  # the module, not the function of its name
+    optimize_module = sys.modules["picofx.api"]  # the module, not the function of its name
     capture = optimize_module.capture_call
     monkeypatch.setattr(optimize_module, "capture_call", lambda *a, **k: captures.append(1) or capture(*a, **k))
     return captures

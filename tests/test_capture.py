@@ -4,7 +4,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.manager.verify import ANNOTATIONS
 
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ import torch
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from picofx.capture.export import capture
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.passes import Fuse
 from picofx.rewrite import rewriter
 from picofx.testing import op_counts
@@ -53,7 +53,7 @@ def checkpoint_work(layers: int) -> dict:
     import picofx
     from picofx.cost import liveness
     from picofx.passes import Checkpoint
-    from picofx.passes.checkpoint import Checkpoint as CheckpointPass
+    from picofx.passes.checkpoint.checkpoint import Checkpoint as CheckpointPass
 
     config = dataclasses.replace(CONFIGS["tiny"], num_hidden_layers=layers)
     torch.manual_seed(0)

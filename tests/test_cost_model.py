@@ -9,13 +9,13 @@ import picofx
 from picofx.cost.model import CostModel, optimizer_state_bytes
 from picofx.cost import device as devices
 from picofx.cost.device import DEVICES, H100, Device, calibrate, cpu
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.cost.liveness import Schedule, timeline
 from picofx.cost.memory import measure_peak, peak_allocated_during, resident_bytes
 from picofx.cost.units import parse_budget
-from picofx.plan import fake_mode, max_batch, predict, resize_inputs
+from picofx.planner.predict import fake_mode, max_batch, predict, resize_inputs
 from picofx.cost.symbolic import B, T
-from picofx.plan import fit_step
+from picofx.planner.predict import fit_step
 
 MiB = 2**20
 
@@ -206,7 +206,7 @@ def test_max_batch_is_the_largest_batch_that_fits():
 
 
 def test_prediction_needs_no_real_weights():
-    from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
+    from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 
     real = zoo.build("llama-tiny", batch=2, seq=16)
     inputs = {k: v.contiguous() for k, v in real.example_inputs.items()}

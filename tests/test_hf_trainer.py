@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import picofx  # noqa: E402
-from picofx.examples import zoo  # noqa: E402
+from picofx.models import zoo  # noqa: E402
 from picofx.manager import PASSES  # noqa: E402
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.utils.generic import find_labels  # noqa: E402

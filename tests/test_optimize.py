@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.testing import assert_trains_like_eager
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.manager import PassInfo, PassManager, Stage
 from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
@@ -231,7 +231,7 @@ def test_a_pass_that_declares_it_only_tags_is_held_to_it():
     """tags_only skips the graph copy and re-annotation; a pass that then adds a node fails and its tags go."""
     import picofx
     from picofx.manager import PassInfo
-    from picofx.examples.zoo import build
+    from picofx.models.zoo import build
 
     class Tags:
         info = PassInfo(picofx.Stage.JOINT, tags_only=True)

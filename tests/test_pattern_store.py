@@ -4,8 +4,8 @@ import dataclasses
 
 import torch
 
-from picofx.examples import zoo
-from picofx.passes.fuse import Fuse
+from picofx.models import zoo
+from picofx.passes.fuse.fuse import Fuse
 from picofx.rewrite import registered_rules
 from picofx.rewrite.pattern_store import PatternStore, rule_key
 from picofx.rewrite.rules import Traces, trace_patterns

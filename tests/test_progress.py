@@ -5,7 +5,7 @@ import re
 import torch
 
 import picofx
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 
 
 def tiny_batch():

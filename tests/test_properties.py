@@ -1,6 +1,6 @@
 """Property: any LLaMA-style configuration, under any pass combination, optimizes and trains like
 eager (loss and every gradient), or is refused with a picofx error that names the cause; never a
-torch-internal traceback. Configurations come from hypothesis (picofx.examples.llama_configs:
+torch-internal traceback. Configurations come from hypothesis (picofx.models.llama_configs:
 widths, heads, grouped-query ratio, layers, biases, tied embeddings, RoPE form, norm epsilon,
 activation, vocabulary, batch and sequence; written as picofx's seed Llama, Hugging Face Llama
 or Qwen2). A short profile runs with the suite; a longer one is marked slow."""
@@ -11,16 +11,16 @@ from hypothesis import strategies as st
 
 import picofx
 from picofx import errors
-from picofx.examples import llama_configs
-from picofx.examples.llama_configs import LlamaVariant
+from picofx.models import llama_configs
+from picofx.models.llama_configs import LlamaVariant
 from picofx.manager.verify import FP32_TOLERANCE
-from picofx.passes.checkpoint import Checkpoint
-from picofx.passes.fuse import Fuse
-from picofx.passes.precision import TOLERANCE, Precision
+from picofx.passes.checkpoint.checkpoint import Checkpoint
+from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.precision.precision import TOLERANCE, Precision
 from picofx.testing import assert_trains_like_eager
 
 FUSED = (1e-5, 1e-5)  # what the fuse rules declare: sums in another order
-# precision rounds every matmul input to bf16: ~1% of each gradient's norm (picofx.passes.precision),
+# precision rounds every matmul input to bf16: ~1% of each gradient's norm (picofx.passes.precision.precision),
 # compared tensor by tensor (norm-wise)
 BF16 = TOLERANCE[torch.bfloat16]
 COMBINATIONS = ("none", "fuse", "precision", "checkpoint", "fuse+precision", "all")

@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.manager import Stage, register_pass
 from picofx.manager.passes import PASSES, RegisteredPass, pass_name, pass_stage
 from picofx.testing import assert_trains_like_eager, captured, run_pass

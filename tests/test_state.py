@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.cost import device as devices
 from picofx.cost.inductor import workspace
-from picofx.examples.zoo import ZooModel
+from picofx.models.zoo import ZooModel
 from picofx.rewrite import matcher
 from picofx.rewrite.rules import Rule, Traces, tensor
 from picofx.testing import captured

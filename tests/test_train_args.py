@@ -3,7 +3,7 @@ checkpoint pass built on --memory-budget."""
 import pytest
 
 import picofx
-from picofx.examples.train_args import parse_args, picofx_passes
+from picofx.cli.train_args import parse_args, picofx_passes
 
 TORCHRUN_4 = {"RANK": "0", "WORLD_SIZE": "4"}
 

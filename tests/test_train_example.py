@@ -8,7 +8,7 @@ SCRIPT = pathlib.Path(__file__).parents[1] / "examples" / "train_llama.py"
 
 
 def test_main_job_trains_with_fuse_and_the_loss_falls(capsys):
-    train = importlib.import_module("picofx.examples.train_llama")
+    train = importlib.import_module("picofx.cli.train")
     result = train.main(["--backend", "eager", "--steps", "40", "--batch", "4", "--seq", "64",
                          "--log-every", "10", "--passes", "fuse"])
     losses = [entry["loss"] for entry in result["history"]]
@@ -77,7 +77,7 @@ BAD_OPTIONS = {  # arguments -> what the one line must say
     "steps 0": (["--steps", "0"], "--steps: must be at least 1, got 0"),
     "unknown pass": (["--passes", "fusion"], "unknown pass 'fusion'; available passes:"),
     "dp without torchrun": (["--dp", "2"], "launch it with torchrun, e.g. torchrun --nproc-per-node 2"),
-    "pp without torchrun": (["--pp", "2", "--dp", "2"], "torchrun --nproc-per-node 4 examples/train_llama.py"),
+    "pp without torchrun": (["--pp", "2", "--dp", "2"], "torchrun --nproc-per-node 4 -m picofx train"),
     "overlap on one process": (["--passes", "overlap"], "one process has none"),
     "seq over the position limit": (["--seq", "4096"], "position limit, 128 (max_position_embeddings): pass "
                                                        "--max-positions 4096"),
@@ -94,7 +94,7 @@ def test_a_bad_option_is_one_line_and_exit_2_before_anything_runs(case):
     code, out = run_script(args)
     lines = picofx_lines(out)
     assert code == 2 and len(lines) == 1 and expected in lines[0], out
-    assert lines[0].startswith("train_llama.py: error: ") and "Traceback" not in out, out
+    assert lines[0].startswith("picofx train: error: ") and "Traceback" not in out, out
     if case == "unknown pass":
         assert lines[0].endswith("did you mean 'fuse'?"), out
 
@@ -103,7 +103,7 @@ def test_paths_that_cannot_be_used_are_refused(tmp_path):
     a_file = tmp_path / "graphs.txt"
     a_file.write_text("not a directory")
     code, out = run_script(["--dump-dir", str(a_file / "sub"), "--resume", str(tmp_path)])
-    assert code == 2 and picofx_lines(out) == [f"train_llama.py: error: --dump-dir {a_file / 'sub'}: {a_file} is a "
+    assert code == 2 and picofx_lines(out) == [f"picofx train: error: --dump-dir {a_file / 'sub'}: {a_file} is a "
                                                "file, not a directory: name a directory (it is created if missing)"]
     code, out = run_script(["--resume", str(tmp_path)])
     assert code == 2 and "no checkpoint there" in out and len(picofx_lines(out)) == 1, out
@@ -122,13 +122,13 @@ def test_data_too_short_for_the_sequence_stops_with_one_line(tmp_path):
     code, out = run_script(["--data", str(corpus), "--seq", "64", "--backend", "eager"])
     lines = picofx_lines(out)
     assert code == 1 and "Traceback" not in out, out
-    assert lines[-1].startswith("train_llama.py: error: the data holds 120 tokens; --seq 64 needs"), out
+    assert lines[-1].startswith("picofx train: error: the data holds 120 tokens; --seq 64 needs"), out
 
 
 def test_a_text_file_is_the_training_data(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    train = importlib.import_module("picofx.examples.train_llama")
+    train = importlib.import_module("picofx.cli.train")
     result = train.main(["--data", str(corpus), "--backend", "eager", "--passes", "--steps", "30", "--batch", "4",
                          "--seq", "32", "--log-every", "10", "--lr", "1e-2"])
     losses = [entry["loss"] for entry in result["history"]]
@@ -138,7 +138,7 @@ def test_a_text_file_is_the_training_data(tmp_path):
 def test_a_saved_dataset_is_the_training_data(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": ["the quick brown fox"] * 300}).save_to_disk(str(tmp_path / "ds"))
-    train = importlib.import_module("picofx.examples.train_llama")
+    train = importlib.import_module("picofx.cli.train")
     result = train.main(["--data", str(tmp_path / "ds"), "--backend", "eager", "--passes", "--steps", "2",
                          "--batch", "2", "--seq", "16"])
     assert len(result["losses"]) == 2
@@ -147,7 +147,7 @@ def test_a_saved_dataset_is_the_training_data(tmp_path):
 def test_under_torchrun_a_layout_that_does_not_match_the_ranks_is_refused_once():
     code, out = run_script(["--dp", "2"], torchrun_ranks=3, timeout=180)
     lines = picofx_lines(out)
-    assert code != 0 and lines == ["train_llama.py: error: the layout --dp 2 x --tp 1 x --pp 1 is 2 ranks, but "
+    assert code != 0 and lines == ["picofx train: error: the layout --dp 2 x --tp 1 x --pp 1 is 2 ranks, but "
                                    "torchrun started 3: launch with --nproc-per-node 2, or change --dp/--tp/--pp"], out
 
 
@@ -157,6 +157,6 @@ def test_under_torchrun_an_error_after_setup_is_printed_once_and_every_rank_stop
                             "--batch", "2", "--seq", "16", "--steps", "2"], torchrun_ranks=2, timeout=240)
     errors = [line for line in picofx_lines(out) if "error" in line]
     assert code != 0 and len(errors) == 1, out
-    assert errors[0].startswith("train_llama.py: error: pass 'checkpoint'") and "below the smallest peak" in errors[0]
+    assert errors[0].startswith("picofx train: error: pass 'checkpoint'") and "below the smallest peak" in errors[0]
     assert out.count("Traceback") <= 1 and "ChildFailedError" in out  # torchrun's own summary, no rank's
     assert "data parallel, 2 replicas" in out and "(the default under torchrun" in out

@@ -17,7 +17,7 @@ FAST = ["--backend", "eager", "--passes", "--batch", "4", "--seq", "16", "--log-
 def straight_then_saved_then_resumed(rank: int, world: int, layout: list, directory: str) -> dict:
     """On one rank of a group the harness made: 4 steps; 2 steps saved; 2 more resumed."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    train = importlib.import_module("picofx.examples.train_llama")
+    train = importlib.import_module("picofx.cli.train")
     straight = train.main([*FAST, *layout, "--steps", "4"])
     first = train.main([*FAST, *layout, "--steps", "2", "--save", directory])
     resumed = train.main([*FAST, *layout, "--steps", "4", "--resume", directory])
@@ -38,7 +38,7 @@ def test_save_and_resume_continue_bit_for_bit(layout, tmp_path):
         assert len(result["straight"]) == 4 and len(set(result["straight"])) == 4, result
         assert result["resumed"] == result["straight"], (rank, result)
     if layout[0] == "--pp":  # the whole model's FLOPs, as one process's graphs hold them
-        single = importlib.import_module("picofx.examples.train_llama").main([*FAST, "--steps", "1"])
+        single = importlib.import_module("picofx.cli.train").main([*FAST, "--steps", "1"])
         assert results[0]["graph_flops_per_token"] == pytest.approx(
             single["throughput"].graph_flops_per_token, rel=0.02)
 

@@ -2,7 +2,7 @@
 runs: the whole model's FLOPs over the peak of every rank."""
 import pytest
 
-from picofx.examples.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
+from picofx.cli.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
 
 FLOPS_PER_TOKEN = 0.95e6
 PEAK = 80e9

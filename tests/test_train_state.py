@@ -9,7 +9,7 @@ FAST = ["--backend", "eager", "--passes", "--batch", "2", "--seq", "16", "--log-
 
 
 def load_script():
-    return importlib.import_module("picofx.examples.train_llama")
+    return importlib.import_module("picofx.cli.train")
 
 
 def test_two_steps_saved_then_two_resumed_equal_four_straight(tmp_path):
@@ -23,7 +23,7 @@ def test_two_steps_saved_then_two_resumed_equal_four_straight(tmp_path):
 
 
 def test_a_resume_with_other_options_or_no_steps_left_is_refused(tmp_path, capsys):
-    from picofx.examples.train_args import parse_args
+    from picofx.cli.train_args import parse_args
 
     train = load_script()
     train.main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
@@ -38,8 +38,8 @@ def test_a_resume_with_other_options_or_no_steps_left_is_refused(tmp_path, capsy
 def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from picofx.examples import train_state
-    from picofx.examples.llama import CONFIGS, Llama
+    from picofx.cli import train_state
+    from picofx.models.llama import CONFIGS, Llama
 
     train = load_script()
     train.main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])

@@ -16,7 +16,7 @@ from torch import nn
 
 import picofx
 from picofx.cli import main as cli_main
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.manager import PassRecord, Stage
 from picofx.manager.report import WIDTH, Report
 from picofx.rewrite.matcher import NearMiss
@@ -174,7 +174,7 @@ def test_a_new_shape_prints_one_line_and_the_report_counts_it(capsys):
 
 QUIET = """
 import torch, picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 z = zoo.build("llama-tiny")
 passes = [picofx.passes.Fuse(rules=("rms_norm",)), picofx.passes.Checkpoint(budget="1GiB")]
 opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn)
@@ -224,12 +224,9 @@ def test_the_report_fits_100_columns_says_bytes_in_units_and_prints_what_passes_
 # ---- 8. the training script ------------------------------------------------------------------------
 
 def load_train_script():
-    import importlib.util
+    from picofx.cli import train
 
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return train
 
 
 def test_train_script_help_gives_every_option_a_text_and_its_default(capsys):
@@ -256,7 +253,7 @@ def test_train_script_reports_mean_throughput_mfu_by_dtype_and_a_summary(capsys)
 
 
 def test_train_script_offers_sizes_that_fit_and_refuses_one_that_does_not(capsys):
-    from picofx.examples.train_args import fits
+    from picofx.cli.train_args import fits
 
     train = load_train_script()
     args = train.parse_args([])

@@ -36,13 +36,13 @@ import torch.utils.checkpoint
 
 import picofx
 from picofx.cost.units import format_bytes
-from picofx.examples.llama import Llama, LlamaConfig, causal_lm_loss
-from picofx.examples.zoo import token_batch
+from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
+from picofx.models.zoo import token_batch
 from picofx.cost.memory import measure_peak
 from picofx.errors import PassError
 from picofx.passes import Checkpoint
-from picofx.plan import smallest_peak
-from picofx.plan import predict
+from picofx.planner.predict import smallest_peak
+from picofx.planner.predict import predict
 from results import write_json  # tools/results.py
 
 BENCH = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

@@ -4,7 +4,7 @@
                                   [--repeat N] [--inductor] [--json results.json]
 
 The model is Llama-2-7B's shape (hidden 4096, 32 heads, MLP 11008, vocab 32000) with the number
-of decoder layers varied, built under `picofx.plan.fake_mode()`: no memory, no weights, the same
+of decoder layers varied, built under `picofx.planner.predict.fake_mode()`: no memory, no weights, the same
 graphs as the real model. Each row runs in a fresh process with backend="eager", which runs every
 stage but generates no code, with the on-disk cache on (as by default) in a fresh temporary
 directory (PICOFX_CACHE_DIR) from which every optimized graph is deleted before each row, so no
@@ -72,8 +72,8 @@ def run_one(layers: int, contender: str, backend: str, batch: int, seq: int) -> 
     import torch
 
     import picofx
-    from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-    from picofx.plan import fake_mode
+    from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+    from picofx.planner.predict import fake_mode
 
     config = dataclasses.replace(CONFIGS["llama2-7b"], num_hidden_layers=layers,
                                  max_position_embeddings=max(seq, CONFIGS["llama2-7b"].max_position_embeddings))

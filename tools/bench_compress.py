@@ -119,7 +119,7 @@ def ddp_wire_bytes(kind: str, model, world: int) -> int:
 def contender(kind, warm_steps: int, rank: int, world: int, backend: str):
     """(the model, its step: batch -> loss, bytes on the wire per compressed step)."""
     import picofx
-    from picofx.examples import zoo
+    from picofx.models import zoo
 
     if kind is not None and kind.startswith(("ddp:", "floor:torch")):
         z = zoo.build("llama-tiny", batch=BATCH)

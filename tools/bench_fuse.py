@@ -26,8 +26,8 @@ import time
 import torch
 
 import picofx
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-from picofx.examples.zoo import token_batch
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.models.zoo import token_batch
 from picofx.cost.memory import measure_peak
 from results import write_json  # tools/results.py
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from picofx.parallel.launch import run_ranks
 
 import picofx
-from picofx.examples.llama import CONFIGS, causal_lm_loss
+from picofx.models.llama import CONFIGS, causal_lm_loss
 from picofx.passes import Overlap
 from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
 from rank_model import reference_model_and_batch  # tools/rank_model.py

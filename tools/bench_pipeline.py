@@ -89,8 +89,8 @@ def worker(args) -> None:
     import picofx
     from picofx.cost.device import calibrate, cpu
     from picofx.cost.model import CostModel
-    from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-    from picofx.examples.zoo import token_batch
+    from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+    from picofx.models.zoo import token_batch
     from picofx.passes import Pipeline
 
     torch.set_num_threads(1)

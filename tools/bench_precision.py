@@ -23,7 +23,7 @@ import time
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.cost.memory import measure_peak
 from picofx.testing import markov_batches, train_losses
 from results import write_json  # tools/results.py

@@ -31,7 +31,7 @@ from picofx.parallel.launch import run_ranks
 
 import picofx
 from picofx.cost.memory import measure_peak
-from picofx.examples.llama import CONFIGS, causal_lm_loss
+from picofx.models.llama import CONFIGS, causal_lm_loss
 from quiet_ranks import quiet_rank  # tools/quiet_ranks.py
 from rank_model import interleaved_step_times, reference_model_and_batch  # tools/rank_model.py
 from results import write_json  # tools/results.py

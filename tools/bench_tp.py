@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import picofx
 from picofx.cost.memory import measure_peak
-from picofx.examples.llama import CONFIGS, causal_lm_loss
+from picofx.models.llama import CONFIGS, causal_lm_loss
 from picofx.parallel.launch import run_ranks
 from picofx.passes import TensorParallel
 from quiet_ranks import quiet_rank  # tools/quiet_ranks.py

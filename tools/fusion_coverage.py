@@ -1,10 +1,10 @@
 """Fusion coverage per model: the sites the fuse rules could fuse (norms, gated MLPs, RoPE,
 attention, loss), how many `fuse` fused, and why each one left was left.
 
-    python tools/fusion_coverage.py                       # every model of picofx.examples.real_models
+    python tools/fusion_coverage.py                       # every model of picofx.models.real_models
     python tools/fusion_coverage.py hf-gemma2 meta-llama --json coverage.json
 
-Each model (tiny, fp32) is captured; picofx.passes.fuse_sites finds its sites by kind;
+Each model (tiny, fp32) is captured; picofx.passes.fuse.sites finds its sites by kind;
 Fuse(explain=True) runs; the sites are found again. Per kind and model:
   found        sites before `fuse`
   fused        fusible sites that `fuse` replaced (found, less those left)
@@ -24,9 +24,9 @@ from collections import Counter
 
 import transformers
 
-from picofx.examples import real_models
-from picofx.passes.fuse import Fuse
-from picofx.passes.fuse_sites import KINDS, accounting, census
+from picofx.models import real_models
+from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.fuse.sites import KINDS, accounting, census
 from picofx.testing import captured, run_pass
 
 TARGET = 0.95  # issue 25: fused share of the fusible sites across the real models

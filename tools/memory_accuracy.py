@@ -18,11 +18,11 @@ import torch
 
 import picofx
 from picofx.cost.units import format_bytes
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.cost.memory import measure_peak
 from picofx.passes import Checkpoint
-from picofx.plan import smallest_peak
-from picofx.plan import predict
+from picofx.planner.predict import smallest_peak
+from picofx.planner.predict import predict
 from results import write_json  # tools/results.py
 
 SHAPES = {"tiny": (4, 64), "small": (4, 256), "smollm-135m": (2, 256)}  # (batch, seq) per size

@@ -2,8 +2,8 @@
 
     python tools/plan_shard.py [--gpus 8 64] [--json plan_shard.json]
 
-The model is built under `picofx.plan.fake_mode()` (no memory, no weights) and one rank's step
-(1 x 4096 tokens, passes fuse + precision: bf16 matmuls) is predicted by `picofx.plan.predict` on
+The model is built under `picofx.planner.predict.fake_mode()` (no memory, no weights) and one rank's step
+(1 x 4096 tokens, passes fuse + precision: bf16 matmuls) is predicted by `picofx.planner.predict.predict` on
 the H100 description (`picofx.cost.device.H100`). Its forward and backward graphs give each
 decoder layer's compute seconds (the embedding and the head are units of their own); each unit's
 parameters are all-gathered in bf16 one layer ahead (prefetch 1), gathered again in the backward
@@ -19,14 +19,14 @@ import dataclasses
 
 import torch
 
-from picofx import plan
+from picofx.planner import predict as plan
 from picofx.capture.vocabulary import layer_of_path, traced_module_path
 from picofx.cost.comm import link_for
 from picofx.cost.device import H100
 from picofx.cost.model import CostModel
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.cost.units import format_bytes
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from results import write_json  # tools/results.py
 
 BATCH, SEQ = 1, 4096

@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from picofx.examples.llama import CONFIGS, Llama
-from picofx.examples.zoo import token_batch
+from picofx.models.llama import CONFIGS, Llama
+from picofx.models.zoo import token_batch
 
 
 def reference_model_and_batch(size: str, batch: int, seq: int, rank: int):

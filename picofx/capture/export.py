@@ -139,7 +139,7 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
     if loss_fn is None and "labels" in kwargs and not accepts_labels(model):
         raise CaptureError(f"capture: {type(model).__name__}.forward takes no 'labels', so it returns its "
                            "output, not a loss: pass loss_fn=..., called as loss_fn(output, labels) (e.g. "
-                           "picofx.examples.llama.causal_lm_loss), or leave labels out to capture the forward alone.")
+                           "picofx.models.llama.causal_lm_loss), or leave labels out to capture the forward alone.")
     model_kwargs = {k: v for k, v in kwargs.items() if loss_fn is None or k != "labels"}
     check_keywords(model, model_kwargs)
     check_position_limit(model, args, model_kwargs)

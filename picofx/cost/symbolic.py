@@ -74,11 +74,11 @@ def _poly(coefficients, monomials) -> sympy.Expr:
 def fit_samples(samples: list[dict], sizes, check, vary_seq: bool, cost_model) -> SymbolicStep:
     """Fit the step's predictions at `sizes` (and verify at `check`): `samples` holds, per size, the
     timelines' node targets ("shape") and live bytes, the StepMemory, and per node FLOPs, bytes
-    moved and peak FLOP/s; `picofx.plan.fit_step` collects them."""
+    moved and peak FLOP/s; `picofx.planner.predict.fit_step` collects them."""
     monomials = _monomials(vary_seq)
     if any(s["shape"] != samples[0]["shape"] for s in samples):
         raise ValueError("the step's graphs differ between sizes (a pass decides by size, or shapes "
-                         "specialise the graph); predict each size with picofx.plan.predict instead")
+                         "specialise the graph); predict each size with picofx.planner.predict.predict instead")
 
     def column(key):
         return np.array([[*([s["memory"].other_resident] if key == "resident" else []),

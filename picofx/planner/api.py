@@ -5,7 +5,7 @@ and mesh that run the best of them.
     plans.best                     # the fastest plan that fits, as `picofx plan --json` writes it
     opt = picofx.optimize(model, batch, passes=plans.passes(), mesh=ParallelMesh.build(**plans.mesh_shape()))
 
-The ranking is `picofx plan`'s own (picofx.planner.command.plan_run). On the CPU (gpu "cpu", or
+The ranking is `picofx plan`'s own (picofx.cli.plan.plan_run). On the CPU (gpu "cpu", or
 None where torch sees no GPU) the device is calibrated here as `picofx plan --measure` calibrates
 it: one measured single-rank step of the model, and the link of the ranks (`link`: rates measured
 by `picofx.cost.device.calibrate_link` in the caller's process group; else measured on `world`
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from picofx.cost.device import Device, device_for, devices
-from picofx.examples.llama import LlamaConfig
-from picofx.planner.command import PASSES, calibrated_cpu, plan_run, table
+from picofx.models.llama import LlamaConfig
+from picofx.cli.plan import PASSES, calibrated_cpu, plan_run, table
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout, Prediction, Run
 from picofx.planner.models import HF_KEYS, model_config
@@ -42,7 +42,7 @@ def as_config(model) -> LlamaConfig:
                   if getattr(config, theirs, None) is not None}
         values.setdefault("num_key_value_heads", values["num_attention_heads"])
         return LlamaConfig(**values)
-    raise TypeError(f"picofx.plan: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
+    raise TypeError(f"picofx.planner.predict: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
                     "zoo name, a LlamaConfig, a Hugging Face config, or a model with a .config of one")
 
 
@@ -106,12 +106,12 @@ class Plans:
     def _chosen(self, index: int | None) -> Prediction:
         index = self.best_index if index is None else index
         if index is None:
-            raise ValueError(f"picofx.plan: no plan fits {self.run.device.name}; the smallest needs "
+            raise ValueError(f"picofx.planner.predict: no plan fits {self.run.device.name}; the smallest needs "
                              f"{min(p.memory_per_gpu for p in self.predictions) / 1e9:.1f} GB per GPU")
         return self.predictions[index]
 
     def passes(self, index: int | None = None) -> list:
-        """The passes of plan `index` (default: the best) for picofx.optimize."""
+        """The passes of plan `index` (default: the best) for picofx.api."""
         budget = int(self.run.device.memory_capacity * MAX_MEMORY_FRACTION)
         return layout_passes(self._chosen(index).layout, self.compute_passes, budget)
 
@@ -137,7 +137,7 @@ def _device(gpu, config: LlamaConfig, world: int, seq: int, global_batch: int, l
     if gpu.startswith("cuda"):
         return device_for(gpu), PASSES
     if gpu not in devices():
-        raise ValueError(f"picofx.plan: gpu {gpu!r}; one of {', '.join(devices())}, 'cpu', 'cuda' or a Device")
+        raise ValueError(f"picofx.planner.predict: gpu {gpu!r}; one of {', '.join(devices())}, 'cpu', 'cuda' or a Device")
     return devices()[gpu], PASSES
 
 
@@ -169,7 +169,7 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
     shard=True, microbatches=lambda m: m <= 8)."""
     unknown = set(limits) - LAYOUT_FIELDS
     if unknown:
-        raise TypeError(f"picofx.plan: unknown limits {sorted(unknown)}; limits are Layout fields: "
+        raise TypeError(f"picofx.planner.predict: unknown limits {sorted(unknown)}; limits are Layout fields: "
                         f"{sorted(LAYOUT_FIELDS)}")
     config = as_config(model)
     on_cpu = gpu == "cpu" or (gpu is None and not torch.cuda.is_available()) or \
@@ -182,7 +182,7 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
                                 global_batch=global_batch, device=device, passes=compute, compress=kinds)
     kept = [p for p in predictions if _allowed(p.layout, limits)]
     if not kept:
-        raise ValueError(f"picofx.plan: no layout of {world} GPUs with a global batch of {global_batch}"
+        raise ValueError(f"picofx.planner.predict: no layout of {world} GPUs with a global batch of {global_batch}"
                          + (f" within the limits {limits}" if limits else "") + ": the batch must divide over the "
                          "data-parallel ranks and their micro-batches")
     return Plans(run, kept, compute)

@@ -1,6 +1,6 @@
 """What one decoder layer and the rest of the model cost for one sequence, read from the cost model.
 
-The planner never captures the whole model: it predicts (`picofx.plan.predict`, fake tensors, the
+The planner never captures the whole model: it predicts (`picofx.planner.predict.predict`, fake tensors, the
 passes fuse + precision) the step of the model with one decoder layer and with two, one sequence
 each, and takes the difference as a layer and the rest as the embedding, final norm, head and loss.
 Everything then scales: time and activations with the tokens of a micro-batch, compute with 1/tp.
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from picofx import plan
+from picofx.planner import predict as plan
 from picofx.cost.model import CostModel, is_alias
-from picofx.examples.llama import Llama, LlamaConfig, causal_lm_loss
+from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.planner.models import parameter_count, with_layers
 
 PASSES = ("fuse", "precision")

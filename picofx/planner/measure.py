@@ -89,8 +89,8 @@ def lockstep_seconds(fn, repeats: int = 7, warm_up: bool = True) -> float:
 def eager_step(config, layers: int = 2, seq: int = 4):
     """picofx's eager training step (fuse) of `config` shrunk (compute negligible against dispatch) on
     this thread, and the graph ops it runs (the ops the planner counts)."""
-    from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
-    from picofx.examples.llama import Llama, causal_lm_loss
+    from picofx.api import optimize  # not the package: picofx.plan(...) reaches this module
+    from picofx.models.llama import Llama, causal_lm_loss
     from picofx.planner.costs import count_ops
     from picofx.planner.models import with_layers
 
@@ -223,8 +223,8 @@ def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: 
     """On one rank: the seconds of each of `steps` training steps (after two warm-ups: the first
     compiles, the second the gradient-accumulation variants), and the eager step's cost per graph op
     the ranks saw meanwhile (`ranks_device`'s probe, run in lockstep before each step; the median)."""
-    from picofx.optimize import optimize  # not the package: picofx.plan(...) reaches this module
-    from picofx.examples.llama import Llama, causal_lm_loss
+    from picofx.api import optimize  # not the package: picofx.plan(...) reaches this module
+    from picofx.models.llama import Llama, causal_lm_loss
 
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(config, max_position_embeddings=max(seq, 8)))

@@ -9,7 +9,7 @@ import importlib
 import json
 from pathlib import Path
 
-from picofx.examples.llama import CONFIGS, LlamaConfig
+from picofx.models.llama import CONFIGS, LlamaConfig
 
 MODELS = {
     "llama-tiny": CONFIGS["tiny"],

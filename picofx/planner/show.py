@@ -37,7 +37,7 @@ def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
     from picofx.capture.export import capture
     from picofx.cost.balance import balanced_cuts, plan_for
     from picofx.cost.chain import chain_units, layer_bounds, state_per_parameter_byte
-    from picofx.examples.llama import Llama, causal_lm_loss
+    from picofx.models.llama import Llama, causal_lm_loss
 
     config, seq, b = run.costs.config, run.costs.seq, micro_batch(run, layout)
     with torch.device("meta"):
@@ -88,9 +88,9 @@ def stages_table(rows: list[dict], head: str) -> str:
 
 def bucket_rows(run: Run, layout, passes=("fuse", "precision")) -> tuple[dict, str]:
     """The gradient all-reduce of `layout`'s replicas (one micro-batch's backward), bucketed three ways."""
-    from picofx import plan
+    from picofx.planner import predict as plan
     from picofx.cost.gradients import gradients_in_order, ready_times
-    from picofx.examples.llama import Llama, causal_lm_loss
+    from picofx.models.llama import Llama, causal_lm_loss
 
     config, seq, b = run.costs.config, run.costs.seq, micro_batch(run, layout)
     cost_model = CostModel(run.device)

@@ -1,11 +1,11 @@
-"""picofx.cost.tp_plan: the Megatron plan read from the captured graph, not from module names."""
+"""picofx.passes.tensor_parallel.plan: the Megatron plan read from the captured graph, not from module names."""
 from __future__ import annotations
 
 import pytest
 
 from picofx.capture.export import capture_call
-from picofx.cost.tp_plan import infer_plan
-from picofx.examples import real_models, zoo
+from picofx.passes.tensor_parallel.plan import infer_plan
+from picofx.models import real_models, zoo
 
 
 def plan_of(z, tp: int = 2):

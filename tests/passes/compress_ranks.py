@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Overlap
 
 from overlap_ranks import clear, grads, shard
@@ -132,7 +132,7 @@ def warmup_run(opt, run_step, first: dict, second: dict) -> dict:
 
 def tied_embedding(rank: int, world: int, batch: int) -> dict:
     """sparse_rows on a model whose head shares the embedding: the gradient is dense, so it stays dense."""
-    from picofx.examples.llama_configs import LlamaVariant, build
+    from picofx.models.llama_configs import LlamaVariant, build
 
     out = {}
     for kind in (None, "sparse_rows"):

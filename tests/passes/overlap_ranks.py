@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import picofx
 from picofx.cost.device import calibrate_link
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Checkpoint, Overlap
 from picofx.testing import op_counts
 

@@ -4,9 +4,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from picofx.capture.export import KEPT_WHOLE, LossStep, quiet_export
-from picofx.examples.zoo import ZooModel
+from picofx.models.zoo import ZooModel
 from picofx.manager import copy_graph
-from picofx.passes.precision_rules import RULES, op_name
+from picofx.passes.precision.rules import RULES, op_name
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 RULE_OF = {op: rule.name for rule in RULES for op in rule.ops}

@@ -11,7 +11,7 @@ import copy
 import torch
 
 import picofx
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Overlap, Shard
 
 from compress_ranks import walks, warmup_run
@@ -97,7 +97,7 @@ def warmup_steps(rank: int, world: int, batch: int) -> dict:
 
 
 def tied_notes(rank: int, world: int, batch: int) -> dict:
-    from picofx.examples.llama_configs import LlamaVariant, build
+    from picofx.models.llama_configs import LlamaVariant, build
 
     z = build(LlamaVariant(tied=True), batch=batch)
     example = shard(z.example_inputs, rank, world)

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import picofx
-from picofx.examples import real_models, zoo
+from picofx.models import real_models, zoo
 from picofx.passes import Checkpoint, Shard
 from picofx.runtime.shard import local_bytes
 from picofx.capture.vocabulary import viewed_source

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import picofx
-from picofx.examples import real_models, zoo
+from picofx.models import real_models, zoo
 from picofx.passes import TensorParallel
 
 BUILDS = {"reference": lambda: zoo.build("llama-tiny"), "hf": lambda: real_models.hf_model("llama")}

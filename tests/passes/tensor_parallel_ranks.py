@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import picofx
-from picofx.examples import real_models, zoo
+from picofx.models import real_models, zoo
 from picofx.capture.vocabulary import layer_of_path, traced_module_path, viewed_source
 from picofx.passes import TensorParallel
 

@@ -9,15 +9,15 @@ from torch.fx.graph import _BoxedCodeGen
 
 import picofx
 from picofx.cost.model import CostModel
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.cost.memory import measure_peak
-from picofx.optimize import graph_inputs
+from picofx.api import graph_inputs
 from picofx.cost.partition import inductor_recomputes, num_forward_outputs, partition
 from picofx.manager import Context, PassManager, Stage, copy_graph
 from picofx.errors import PassError
 from picofx.passes import Checkpoint
-from picofx.plan import BudgetError
-from picofx.cost.recompute import analyze
+from picofx.planner.predict import BudgetError
+from picofx.passes.checkpoint.recompute import analyze
 from picofx.testing import _reference_call
 
 MODELS = {"llama": lambda b, t: zoo.reference_llama("tiny", b, t), "hf-llama": lambda b, t: zoo.hf_llama("tiny", b, t)}

@@ -7,7 +7,7 @@ import torch
 import picofx
 from picofx.cost.memory import measure_peak
 from picofx.cost.model import CostModel
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Checkpoint
 from picofx.runtime.measure import training_loss
 from picofx.testing import _reference_call

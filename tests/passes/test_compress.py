@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from picofx.passes import Overlap
-from picofx.passes.overlap_codecs import PowerSGD, TopK, parse_compress
-from picofx.passes.overlap_compress import Int8
+from picofx.compression.lossy import PowerSGD, TopK, parse_compress
+from picofx.compression.allreduce import Int8
 
 import compress_ranks
 from compress_ranks import relative_error

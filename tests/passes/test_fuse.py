@@ -8,9 +8,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from picofx.examples import zoo
-from picofx.examples.zoo import ZooModel, token_batch
-from picofx.passes.fuse import Fuse
+from picofx.models import zoo
+from picofx.models.zoo import ZooModel, token_batch
+from picofx.passes.fuse.fuse import Fuse
 from picofx.rules import registered_rules
 from picofx.testing import assert_trains_like_eager, captured, count_ops, op_counts, run_pass
 

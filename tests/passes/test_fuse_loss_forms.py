@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from picofx.examples import zoo
-from picofx.examples.zoo import ZooModel, token_batch
-from picofx.passes.fuse import Fuse
-from picofx.passes.fuse_sites import KINDS, census
+from picofx.models import zoo
+from picofx.models.zoo import ZooModel, token_batch
+from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.fuse.sites import KINDS, census
 from picofx.rewrite import registered_rules
 from picofx.testing import assert_trains_like_eager, count_ops
 

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from picofx.examples.llama import MLP, Attention, LlamaConfig, RMSNorm, get_cos_sin
-from picofx.examples.zoo import ZooModel
-from picofx.passes.fuse import Fuse
+from picofx.models.llama import MLP, Attention, LlamaConfig, RMSNorm, get_cos_sin
+from picofx.models.zoo import ZooModel
+from picofx.passes.fuse.fuse import Fuse
 from picofx.rules import Rule, register_rule, registered_rules, tensor, unregister_rule
 from picofx.testing import captured, count_ops, op_counts, run_pass
 

@@ -15,7 +15,7 @@ import torch
 import picofx
 from picofx.cost.comm import Gradient, fixed_bounds, plan_buckets, ring_all_reduce_seconds
 from picofx.cost.device import H100, Link
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.passes import Overlap
 
 import overlap_ranks

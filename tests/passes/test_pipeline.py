@@ -27,7 +27,7 @@ from picofx.capture.export import capture
 from picofx.cost.balance import Unit, balanced_cuts, plan_for
 from picofx.cost.device import Link
 from picofx.cost.model import CostModel
-from picofx.examples.zoo import build, hf_llama
+from picofx.models.zoo import build, hf_llama
 from picofx.manager import Context
 from picofx.passes import Pipeline
 from spawn_ranks import free_port  # tests/passes is on the path, under pytest and as a script

@@ -12,11 +12,11 @@ from picofx.capture.export import capture_call
 from picofx.capture.vocabulary import SIGNATURE_META
 from picofx.cost.model import CostModel
 from picofx.manager import Context
-from picofx.optimize import graph_inputs
+from picofx.api import graph_inputs
 from picofx.passes import Pipeline
 from picofx.cost.balance import plan_for
 from picofx.cost.chain import chain_units, state_per_parameter_byte
-from picofx.passes.pipeline import keep_loss_only
+from picofx.passes.pipeline.pipeline import keep_loss_only
 from picofx.runtime.unit_clock import measure_units
 
 WIDE, NARROW = 2048, 16  # the wide block's matmuls do 128x the narrow blocks' work, forward and backward

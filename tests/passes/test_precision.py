@@ -5,10 +5,10 @@ from precision_models import (BF16, FP32, Cancellation, EqualDtypes, FusedToy, R
                               dtype, float_casts, float_inputs, graph_copy, linears_by_module)
 
 from picofx import PassError
-from picofx.examples import zoo
-from picofx.examples.zoo import ZooModel
+from picofx.models import zoo
+from picofx.models.zoo import ZooModel
 from picofx.passes import Precision
-from picofx.passes.precision_rules import op_name
+from picofx.passes.precision.rules import op_name
 from picofx.testing import captured, run_pass
 
 NORM_STATISTICS = {"aten.pow", "aten.mean", "aten.rsqrt"}

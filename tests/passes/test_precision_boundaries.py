@@ -9,9 +9,9 @@ from torch import nn
 
 import picofx
 from picofx import PassError
-from picofx.examples import real_models
+from picofx.models import real_models
 from picofx.passes import Precision
-from picofx.passes.precision_rules import op_name
+from picofx.passes.precision.rules import op_name
 from picofx.testing import captured, run_pass
 
 

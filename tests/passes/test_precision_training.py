@@ -8,10 +8,10 @@ import torch
 from precision_models import BF16, FP16, FP32, calls, dtype, float_casts, float_inputs, model_loss, relative_errors
 
 import picofx
-from picofx.examples import zoo
-from picofx.examples.llama import Llama, LlamaConfig, causal_lm_loss
+from picofx.models import zoo
+from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.passes import Precision
-from picofx.passes.precision_rules import op_name
+from picofx.passes.precision.rules import op_name
 from picofx.testing import markov_batches, train_losses
 
 

@@ -1,9 +1,9 @@
-"""The LLaMA family as people write it (picofx.examples.real_models: Hugging Face Llama, Qwen2/3,
+"""The LLaMA family as people write it (picofx.models.real_models: Hugging Face Llama, Qwen2/3,
 Mistral, Ministral, SmolLM3, OLMo 2/3, Granite, Phi-3, Gemma 1/2/3, GLM, GLM-4, EXAONE 4, Arcee,
 Apertus, CWM, Seed-OSS, HunYuan, Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE; a Meta-style reference
 Llama, torchtitan's Llama 3, nanoGPT, the seed's Llama), tiny and built from configs: the loss and
 every gradient match eager for [], fuse, precision and fuse + precision (checkpoint on two); fuse
-fuses every site it could (picofx.passes.fuse_sites) with the number of fused ops each model
+fuses every site it could (picofx.passes.fuse.sites) with the number of fused ops each model
 should have, and at least 95% of the fusible sites over the whole zoo.
 
 Each model is captured once: optimize's capture is memoized for this module, and every pass
@@ -16,12 +16,12 @@ from torch import fx
 
 import picofx
 from picofx.capture.export import input_key
-from picofx.examples import real_models
+from picofx.models import real_models
 from picofx.manager import copy_graph
-from picofx.passes.checkpoint import Checkpoint
-from picofx.passes.fuse import Fuse
-from picofx.passes.fuse_sites import KINDS, accounting, census
-from picofx.passes.precision import TOLERANCE, Precision
+from picofx.passes.checkpoint.checkpoint import Checkpoint
+from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.fuse.sites import KINDS, accounting, census
+from picofx.passes.precision.precision import TOLERANCE, Precision
 from picofx.testing import captured, run_pass
 
 # The fused ops each model should end with, by kind (fuse_sites.KINDS order: norm, gated_mlp,
@@ -60,7 +60,7 @@ COMBINATIONS = {"none": [], "fuse": [Fuse()], "precision": [Precision()], "fuse+
 # budgets as fractions of the peak without checkpointing, between it and the smallest reachable
 # (parameters, gradients and AdamW-free state dominate these tiny steps: 89% and 98%)
 CHECKPOINTED = {"hf-llama": 0.93, "hf-mixtral": 0.995}
-optimize_module = importlib.import_module("picofx.optimize")  # the module: picofx.optimize is also the function
+optimize_module = importlib.import_module("picofx.api")  # the module: picofx.optimize is also the function
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,8 +8,8 @@ fused op's own output."""
 import torch
 from torch import fx, nn
 
-from picofx.examples.zoo import ZooModel
-from picofx.passes.fuse import Fuse
+from picofx.models.zoo import ZooModel
+from picofx.passes.fuse.fuse import Fuse
 from picofx.rewrite.rewriter import cycle_reason
 from picofx.rules import Rule, tensor
 from picofx.testing import captured, count_ops, run_pass

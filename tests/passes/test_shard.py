@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import real_models, zoo
+from picofx.models import real_models, zoo
 from picofx.passes import Shard
 
 import shard_ranks

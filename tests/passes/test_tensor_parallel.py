@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import real_models, zoo
+from picofx.models import real_models, zoo
 from picofx.passes import TensorParallel
 
 import tensor_parallel_ranks

@@ -1,4 +1,4 @@
-"""torchtitan's Llama 3 (picofx.examples.titan_llama: complex RoPE through a `freqs_cis` buffer,
+"""torchtitan's Llama 3 (picofx.models.titan_llama: complex RoPE through a `freqs_cis` buffer,
 grouped-query attention, its own RMSNorm and FeedForward) through every pass combination that runs
 in one process: the loss and every gradient equal eager, and fuse leaves no fusible site: RoPE
 becomes the interleaved rope op in each layer, beside the norms, SwiGLU, SDPA with grouped-query
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples import real_models
-from picofx.examples.titan_llama import ModelArgs
-from picofx.passes.checkpoint import Checkpoint
-from picofx.passes.fuse import Fuse
-from picofx.passes.fuse_sites import KINDS, census
-from picofx.passes.precision import TOLERANCE, Precision
+from picofx.models import real_models
+from picofx.models.titan_llama import ModelArgs
+from picofx.passes.checkpoint.checkpoint import Checkpoint
+from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.fuse.sites import KINDS, census
+from picofx.passes.precision.precision import TOLERANCE, Precision
 from picofx.testing import captured, count_ops, run_pass
 
 picofx_ops, aten = torch.ops.picofx, torch.ops.aten
@@ -24,7 +24,7 @@ FP32 = (1e-5, 1e-5)  # what the fuse rules declare: sums (and the complex produc
 # passes=[] runs capture's ATen decompositions, which round differently from eager's kernels
 # (silu as x * sigmoid(x), cross-entropy as log_softmax, gather, sum / count): a few fp32 ulps.
 BASELINE = (1e-5, 1e-6)
-# precision rounds every matmul input to bf16: ~1% of each gradient's norm (picofx.passes.precision)
+# precision rounds every matmul input to bf16: ~1% of each gradient's norm (picofx.passes.precision.precision)
 BF16 = TOLERANCE[torch.bfloat16]
 BUDGET = 0.97  # of the peak without checkpointing: between it and the smallest reachable (~0.96)
 COMBINATIONS = {

@@ -39,7 +39,7 @@ def test_two_ranks_train_with_the_plan_rank_0_chose_and_said_why():
     out = launch(2, "--batch", "8", timeout=420)
     _, losses = chosen_and_losses(out, 2)
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
-    assert "train_llama.py: 2 ranks: " in out and "summary:" in out, out[-3000:]
+    assert "picofx train: 2 ranks: " in out and "summary:" in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_a_resumed_auto_run_keeps_the_saved_runs_layout(tmp_path):
     assert (f"--dp {dp}" in said[1]) == (dp > 1) and (f"--tp {tp}" in said[1]) == (tp > 1)
 
 def test_layout_auto_refuses_a_layout_given_with_it():
-    from picofx.examples.train_args import parse_args
+    from picofx.cli.train_args import parse_args
 
     with pytest.raises(SystemExit) as stop:
         parse_args(["--layout", "auto", "--tp", "2"], environ={"RANK": "0", "WORLD_SIZE": "2"})

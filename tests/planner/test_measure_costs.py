@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from picofx.cost.device import cpu
-from picofx.examples.llama import CONFIGS
+from picofx.models.llama import CONFIGS
 from picofx.planner.costs import ModelCosts
 from picofx.planner.layouts import Layout, Run, predict
 from picofx.parallel.launch import run_ranks

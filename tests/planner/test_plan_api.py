@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import picofx
-from picofx.examples.llama import CONFIGS, Llama, causal_lm_loss
-from picofx.examples.train_layout import unrunnable
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.cli.train_layout import unrunnable
 from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
 from picofx.planner import plan_run
 from picofx.planner.api import layout_mesh_shape, layout_passes
@@ -33,7 +33,7 @@ def test_plan_ranks_as_the_command_does_and_stays_a_module(tiny_plans):
     assert [p.layout for p in tiny_plans.predictions] == [p.layout for p in predictions]
     assert tiny_plans.plans == [p.as_json() for p in predictions]
     assert tiny_plans.best == tiny_plans.plans[0] and tiny_plans.best["fits"]
-    assert callable(picofx.plan.predict) and callable(picofx.plan.fake_mode)  # the module is still there
+    assert callable(picofx.planner.predict.predict) and callable(picofx.planner.predict.fake_mode)  # the module is still there
 
 
 def test_a_model_its_config_and_its_zoo_name_plan_alike(tiny_plans):

@@ -11,10 +11,10 @@ import torch
 
 import picofx
 from picofx.cost.device import devices
-from picofx.examples.llama import Llama
+from picofx.models.llama import Llama
 from picofx.passes import Overlap
-from picofx.passes.overlap_codecs import TopK
-from picofx.passes.overlap_compress import Dense, Int8, SparseRows
+from picofx.compression.lossy import TopK
+from picofx.compression.allreduce import Dense, Int8, SparseRows
 from picofx.planner import plan_run
 from picofx.planner.compress import exchange, gradient_shapes, kinds_to_consider
 from picofx.planner.layouts import Layout

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from picofx import optimize
 from picofx.cli import main as picofx_main
-from picofx.examples import zoo
+from picofx.models import zoo
 from picofx.parallel.mesh import one_process_group
 from picofx.passes import Checkpoint, Overlap
 
@@ -45,7 +45,7 @@ def dump_page(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def train_page(tmp_path_factory):
-    from picofx.examples import train_llama
+    from picofx.cli import train as train_llama
 
     path = str(tmp_path_factory.mktemp("html") / "train.html")
     result = train_llama.main(["--backend", "eager", "--steps", "4", "--batch", "2", "--seq", "32", "--log-every",

@@ -108,7 +108,7 @@ def test_the_dump_page_of_a_pipeline(dump_page, tmp_path):
 
 def test_the_page_of_a_training_run(train_page, tmp_path):
     path, losses = train_page
-    check(path, tmp_path, ["train_llama.py", "Loss over the training run", f"{len(losses)} steps",
+    check(path, tmp_path, ["picofx train", "Loss over the training run", f"{len(losses)} steps",
                            f"{losses[-1]:.4f}", "Memory over the step"], charts=2)
 
 

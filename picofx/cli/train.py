@@ -1,0 +1,337 @@
+"""Train the reference LLaMA with picofx on a corpus already on the machine.
+
+The corpus is the Python standard library's own source (no download), read as bytes: the
+tokenizer is byte-level (256 tokens). Shows a progress bar and per-interval loss and tokens/s,
+then a summary (tokens/s over the run, MFU) and picofx's report. Under torchrun without --dp or --pp
+every rank is a data-parallel replica. --data trains on a text file instead, --save/--resume
+continue a run exactly where it stopped.
+
+    picofx train                          # CPU, fuse + Inductor, 200 steps
+    picofx train --backend eager --steps 50 --passes
+    picofx train --data notes.txt --steps 100 --save run1   # later: --steps 200 --resume run1
+    picofx train --passes checkpoint --memory-budget 0.5    # half the peak without it
+    torchrun --nproc-per-node 2 -m picofx train --dp 2                # 2 replicas, pass overlap
+    torchrun --nproc-per-node 2 -m picofx train --dp 2 --compress int8:ef  # their gradients sent as int8
+    torchrun --nproc-per-node 2 -m picofx train --shard --compress int8  # reduce-scattered as int8
+    torchrun --nproc-per-node 2 -m picofx train --pp 2                # 2 pipeline stages
+    torchrun --nproc-per-node 4 -m picofx train --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
+    torchrun --nproc-per-node 4 -m picofx train --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
+    torchrun --nproc-per-node 4 -m picofx train --tp 2 --pp 2         # 2 stages, each 2-way tensor parallel
+    torchrun --nproc-per-node 8 -m picofx train --tp 2 --pp 2 --shard # and each piece sharded over 2 replicas
+    torchrun --nproc-per-node 4 -m picofx train --layout auto         # the layout picofx.plan predicts fastest
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import sys
+import time
+import typing
+
+import torch
+from tqdm import tqdm
+
+import picofx
+from picofx.cli import train_state
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
+from picofx.cli.train_layout import choose_layout
+from picofx.cli.train_data import Batches, DataError, load_tokens
+from picofx.cli.train_metrics import Layout, throughput
+from picofx.manager import pass_name
+from picofx.errors import DistributedError
+from picofx.parallel import ParallelMesh
+from picofx.runtime.distributed import first_failure
+
+# Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
+# and keeps its traceback.
+STOPS = (picofx.CaptureError, picofx.PassError, picofx.VerificationError, picofx.InputShapeError,
+         picofx.BudgetError, DistributedError, DataError)
+AGREEMENT_SECONDS = 180  # how long a rank whose setup failed waits for the others to say how theirs ended
+
+
+class Ranks:
+    """This process's place in the run: one process, or a rank of torchrun's process group with a
+    second group of its own (its own timeout) on which ranks agree whether their setup succeeded."""
+
+    def __init__(self, args):
+        self.world, self.rank, self.agreement, self.owns_group = args.world, 0, None, False
+        if args.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # torchrun's rendezvous; a caller may have made the group already
+                dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                        timeout=datetime.timedelta(minutes=5))
+                self.owns_group = True
+            self.rank = dist.get_rank()
+            self.agreement = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREEMENT_SECONDS))
+        # the mesh is (pp, dp, tp), outermost first: the ranks of one replica (its stages, its tp ranks) share its batches
+        self.replica = (self.rank // args.tp) % args.dp
+        self.speaks = self.rank == 0
+
+    def say(self, *args, **kwargs) -> None:
+        if self.speaks:
+            print(*args, **kwargs, flush=True)
+
+    def stop_if_failed(self, message: str | None) -> None:
+        """Every rank stops (exit status 1) when any rank's setup failed; the error is printed once."""
+        if self.world == 1:
+            if message is not None:
+                print(f"picofx train: error: {message}", file=sys.stderr, flush=True)
+                sys.exit(1)
+            return
+        try:
+            failure = first_failure(message, self.agreement)
+        except RuntimeError:  # the others never came (stuck in a collective this rank left): say it here
+            failure = (self.rank, message) if message is not None else None
+            self.speaks = message is not None
+        if failure is None:
+            return
+        rank, text = failure
+        where = f" (rank {rank})" if rank != 0 else ""
+        self.say(f"picofx train: error{where}: {text}", file=sys.stderr)
+        self.close()
+        os._exit(1)  # a rank with a process group can hang at interpreter exit
+
+    def total(self, value: float) -> float:
+        """`value` summed over every rank."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return tensor.item()
+
+    def close(self) -> None:
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def parallel_passes(args) -> tuple[list, object]:
+    """The passes of --dp and --pp, and the run's mesh of ranks (None in one process)."""
+    if args.world == 1:
+        return [], None
+    device = args.device.split(":")[0]
+    if args.tp > 1:
+        tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
+        if args.pp > 1:  # each pipeline stage's graph split over its tp ranks (its pieces sharded under --shard)
+            mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp if args.shard else 1, tp=args.tp, device_type=device)
+            return [pipeline_pass(args), tensor_parallel, *(["shard"] if args.shard else [])], mesh
+        if args.shard:  # the dp_shard ranks shard each tp piece: every rank holds 1/(dp x tp)
+            return [tensor_parallel, "shard"], ParallelMesh.build(dp_shard=args.dp, tp=args.tp, device_type=device)
+        # each replica spans --tp ranks; the replicas average their gradients in the backward
+        mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
+        return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
+    if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
+        mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
+        sharding = (picofx.passes.Shard(compress=args.compress, warmup=args.compress_warmup) if args.compress
+                    else "shard")
+        return ([pipeline_pass(args)] if args.pp > 1 else []) + [sharding], mesh
+    mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
+    if args.pp == 1:
+        return [picofx.passes.Overlap(compress=args.compress, warmup=args.compress_warmup) if args.compress
+                else "overlap"], mesh
+    return [pipeline_pass(args), *(["overlap"] if args.dp > 1 else [])], mesh  # stage grads averaged in the backward
+
+
+def pipeline_pass(args):
+    return picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+                                  virtual=2 if "Interleaved" in args.schedule else 1, measure=args.measure_cuts)
+
+
+def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
+    """Clip by the norm of the whole model's gradients. Pipelined (`replicas` given), each rank holds
+    one stage's (or, sharded, its piece of one): their squares are summed over all ranks, less the
+    replicas' equal copies."""
+    parameters = list(parameters)
+    if replicas is None:
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # sharded: each rank its piece
+    copies = [copies_of(g) for g in grads]  # a piece whole on several tp ranks counts once
+    square = torch.stack([g.pow(2).sum() / n for g, n in zip(pieces, copies)]).sum() if pieces else torch.zeros(())
+    dist.all_reduce(square)
+    scale = min(1.0, max_norm / ((square / replicas).sqrt().item() + 1e-6))
+    for g in pieces:
+        g.mul_(scale)
+
+
+def copies_of(grad) -> int:
+    """How many ranks hold the same piece of a DTensor gradient (its Replicate() mesh dimensions)."""
+    if not hasattr(grad, "placements"):
+        return 1
+    return math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+
+
+class Session(typing.NamedTuple):
+    model: Llama
+    opt_model: object
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LambdaLR
+    batches: Batches
+    first: dict     # the batch the step was captured with: step 0's
+    passes: list    # the names of the passes picofx ran, the layout's included
+    start_step: int
+
+
+def layout_line(args) -> str:
+    if args.world == 1:
+        return "one process"
+    if args.tp > 1 and (args.shard or args.pp > 1):
+        if args.shard and args.pp > 1:
+            return (f"{args.world} ranks: {args.pp} pipeline stages x {args.dp} sharded data-parallel x {args.tp}-way "
+                    f"tensor parallel, each rank holding 1/{args.dp * args.tp} of its stage")
+        if args.shard:
+            return (f"{args.world} ranks: {args.dp} sharded data-parallel x {args.tp}-way tensor parallel, each rank "
+                    f"holding 1/{args.dp * args.tp} of the model, each data-parallel rank on its own batches")
+        return f"{args.world} ranks: {args.pp} pipeline stages, each {args.tp}-way tensor parallel"
+    if args.shard:
+        stages = f"{args.pp} pipeline stages, each " if args.pp > 1 else ""
+        compressed = f", gradients reduce-scattered as {args.compress}" if args.compress else ""
+        return (f"{args.world} ranks: {stages}sharded data parallel, each rank holding 1/{args.dp} of "
+                f"{'its stage' if args.pp > 1 else 'the model'}, each replica on its own batches{compressed}")
+    if args.tp > 1:
+        replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
+        sequence = " with sequence parallelism" if args.sequence_parallel else ""
+        return f"{args.world} ranks: {args.tp}-way tensor parallel{sequence}{replicas}"
+    if args.pp == 1:
+        default = " (the default under torchrun: --dp/--pp choose another layout)" if args.dp_default else ""
+        compressed = f", gradients exchanged as {args.compress}" if args.compress else ""
+        return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{compressed}{default}"
+    replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
+    return f"{args.world} ranks: {args.pp} pipeline stages{replicas}"
+
+
+def setup(args, ranks: Ranks) -> Session:
+    """The model, its data, the optimized step and the optimizer, resumed where --resume says."""
+    extra_passes, mesh = parallel_passes(args)
+    torch.manual_seed(args.seed)
+    positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
+    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
+    model = Llama(config).to(args.device)
+    batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
+    first = {k: v.to(args.device) for k, v in batches.sample().items()}
+    # tp sees the linears fuse replaces; under --pp it splits each stage's graph, so the cut comes first
+    tensor_parallel = [p for p in extra_passes if isinstance(p, picofx.passes.TensorParallel)]
+    cut = [p for p in extra_passes if tensor_parallel and isinstance(p, picofx.passes.Pipeline)]
+    rest = [p for p in extra_passes if p not in tensor_parallel and p not in cut]
+    passes = [*cut, *tensor_parallel, *picofx_passes(args), *rest]
+    opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
+                                loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
+                                progress=ranks.say if ranks.speaks else None)
+    optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    start_step = 0
+    if args.resume:  # after the first batch was drawn for capture: the sampler continues from the saved position
+        start_step = train_state.resume(args.resume, opt_model, optimizer, schedule, batches, replica=ranks.replica)
+    return Session(model, opt_model, optimizer, schedule, batches, first, [pass_name(p) for p in passes], start_step)
+
+
+def auto_layout(args, ranks: Ranks) -> None:
+    """--layout auto: every rank takes rank 0's plan (printed with why), checked as a given layout is."""
+    message = None
+    try:
+        why = choose_layout(args, ranks.rank)
+        args.layout = None
+        check_layout(args, args.world)
+    except ValueError as e:
+        message = str(e)
+    ranks.stop_if_failed(message)
+    ranks.replica = (ranks.rank // args.tp) % args.dp
+    ranks.say(why)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, __doc__)
+    ranks = Ranks(args)
+    if args.layout == "auto" and args.world > 1:
+        auto_layout(args, ranks)
+    elif args.layout_chosen:
+        ranks.say(args.layout_chosen)
+    ranks.say(f"picofx train: {layout_line(args)}; {args.size} model, {args.steps} steps of "
+              f"{args.batch} x {args.seq} tokens on {args.device}, backend {args.backend}")
+    message = None
+    try:
+        session = setup(args, ranks)
+    except STOPS as e:
+        message = str(e)
+    ranks.stop_if_failed(message)
+    s = session
+    resumed = f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""
+    ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
+              f"passes: {' '.join(s.passes) or '(none)'}{resumed}")
+
+    history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+    run_start, run_tokens = interval["start"], 0
+    progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
+    for step in progress:
+        batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
+        loss = s.opt_model.forward_backward(**batch)
+        clip_gradients(s.opt_model.parameters(), 1.0, (1 if args.shard else args.dp) if args.pp > 1 else None)
+        s.optimizer.step()
+        s.schedule.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        interval["loss"] += losses[-1]
+        interval["tokens"] += batch["input_ids"].numel()
+        interval["steps"] += 1
+        run_tokens += batch["input_ids"].numel()
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            seconds = time.perf_counter() - interval["start"]
+            entry = {"step": step + 1, "loss": interval["loss"] / interval["steps"],
+                     "tokens_per_s": interval["tokens"] / seconds}
+            history.append(entry)
+            if ranks.speaks:
+                progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
+            progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
+            interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+    run_seconds = time.perf_counter() - run_start
+    if args.save:  # before the validation batch is drawn: a resumed run draws what this one would have
+        train_state.save(args.save, s.opt_model, s.optimizer, s.schedule, s.batches, step=args.steps,
+                         replica=ranks.replica, options=run_options(args))
+
+    val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
+    if args.pp == 1 and (args.shard or args.tp > 1):  # the parameters are pieces: the compiled step joins them
+        with torch.no_grad():
+            val_loss = s.opt_model(**val).item()
+    elif args.pp == 1:
+        with torch.no_grad():
+            val_loss = causal_lm_loss(s.model.eval()(val["input_ids"]), val["labels"]).item()
+    else:  # a rank holds one stage: the loss comes through the schedule, whose gradients are dropped
+        val_loss = s.opt_model.forward_backward(**val).item()
+        s.optimizer.zero_grad(set_to_none=True)
+    tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
+    report = s.opt_model.report
+    layout = Layout(dp=args.dp, pp=args.pp)
+    ranks.say(f"\nsummary: {args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} tokens on "
+              f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
+    ranks.say(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
+    if args.dp > 1:  # replicas step in lockstep on batches of the same size
+        ranks.say(f"  tokens/s across {args.dp} data-parallel replicas: {tokens_per_s * args.dp:,.0f}")
+    ranks.say(f"  tokens/s{' per replica' if args.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "
+              f"({run_tokens:,} tokens in {run_seconds:.1f}s), {history[-1]['tokens_per_s']:,.0f} in the last interval")
+    tokens_per_call = (args.batch // args.microbatches if args.pp > 1 else args.batch) * args.seq
+    measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
+                          device=args.device, layout=layout, total=ranks.total)
+    ranks.say("  " + measured.line(layout))
+    ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
+              f"{report.recompilations} recompilations")
+    ranks.say("\n" + report.table())
+    if args.report and ranks.speaks:
+        report.to_html(args.report, losses=losses, title=f"picofx: picofx train, {args.size} model",
+                       subtitle=f"{layout_line(args)}; {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
+                                f"tokens on {args.device}, passes {' '.join(s.passes) or '(none)'}")
+        ranks.say(f"wrote {args.report}")
+    if args.save:
+        ranks.say(f"saved step {args.steps} to {args.save} (continue with --resume {args.save} and a larger --steps)")
+    ranks.close()
+    return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
+            "throughput": measured}
+
+
+if __name__ == "__main__":
+    main()

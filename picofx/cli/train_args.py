@@ -1,0 +1,339 @@
+"""picofx train's options, and every check on them that can fail before a process group or a
+compile: a bad option is one line on stderr (rank 0 only under torchrun) and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import sys
+
+import torch
+
+import picofx
+from picofx.cost.device import device_for
+from picofx.cost.units import check_budget, format_bytes
+from picofx.models.llama import CONFIGS
+from picofx.cli.train_data import check_data_source
+from picofx.cli.train_state import saved_run
+from picofx.manager import resolve_pass
+from picofx.compression.lossy import parse_compress
+from picofx.runtime.distributed import launched_world
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
+# what a resumed run must repeat to go on as the saved run would have
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard", "tp",
+               "sequence_parallel", "compress")
+SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
+                 "shard": "--shard", "tensor_parallel": "--tp"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad option as one line, printed by rank 0 only under torchrun."""
+
+    speaks = True
+
+    def error(self, message: str):
+        if self.speaks:
+            hint = " (--help lists the options)" if message.startswith(ARGPARSE_ERRORS) else ""
+            print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and gives every option's default."""
+
+
+def at_least(lowest: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
+        return value
+    return parse
+
+
+def memory_budget(text: str):
+    """'2GiB' or bytes ('2147483648') stay as picofx reads them; '0.5' is a fraction of the peak."""
+    value: int | float | str = text
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            pass
+    try:
+        check_budget(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def step_bytes(config, batch: int, seq: int) -> int:
+    """A step's memory, roughly: fp32 weights, gradients and AdamW's two moments (16 bytes per
+    parameter), saved activations of 2 x (34 x hidden + 5 x heads x seq) bytes per token and layer
+    (Korthikanti et al.'s 16-bit estimate, doubled for fp32), and the logits with their gradient."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * config.head_dim
+    params = 2 * config.vocab_size * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+    tokens = batch * seq
+    activations = tokens * layers * 2 * (34 * h + 5 * config.num_attention_heads * seq)
+    return 16 * params + activations + 2 * 4 * tokens * config.vocab_size
+
+
+def fits(size: str, batch: int, seq: int, device: str) -> bool:
+    config = dataclasses.replace(CONFIGS[size], vocab_size=256)
+    return step_bytes(config, batch, seq) <= device_for(device).memory_capacity
+
+
+def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
+    p = OneLineParser(prog="picofx train", description=doc, formatter_class=HelpFormatter)
+    p.speaks = speaks
+    default_device = "cpu"
+    offered = [size for size in CONFIGS if fits(size, 8, 128, default_device)]
+    p.add_argument("--size", choices=sorted(CONFIGS), default="tiny", metavar="SIZE",
+                   help=f"model shape, vocabulary set to 256; on {default_device} at the default batch and "
+                        f"sequence: {', '.join(offered)} (a size whose step does not fit the device is refused)")
+    p.add_argument("--steps", type=at_least(1), default=200, help="optimizer steps (in all, a resumed run included)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (and per replica)")
+    p.add_argument("--seq", type=at_least(2), default=128, help="tokens per sequence")
+    p.add_argument("--max-positions", type=at_least(1),
+                   help="the model's position limit (RoPE table); default: the size's own, e.g. tiny's 128")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (20 steps of warm-up)")
+    p.add_argument("--device", default=default_device, help="torch device: cpu, cuda, cuda:1")
+    p.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
+                   help="inductor generates code (20-30 s to compile on CPU); eager runs the graphs as they are")
+    p.add_argument("--passes", nargs="*", default=["fuse"], help="picofx passes, e.g. fuse precision checkpoint")
+    p.add_argument("--memory-budget", type=memory_budget, metavar="BUDGET",
+                   help="the checkpoint pass's budget: bytes, '2GiB', or a fraction of the peak without it "
+                        "('0.5'); default: the device's memory")
+    p.add_argument("--log-every", type=at_least(1), default=25, help="steps between loss and tokens/s lines")
+    p.add_argument("--dump-dir", help="write every graph picofx produced to this directory")
+    p.add_argument("--report", metavar="FILE", help="at the end, write picofx's report with the run's loss curve as one "
+                                                    "self-contained HTML page (the first rank's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
+                        "Face dataset name (needs `datasets`); default: the Python standard library's source")
+    p.add_argument("--save", metavar="DIR", help="at the end, save model, optimizer, step and data position here")
+    p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options)")
+    p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (pass pipeline; run under torchrun)")
+    p.add_argument("--dp", type=at_least(1),
+                   help="data-parallel replicas (run under torchrun); default: all ranks not used by --pp")
+    p.add_argument("--tp", type=at_least(1), default=1,
+                   help="tensor-parallel ranks (pass tensor_parallel, plan read from the graph; run under torchrun)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="under --tp, norms and residual adds on sequence shards (Megatron's sequence parallelism)")
+    p.add_argument("--shard", action="store_true",
+                   help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
+                        "as FSDP) instead of each holding a replica (pass overlap)")
+    p.add_argument("--compress", metavar="KIND",
+                   help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
+                        "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
+                        "topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
+    p.add_argument("--compress-warmup", metavar="N", type=at_least(0), default=0,
+                   help="with --compress, the run's first N steps exchange whole gradients (the passes' warmup, "
+                        "as torch's PowerSGD hook's start_powerSGD_iter); a resumed run warms up what is left")
+    p.add_argument("--layout", choices=["auto"],
+                   help="auto: under torchrun, the layout picofx.plan predicts fastest for the launch's ranks among "
+                        "those this script runs (rank 0 plans and prints which and why); --batch is then the "
+                        "global batch, split among the replicas")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1F1B", help="pipeline schedule")
+    p.add_argument("--microbatches", type=at_least(1), default=4, help="micro-batches per step and replica under --pp")
+    p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
+                   help="under --pp, cut where unit times measured on rank 0 balance (--no-measure-cuts: predicted)")
+    return p
+
+
+def parse_args(argv=None, doc: str = "", environ=None):
+    """The options, checked; `args.world` is the number of processes and `args.dp` is resolved."""
+    environ = os.environ if environ is None else environ
+    p = build_parser(doc, speaks=environ.get("RANK", "0") == "0")
+    args = p.parse_args(argv)
+    args.layout_chosen = None  # --layout auto --resume: the saved run's layout, said when the run starts
+    try:
+        check_layout(args, launched_world(environ))
+        check_passes(args)
+        check_positions(args)
+        check_device(args)
+        check_paths(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not fits(args.size, args.batch, args.seq, args.device):
+        config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
+        p.error(f"--size {args.size} needs about {format_bytes(step_bytes(config, args.batch, args.seq))} per step "
+                f"at batch {args.batch}, seq {args.seq}; {args.device} has "
+                f"{format_bytes(device_for(args.device).memory_capacity)}: pick a smaller size, batch or sequence")
+    return args
+
+
+def check_layout(args, world: int | None) -> None:
+    """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
+    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
+                      if v not in (None, 1)) + \
+        (" --shard" if args.shard else "")
+    layout = layout.strip()
+    if getattr(args, "layout", None) == "auto":  # the layout is chosen once the ranks are up (train_layout.py)
+        given = (layout + (" --sequence-parallel" if args.sequence_parallel else "")).strip()
+        if given:
+            raise ValueError(f"--layout auto chooses {given} itself: leave them out, or drop --layout auto")
+        args.dp_default, args.world, args.dp = False, world or 1, 1
+        return
+    args.dp_default = world is not None and args.dp is None
+    if world is None:  # one process, not launched by torchrun
+        if layout:
+            ranks = (args.dp or 1) * args.pp * args.tp
+            raise ValueError(f"{layout} runs one process per rank: launch it with torchrun, e.g. torchrun "
+                             f"--nproc-per-node {ranks} -m picofx train {layout}")
+        args.dp, args.world = 1, 1
+        return
+    args.world = world
+    model_ranks = args.pp * args.tp  # the ranks one replica of the model spans
+    if args.dp is None:
+        if world % model_ranks:
+            raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide the {world} ranks torchrun started: "
+                             f"use --nproc-per-node {model_ranks * max(1, world // model_ranks)}, or another layout")
+        args.dp = world // model_ranks
+    elif args.dp * model_ranks != world:
+        raise ValueError(f"the layout --dp {args.dp} x --tp {args.tp} x --pp {args.pp} is {args.dp * model_ranks} "
+                         f"ranks, but torchrun started {world}: launch with --nproc-per-node {args.dp * model_ranks}, "
+                         "or change --dp/--tp/--pp")
+    if args.tp > 1 and args.pp > 1 and args.dp > 1 and not args.shard:
+        raise ValueError("--tp with --pp takes data parallelism as --shard (pp x dp_shard x tp); replicated "
+                         "--dp over tensor-parallel stages is not supported: add --shard")
+    if args.sequence_parallel and args.pp > 1:
+        raise ValueError("--sequence-parallel with --pp is not supported yet: a later stage has no token "
+                         "embedding where the sequence shards begin")
+    if args.compress is not None:
+        parse_compress(args.compress)
+        if args.dp < 2 or args.pp > 1 or args.tp > 1:
+            raise ValueError("--compress compresses the data-parallel ranks' gradient all-reduce (--dp) or "
+                             "reduce-scatter (--shard): run it with --dp 2 or more, without --pp or --tp "
+                             "(pipelined and tensor-parallel exchanges are not compressed)")
+    if args.compress_warmup and args.compress is None:
+        raise ValueError("--compress-warmup counts steps before --compress's compressor starts: give --compress KIND")
+    if args.sequence_parallel and args.tp == 1:
+        raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
+    if args.pp > 1:
+        virtual = 2 if "Interleaved" in args.schedule else 1
+        if args.microbatches < args.pp * virtual:
+            raise ValueError(f"--microbatches {args.microbatches} is fewer than the {args.pp * virtual} pipeline "
+                             f"stages, which can stall the schedule: pass --microbatches {args.pp * virtual} or more")
+        rounds = max(1, args.microbatches // args.pp)
+        if virtual > 1 and args.microbatches % rounds:
+            raise ValueError(f"--schedule {args.schedule} runs micro-batches in rounds of {args.pp} (one per stage "
+                             f"rank): --microbatches {args.microbatches} is not a whole number of rounds; pass "
+                             f"--microbatches {rounds * args.pp}")
+        if args.batch % args.microbatches:
+            raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}: "
+                             "pick a batch that is a multiple of it")
+
+
+def check_passes(args) -> None:
+    """Pass names resolve now (with the registry's suggestion); the layout adds its own passes."""
+    for name in args.passes:
+        if name in SET_BY_LAYOUT:
+            if name == "overlap" and args.world == 1:
+                raise ValueError("the overlap pass all-reduces gradients between data-parallel ranks, and one "
+                                 "process has none: drop it, or launch with torchrun --nproc-per-node N "
+                                 "(data parallel over N ranks adds it)")
+            raise ValueError(f"--passes {name}: this script adds it from {SET_BY_LAYOUT[name]}; leave it out of "
+                             "--passes")
+        try:
+            resolve_pass(name)
+        except KeyError as e:
+            raise ValueError(f"--passes: {e.args[0]}") from None
+    if args.memory_budget is not None and "checkpoint" not in args.passes:
+        raise ValueError("--memory-budget is the checkpoint pass's budget: add checkpoint to --passes")
+
+
+def check_positions(args) -> None:
+    limit = args.max_positions or CONFIGS[args.size].max_position_embeddings
+    if args.seq > limit:
+        raise ValueError(f"--seq {args.seq} is longer than the {args.size} model's position limit, {limit} "
+                         f"(max_position_embeddings): pass --max-positions {args.seq} to build it with a "
+                         "longer rotary table, or a shorter --seq")
+
+
+def check_device(args) -> None:
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: torch sees no CUDA GPU here (torch.cuda.is_available() is "
+                             "False; this torch is built for " + ("CPU only" if torch.version.cuda is None else
+                                                                 f"CUDA {torch.version.cuda}") + "): use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: there are {torch.cuda.device_count()} GPUs "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {args.device}: this script runs on cpu or cuda")
+
+
+def check_paths(args) -> None:
+    for option, path in (("--dump-dir", args.dump_dir), ("--save", args.save)):
+        if path is None:
+            continue
+        existing = next((p for p in [pathlib.Path(path), *pathlib.Path(path).parents] if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ValueError(f"{option} {path}: {existing} is a file, not a directory: name a directory "
+                             "(it is created if missing)")
+    if args.resume is not None:
+        if not (pathlib.Path(args.resume) / ".metadata").is_file():
+            raise ValueError(f"--resume {args.resume}: no checkpoint there (a directory written by --save holds "
+                             "a .metadata file)")
+        step, saved = saved_run(args.resume, RUN_OPTIONS)
+        if getattr(args, "layout", None) == "auto" and args.world > 1:
+            adopt_saved_layout(args, saved)
+        changed = [f"--{name.replace('_', '-')} {saved[name]} there, {value} here" for name, value in
+                   run_options(args).items() if saved[name] != value]
+        if changed:
+            raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
+                             "resume with the options it was saved with")
+        args.compress_warmup = max(0, args.compress_warmup - step)  # the warm-up counts the run's steps
+        if step >= args.steps:
+            raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
+                             f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
+    if args.data is not None:
+        check_data_source(args.data)
+
+
+def adopt_saved_layout(args, saved: dict) -> None:
+    """--layout auto with --resume: the layout the saved run chose, not a new plan (one made now,
+    on other timings, could differ, and the checkpoint is of that layout). --batch stays the global
+    batch, as the saved run was given it."""
+    dp, tp, pp = (int(saved[name]) for name in ("dp", "tp", "pp"))
+    if dp * tp * pp != args.world:
+        raise ValueError(f"--resume {args.resume} was saved by a run on {dp * tp * pp} ranks (dp {dp} x tp {tp} x "
+                         f"pp {pp}), and torchrun started {args.world}: launch with --nproc-per-node {dp * tp * pp}")
+    args.layout, args.dp, args.tp, args.pp = None, dp, tp, pp
+    args.shard, args.sequence_parallel = saved["shard"] == "True", saved["sequence_parallel"] == "True"
+    args.microbatches, args.batch = int(saved["microbatches"]), args.batch // dp
+    args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"
+
+
+def layout_options(args) -> str:
+    """The layout as the options that give it."""
+    given = [f"--{name} {value}" for name, value in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if value > 1]
+    flags = [flag for flag, on in (("--shard", args.shard), ("--sequence-parallel", args.sequence_parallel)) if on]
+    return " ".join(given + flags + ([f"--microbatches {args.microbatches}"] if args.pp > 1 else []))
+
+
+def run_options(args) -> dict:
+    """The options a resumed run must repeat to go on as the saved one would have, as text."""
+    return {name: str(getattr(args, name)) for name in RUN_OPTIONS}
+
+
+def picofx_passes(args) -> list:
+    """--passes as picofx takes them: names, with checkpoint built on --memory-budget."""
+    if args.memory_budget is None:
+        return list(args.passes)
+    return [picofx.passes.Checkpoint(budget=args.memory_budget) if name == "checkpoint" else name
+            for name in args.passes]

@@ -1,0 +1,92 @@
+"""picofx train --layout auto: the layout `picofx.planner.predict` predicts fastest among those the script runs.
+
+Rank 0 plans and broadcasts its choice: on a CPU the plan's device is calibrated by measuring (a
+single-rank step of the model; the link by all-reduces every rank takes part in), and measurements
+differ from rank to rank, so ranks planning each for itself could choose different layouts.
+`--batch` is the global batch: the chosen layout's replicas split it (the planner ranks layouts at
+equal work per step).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from picofx.models.llama import CONFIGS
+from picofx.planner.layouts import Layout
+
+
+def unrunnable(layout: Layout) -> str | None:
+    """Why picofx train cannot run `layout` (None: it can); see train_args.check_layout."""
+    if layout.checkpoint:
+        return "checkpointing the planned way (every layer) is not one of its options"
+    if layout.compress and (layout.dp < 2 or layout.shard or layout.tp > 1 or layout.pp > 1):
+        return "--compress with anything but replicated --dp"
+    if layout.pp == 1 and layout.microbatches > 1:
+        return "micro-batches without a pipeline (gradient accumulation)"
+    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
+        return "replicated --dp over tensor-parallel stages"
+    if layout.sequence_parallel and layout.pp > 1:
+        return "--sequence-parallel with --pp"
+    return None
+
+
+def explain(plans, index: int) -> str:
+    """Which plan, and why: its predicted step, memory and bottleneck, and the runner-up's."""
+    chosen = plans.predictions[index]
+    runnable = [p for p in plans.predictions if p.fits and unrunnable(p.layout) is None]
+    line = (f"layout auto: {chosen.layout.describe()} (the fastest of {len(runnable)} runnable plans that fit, "
+            f"{len(plans.predictions)} planned for {plans.run.gpus} x {plans.run.device.name}): predicted step "
+            f"{chosen.step_s * 1e3:.1f} ms, {chosen.memory_per_gpu / 1e6:.1f} MB per rank, bottleneck "
+            f"{chosen.bottleneck}")
+    second = next((p for p in runnable if p is not chosen), None)
+    if second is not None:
+        line += (f"; runner-up {second.layout.describe()}: {second.step_s * 1e3:.1f} ms "
+                 f"({100 * (second.step_s / chosen.step_s - 1):+.0f}%), bottleneck {second.bottleneck}")
+    skipped = plans.predictions.index(chosen)
+    if skipped:
+        line += f"; {skipped} faster plans skipped ({unrunnable(plans.predictions[0].layout)}, ...)"
+    return line
+
+
+def planned_choice(args, config, link) -> tuple:
+    """On rank 0: (the chosen Layout's fields, the line saying why), or (None, the error)."""
+    import picofx
+
+    try:
+        compressed = dict(tp=1, pp=1, shard=False) if args.compress else {}  # --compress: replicated dp alone
+        plans = picofx.plan(config, world=args.world, seq=args.seq, global_batch=args.batch,
+                            gpu="cpu" if args.device == "cpu" else args.device, link=link, compress=args.compress,
+                            say=lambda *a: None, schedule="1F1B", **compressed)
+        index = next((i for i, p in enumerate(plans.predictions) if p.fits and unrunnable(p.layout) is None
+                      and p.layout.compress == (args.compress or p.layout.compress)), None)
+        if index is None:
+            return None, (f"--layout auto: none of the {len(plans)} plans for {args.world} ranks both fits and is "
+                          f"runnable here at --batch {args.batch}; give the layout with --dp/--tp/--pp/--shard")
+        return dataclasses.asdict(plans.predictions[index].layout), explain(plans, index)
+    except Exception as e:  # noqa: BLE001  the other ranks wait on the broadcast: they must hear of it
+        return None, f"--layout auto: planning failed: {type(e).__name__}: {e}"
+
+
+def choose_layout(args, rank: int) -> str:
+    """Every rank: set args' --dp/--tp/--pp/--shard/--sequence-parallel/--microbatches/--batch (and
+    --compress) to rank 0's plan; returns the line saying why (raises ValueError, on every rank, where planning failed)."""
+    import torch.distributed as dist
+
+    from picofx.cost.device import calibrate_link
+
+    positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
+    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
+    link = calibrate_link(None) if args.device == "cpu" else None  # every rank takes part
+    choice = [planned_choice(args, config, link) if rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    fields, line = choice[0]
+    if fields is None:
+        raise ValueError(line)
+    layout = Layout(**fields)
+    args.dp, args.tp, args.pp, args.shard = layout.dp, layout.tp, layout.pp, layout.shard
+    args.sequence_parallel, args.schedule = layout.sequence_parallel, layout.schedule
+    args.batch //= layout.dp  # sequences per replica
+    if layout.pp > 1:
+        args.microbatches = layout.microbatches
+    if layout.compress:
+        args.compress = layout.compress
+    return line

@@ -1,0 +1,85 @@
+"""picofx train's --save and --resume: torch.distributed.checkpoint of what the run needs to go on
+exactly as it would have gone: the parameters this process trains (a pipeline rank: its stages',
+under the model's own names), AdamW's state, the learning-rate schedule, the step, the data
+sampler's position of each replica and each rank's RNG. One process, data parallel and pipelined
+runs all save to one directory; a run resumed with the same options continues bit for bit."""
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+# AdamW's state and hyperparameters keyed by parameter name: a pipeline rank's are its stages' own,
+# and no key (such as a whole param_groups list) holds different values on different ranks.
+BY_PARAMETER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def process_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def single_process_quiet():
+    """dcp warns on every single-process save and load that it assumes one process: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch.distributed is (disabled, )?unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
+def trained_module(opt_model) -> torch.nn.Module:
+    """The module whose parameters this process trains: the model, or this rank's pipeline stages."""
+    return opt_model.pipeline.module if opt_model.pipeline is not None else opt_model
+
+
+def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: int) -> dict:
+    """The state dict to save or to load into, keyed so that equal values on several ranks
+    (replicas' parameters) are written once and each rank's own values have their own key."""
+    model_state, optimizer_state = get_state_dict(trained_module(opt_model), optimizer, options=BY_PARAMETER)
+    compression = {"compression": opt_model.compression} if opt_model.compression is not None else {}
+    return {
+        **compression,  # --compress: error-feedback residuals and PowerSGD's Q (a DCP Stateful)
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "schedule": {"last_epoch": torch.tensor(scheduler.last_epoch)},
+        "step": torch.tensor(step),
+        f"data_replica{replica}": batches.state_dict(),
+        f"rng_rank{process_rank()}": torch.get_rng_state(),
+    }
+
+
+def save(directory: str, opt_model, optimizer, scheduler, batches, *, step: int, replica: int,
+         options: dict) -> None:
+    """`options`: what a resumed run must repeat (name -> value as text), checked by `saved_run`."""
+    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+    state = {**run_state(opt_model, optimizer, scheduler, batches, step=step, replica=replica), "options": options}
+    with single_process_quiet():
+        dcp.save(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+
+
+def saved_run(directory: str, option_names) -> tuple[int, dict]:
+    """The step a checkpoint was saved at and the options it was saved with (read on this process
+    alone, before any process group)."""
+    state = {"step": torch.tensor(0), "options": {name: None for name in option_names}}
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return int(state["step"]), state["options"]
+
+
+def resume(directory: str, opt_model, optimizer, scheduler, batches, *, replica: int) -> int:
+    """Load a --save checkpoint into the run, in place (the compiled step holds the parameters
+    themselves); returns the step to continue from."""
+    state = run_state(opt_model, optimizer, scheduler, batches, step=0, replica=replica)
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    set_state_dict(trained_module(opt_model), optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=BY_PARAMETER)
+    scheduler.last_epoch = int(state["schedule"]["last_epoch"])
+    batches.load_state_dict(state[f"data_replica{replica}"])
+    torch.set_rng_state(state[f"rng_rank{process_rank()}"])
+    return int(state["step"])

@@ -1,0 +1,1 @@
+"""The reference LLaMA and the model zoo picofx is tested on."""

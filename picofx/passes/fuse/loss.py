@@ -1,0 +1,106 @@
+"""Fusion rule for the final projection and the cross-entropy loss: a chunked fused op that never
+materializes the (tokens x vocab) logits, forward or backward.
+
+It matches F.cross_entropy on the projection's output however real code writes it: labels are
+any int64 tensor with one entry per scored token (flattened, shifted by padding as Hugging Face
+does, or not, upstream of the rule); mean or sum reduction, any ignore_index; logits upcast with
+.float() or not, flattened as view(-1, V) (Hugging Face, nanoGPT), view(B * T, -1) (the seed),
+reshape or flatten(0, 1), or first shifted as logits[..., :-1, :].contiguous() (older scripts:
+the fused op then reads x[..., :-1, :]); divided by a scale (Granite) or soft-capped as
+tanh(logits / c) * c (Gemma 2), which the fused op computes chunk by chunk too. Label smoothing,
+class weights and weighted per-token losses are other math: picofx.passes.fuse.sites names them.
+The pattern also returns the logits: when the graph returns them too (Hugging Face's output),
+they become None unless the rule's keep_logits option is set.
+"""
+import torch
+import torch.nn.functional as F
+
+import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.kernels import DEFAULT_CHUNK_SIZE
+from picofx.rewrite import Rule, register_rule, scalar, tensor
+
+# Tokens per chunk: as many as keep one chunk's fp32 logits near this many bytes (the op holds
+# one such buffer at a time), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the whole
+# (vocab x hidden) weight-gradient accumulator, and the logits matmul runs slower on few rows.
+# Measured on CPU at vocab 32000, hidden 256, 4096 tokens: 128-token chunks made the fused loss
+# 15% slower than torch.compile's unfused one, 512-token chunks 2% faster; there the 64 MiB chunk
+# buffer sets the step's peak (tools/bench_fuse.py: 601 MiB, 569 with 128-token chunks).
+LOGITS_CHUNK_BYTES = 64 * 2**20
+MIN_CHUNK_TOKENS = 512
+
+
+def chunk_size(vocab: int) -> int:
+    return int(min(DEFAULT_CHUNK_SIZE, max(MIN_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))))
+
+
+def view_last(scores):
+    return scores.view(-1, scores.size(-1))
+
+
+def view_tokens(scores):  # logits.view(B * T, -1)
+    return scores.view(scores.shape[0] * scores.shape[1], -1)
+
+
+def flatten_tokens(scores):
+    return scores.flatten(0, 1)
+
+
+def transformed(logits, scale, softcap):
+    if scale is not None:
+        logits = logits / scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def linear_cross_entropy_pattern(x, weight, bias, labels, ignore_index, reduction, upcast, scale, softcap, flatten,
+                                 shift):
+    logits = transformed(F.linear(x, weight, bias), scale, softcap)  # (..., T, V)
+    scores = logits.float() if upcast else logits
+    if shift:  # the last position predicts no token: logits[..., :-1, :], labels shifted upstream
+        scores = scores[..., :-1, :].contiguous()
+    loss = F.cross_entropy(flatten(scores), labels, ignore_index=ignore_index, reduction=reduction)
+    return loss, logits
+
+
+def linear_cross_entropy_replacement(x, weight, bias, labels, ignore_index, reduction, upcast, scale, softcap,
+                                     flatten, shift, keep_logits=False):
+    chunk = chunk_size(weight.shape[0])
+    tokens = x[..., :-1, :] if shift else x
+    loss = torch.ops.picofx.linear_cross_entropy(tokens, weight, bias, labels, ignore_index, reduction, upcast,
+                                                 chunk, True, float(scale or 1.0), float(softcap or 0.0))[0]
+    return loss, transformed(F.linear(x, weight, bias), scale, softcap) if keep_logits else None
+
+
+def labels_are_token_ids(match):
+    x, labels = match.val("x"), match.val("labels")
+    shift = match.rule.variant_inputs(match.pattern.variant)[0]["shift"]
+    tokens = x.shape[:-2].numel() * (x.shape[-2] - 1) if shift else x.shape[:-1].numel()
+    if labels.dtype != torch.int64:
+        return f"labels are {labels.dtype}; the fused loss takes int64 class indices (not probabilities)"
+    if labels.numel() != tokens:
+        return f"labels {tuple(labels.shape)} do not have one entry per scored token of x {tuple(x.shape)}"
+    return None
+
+
+# fp32; bf16 logits upcast for the loss (Hugging Face); bf16 throughout
+UPCASTS = ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False))
+
+LINEAR_CROSS_ENTROPY = register_rule(Rule(
+    name="linear_cross_entropy", pattern=linear_cross_entropy_pattern, replacement=linear_cross_entropy_replacement,
+    inputs={"x": tensor(2, 8, 16), "weight": tensor(64, 16), "bias": None, "labels": tensor(16, dtype=torch.int64),
+            "ignore_index": scalar(-12345), "reduction": "mean", "upcast": True, "scale": None, "softcap": None,
+            "flatten": view_last, "shift": False},
+    variants=[*({"dtype": dtype, "upcast": upcast, "reduction": reduction, "bias": bias}
+                for dtype, upcast in UPCASTS for reduction in ("mean", "sum") for bias in (None, tensor(64))),
+              *({"dtype": dtype, "upcast": upcast, **form} for dtype, upcast in UPCASTS[:2]
+                for form in ({"flatten": view_tokens}, {"flatten": flatten_tokens}, {"scale": scalar(3.0625)},
+                             {"softcap": scalar(27.625)})),
+              *({"dtype": dtype, "upcast": upcast, "shift": True, "labels": tensor(14, dtype=torch.int64)}
+                for dtype, upcast in UPCASTS[:2])],
+    checks=(labels_are_token_ids,),
+    options={"keep_logits": False},
+    # Chunked log-sum-exp and gradients computed in the forward round differently from
+    # log_softmax + autograd: a few ulps of the fp32 loss and gradients.
+    tolerance=(1e-5, 1e-5), tolerance_reason="the fused loss sums chunk by chunk, in another order",
+))

@@ -1,0 +1,385 @@
+"""shard: sharded data parallel (ZeRO-3, as FSDP2 shards) inside the captured step.
+
+Forward stage: every parameter placeholder takes this rank's dim-0 shard, padded to the common
+row count P = ceil(rows / N), instead of the whole tensor. The parameters, in the order the
+forward first reads them, are cut into buckets (a decoder layer's by default); each bucket's shards
+travel in one all-gather, issued `prefetch` buckets ahead and waited just before first use:
+
+    gathered = _c10d_functional_autograd.all_gather_into_tensor(cat(shards), N, group)
+    whole_i = wait_tensor(gathered).view(N, M)[:, off_i:off_i + m_i].reshape(N * P_i, ...)[:rows_i]
+
+The autograd all-gather's backward is a reduce-scatter (sum), so the backward hands each rank the
+gradient of its own padded shard. Partitioned stage (backward graph): those gradients are divided
+by N, since gloo has no "avg" (DDP's average); with mixed precision reducing in another dtype than
+it gathers (FSDP2's reduce_dtype), each reduce-scatter reads the gradient in that dtype. Joint stage, with reshard_after_forward: the gathers
+and what views them are tagged for recomputation, so the backward gathers again instead of keeping
+the whole parameters alive between forward and backward. The decision is recorded as a ShardLayout
+on the forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor
+shards and feeds the graph their padded local pieces.
+
+With `compress`, each bucket's reduce-scatter becomes a compressor's exchange (passes/shard_compress.py).
+
+List `shard` after the passes that rewrite the forward graph (fuse, precision): they see the
+parameters gathered.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import CheckpointPolicy
+
+from picofx.capture.annotate import fake_mode_of
+from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of_path
+from picofx.cost.units import parse_budget
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
+from picofx.parallel.mesh import MeshDim, resolve_dim
+from picofx.compression.allreduce import CompressionState, Dense
+from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
+CAST = aten._to_copy.default
+CASTS = (CAST, torch.ops.prims.convert_element_type.default)  # a dtype cast, before and after decomposition
+WIRE_DTYPES = (torch.bfloat16, torch.float32)  # what parameters can be gathered and gradients reduced in
+SCATTER = (c10d.reduce_scatter_tensor.default, torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default)
+
+
+def padded_rows(rows: int, world: int) -> int:
+    return -(-rows // world)
+
+
+def local_rows(rows: int, world: int, rank: int) -> int:
+    """This rank's rows under DTensor's Shard(0) (torch.chunk's split: full chunks first)."""
+    return max(0, min(rows, (rank + 1) * padded_rows(rows, world)) - rank * padded_rows(rows, world))
+
+
+@register_pass("shard")
+@dataclass(frozen=True)
+class Shard:
+    """mesh: the ranks to shard over: a mesh dimension's name, a one-dimensional DeviceMesh or a
+    ProcessGroup (None: the run's mesh's dp_shard dimension, else every rank).
+    reshard_after_forward: gather again in the backward (True) or keep the gathered parameters
+    from the forward (False). bucket: which parameters share one all-gather: "auto" (a decoder
+    layer's; FSDP2's unit), bytes or a size string ("16MiB"), or 0 (one gather per parameter).
+    prefetch: issue a bucket's gather this many buckets before its first use (0: just before it),
+    so it overlaps the previous layer's compute. mixed_precision: None, a
+    torch.distributed.fsdp.MixedPrecisionPolicy, or "bf16" (= MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16)): the fp32 shards, the master copy, are gathered in param_dtype and their
+    gradients reduce-scattered in reduce_dtype (None: param_dtype, as FSDP2 defaults it; fp32 with
+    bf16 parameters casts each bf16 gradient up before the reduce-scatter). The graph computes in
+    the dtype it did (list "precision" before "shard" to compute in bf16); the call's inputs are
+    not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported.
+    compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
+    "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that compressor
+    (passes/shard_compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
+    uncompressed (a variant of the step; sparse_rows, being exact, stays)."""
+
+    mesh: Any = None
+    reshard_after_forward: bool = True
+    bucket: int | str = "auto"
+    prefetch: int = 1
+    mixed_precision: Any = None
+    compress: str | None = None
+    warmup: int = 0
+    # per optimized model: the forward's layout (the backward compresses by it) and the compressor state
+    layouts: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
+    info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("dp_shard",),
+                    communicates=True)
+    stage = info.stage
+
+    def __post_init__(self):
+        precision_policy(self.mixed_precision)
+        object.__setattr__(self, "spec", parse_shard_compress(self.compress))
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"Shard(warmup={self.warmup!r}): a number of steps, 0 or more")
+        if self.bucket not in ("auto", 0):
+            parse_budget(self.bucket)
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"Shard(prefetch={self.prefetch!r}): give a count of buckets, 0 or more")
+
+    def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if ctx.stage is Stage.FORWARD:
+            return self.shard_forward(gm, ctx)
+        if ctx.stage is Stage.JOINT:
+            return self.tag_regather(gm) if self.reshard_after_forward else PassResult(False, {})
+        if ctx.graph_role == "backward":
+            gather, reduce = precision_policy(self.mixed_precision)
+            recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
+            compressed = PassResult(False, {})
+            if self.compress is not None and ctx.model in self.layouts:
+                layout = self.layouts[ctx.model]
+                compressed = compress_scatters(gm, ctx, self.compress, layout, layout.state)
+            averaged = average_gradients(gm)  # what compress_scatters wrote is averaged already
+            return PassResult(recast.changed or averaged.changed or compressed.changed,
+                              {**averaged.notes, **recast.notes, **compressed.notes,
+                               "reductions": describe_reductions(gm)})
+        return PassResult(False, {})
+
+    def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        dim = resolve_dim(self.mesh, ctx.mesh, "dp_shard", "the shard pass")
+        mode = fake_mode_of(gm)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        params = []  # (first use, placeholder, whole shape) in the order the forward first reads them
+        for node in [n for n in gm.graph.nodes if is_parameter(n)]:
+            val = node.meta["val"]
+            if val.dim() == 0:
+                raise NotImplementedError(f"Shard: parameter {input_slot(node).target} is a scalar; only "
+                                          "parameters with a first dimension are sharded.")
+            first = min(node.users, key=order.__getitem__) if node.users else None
+            params.append((first, node, tuple(val.shape)))
+            with mode:  # the placeholder now takes this rank's padded shard
+                node.meta["val"] = torch.empty((padded_rows(val.shape[0], dim.size), *val.shape[1:]),
+                                               dtype=val.dtype, device=val.device)
+        params.sort(key=lambda p: order[p[0]] if p[0] is not None else len(order))
+        buckets = self.buckets([p for p in params if p[0] is not None])
+        unread = [p for p in params if p[0] is None]  # sharded all the same, in no bucket
+        entries = [shard_entry(ctx, node, shape, k, dim) for k, bucket in [*enumerate(buckets), (-1, unread)]
+                   for _, node, shape in bucket]
+        issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
+        wire, reduce = precision_policy(self.mixed_precision)
+        gathers = [issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
+        for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
+            wait_and_unpack(gm.graph, bucket, gathered, dim)
+        gm.graph.eliminate_dead_code()
+        wire_text = None if wire is None and reduce is None else (
+            str(wire) if reduce in (None, wire) else f"{wire}, reduced in {reduce}")  # the ranks must agree on both
+        kept = self.layouts.get(ctx.model)  # the compressor state outlives recompiles of the model's steps
+        state = None if self.compress is None else kept.state if kept is not None else CompressionState(dim.rank)
+        layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text,
+                                            self.compress, state, self.warmup if self.spec.other != Dense() else 0)
+        self.layouts[ctx.model] = layouts_of(gm).shards
+        return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
+                                 "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
+                                 "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
+                                 "reshard_after_forward": self.reshard_after_forward,
+                                 "gathers": [describe_bucket(b, issued[k], dim.size, wire, reduce or wire,
+                                                             {e.name for e in entries if e.requires_grad})
+                                             for k, b in enumerate(buckets)]})
+
+    def buckets(self, params: list) -> list[list]:
+        """Parameters in first-use order, cut into gathers: "auto": one per decoder layer, and one
+        per run of parameters outside the layers (the embedding; the final norm and head); a size:
+        consecutive parameters up to that many bytes; 0: one per parameter. Never mixing dtypes."""
+        limit = None if self.bucket == "auto" else 0 if self.bucket == 0 else parse_budget(self.bucket)
+        out: list[list] = []
+        size = 0
+        for param in params:
+            node = param[1]
+            val = node.meta["val"]
+            nbytes = val.numel() * val.element_size()
+            if out:
+                last = out[-1][-1]
+                same_dtype = last[1].meta["val"].dtype == val.dtype
+                fits = (layer_of_parameter(last[1]) == layer_of_parameter(node) if limit is None
+                        else size + nbytes <= limit)
+                if same_dtype and fits:
+                    out[-1].append(param)
+                    size += nbytes
+                    continue
+            out.append([param])
+            size = nbytes
+        return out
+
+    def tag_regather(self, gm: fx.GraphModule) -> PassResult:
+        """Recompute each gather in the backward instead of saving what it gathered: the gather,
+        the flattening of its shards, its wait and every view or copy of the gathered rows (a
+        transposed weight is what a matmul's backward reads)."""
+        tagged = 0
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is GATHER:
+                pending = [node, *[a for a in node.all_input_nodes if a.op == "call_function"]]
+                pending += [a for n in pending[1:] for a in n.all_input_nodes if a.op == "call_function"]
+                pending += [u for u in node.users if u.target is c10d.wait_tensor.default]
+                while pending:
+                    n = pending.pop()
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in CASTS]
+                tagged += 1
+        return PassResult(tagged > 0, {"regathered": tagged})
+
+
+def precision_policy(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Shard's mixed_precision as (gather dtype, reduce dtype), None where the parameter's own
+    dtype is kept; checked against what the pass implements."""
+    if policy is None:
+        return None, None
+    if policy == "bf16":
+        return torch.bfloat16, torch.bfloat16
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise NotImplementedError(f"Shard(mixed_precision={policy!r}): give None, 'bf16' or a "
+                                  "torch.distributed.fsdp.MixedPrecisionPolicy.")
+    fields = {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype")}
+    if policy.output_dtype is not None:
+        raise NotImplementedError(f"Shard(mixed_precision=...): output_dtype={policy.output_dtype} is not "
+                                  "supported (the step returns what the graph computes; cast the output yourself).")
+    for name in ("param_dtype", "reduce_dtype"):
+        if fields[name] not in (None, *WIRE_DTYPES):
+            raise NotImplementedError(f"Shard(mixed_precision=...): {name}={fields[name]} is not supported; give "
+                                      "torch.bfloat16, torch.float32 or None (float16 would need loss scaling).")
+    gather = None if fields["param_dtype"] in (None, torch.float32) else fields["param_dtype"]
+    reduce = fields["reduce_dtype"] or gather  # FSDP2: reduce_dtype None reduces in param_dtype
+    return gather, None if reduce is None or (gather is None and reduce == torch.float32) else reduce
+
+
+def reduce_in(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
+    """Reduce-scatter each gradient in `dtype` instead of the dtype it was
+    gathered in: the reduce-scatter reads the gradient before its cast down to the wire dtype (or a
+    cast of it to `dtype`), and what waits for it is cast back to the dtype its readers expect."""
+    recast = 0
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCATTER]:
+        grad = node.args[0]
+        before = grad.meta["val"].dtype
+        source = grad.args[0] if grad.target in CASTS else None
+        want = dtype
+        if want == before:
+            continue
+        mode = fake_mode_of(gm)
+        if source is not None and source.meta["val"].dtype == want:
+            node.replace_input_with(grad, source)
+        else:
+            with gm.graph.inserting_before(node):
+                up = gm.graph.call_function(CAST, (grad,), {"dtype": want})
+            with mode:
+                up.meta["val"] = grad.meta["val"].to(want)
+            node.replace_input_with(grad, up)
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        for n in [node, *waits]:
+            with mode:
+                n.meta["val"] = n.meta["val"].to(want)
+        for wait in waits:  # a cast reading it casts the reduced gradient itself (to the parameter's dtype)
+            readers = [u for u in wait.users if u.target not in CASTS]
+            if not readers:
+                continue
+            with gm.graph.inserting_after(wait):
+                back = gm.graph.call_function(CAST, (wait,), {"dtype": before})
+            for reader in readers:
+                reader.replace_input_with(wait, back)
+            with mode:
+                back.meta["val"] = wait.meta["val"].to(before)
+        recast += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return PassResult(recast > 0, {"recast_reductions": recast})
+
+
+def is_copy(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in COPY_PACKETS
+
+
+def layer_of_parameter(node: fx.Node) -> str | None:
+    """The decoder layer a parameter belongs to, by its name (a fused op reading it may span two)."""
+    return layer_of_path(input_slot(node).target)
+
+
+def shard_entry(ctx: Context, node: fx.Node, shape: tuple, bucket: int, dim: MeshDim) -> ShardEntry:
+    name = input_slot(node).target
+    return ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype), bucket,
+                      ctx.model.get_parameter(name).requires_grad, local_rows(shape[0], dim.size, dim.rank))
+
+
+def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node, wire) -> fx.Node:
+    """All-gather the bucket's padded shards as one flat tensor, issued before node `before`:
+
+        flat = cat([shard.reshape(-1) for shard in bucket])     # (M,), M = the shards' numel
+        flat = flat.to(wire)                                    # mixed precision only
+        gathered = all_gather(flat, N, group)                   # (N * M,): rank r's shards at r * M
+    """
+    shards = [node for _, node, _ in bucket]
+    with graph.inserting_before(before):
+        flat = shards[0] if len(shards) == 1 else graph.call_function(
+            aten.cat.default, ([graph.call_function(aten.reshape.default, (s, [-1])) for s in shards],))
+        if wire is not None and shards[0].meta["val"].dtype != wire and shards[0].meta["val"].is_floating_point():
+            flat = graph.call_function(CAST, (flat,), {"dtype": wire})
+        return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
+
+
+def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshDim) -> None:
+    """Wait for the bucket's gather before its first use and cut each whole parameter out of it,
+    `rows = gathered.view(N, M); whole_i = rows[:, off_i:off_i + m_i].reshape(N * P_i, ...)[:rows_i]`;
+    the parameters' readers read those instead."""
+    shards = [node for _, node, _ in bucket]
+    with graph.inserting_before(bucket[0][0]):
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        if gathered.args[0].target is CAST:  # gathered in the wire dtype: the whole bucket back to the parameters'
+            # one cast of the bucket: the backward's gradient buffer is cast down in one place, which
+            # reduce_in removes when gradients are reduced in the parameters' dtype
+            waited = graph.call_function(CAST, (waited,), {"dtype": shards[0].meta["val"].dtype})
+        if len(shards) > 1:
+            rows = graph.call_function(aten.view.default,
+                                       (waited, [dim.size, sum(s.meta["val"].numel() for s in shards)]))
+        offset, wholes = 0, []
+        for (_, node, shape), shard in zip(bucket, (s.meta["val"] for s in shards)):
+            whole = waited
+            if len(shards) > 1:
+                piece = graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + shard.numel()))
+                whole = graph.call_function(aten.reshape.default,
+                                            (piece, [dim.size * shard.shape[0], *shard.shape[1:]]))
+                offset += shard.numel()
+            if shard.shape[0] * dim.size != shape[0]:
+                whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
+            wholes.append(whole)
+    flat = gathered.args[0]
+    own = {gathered, flat, *flat.all_input_nodes}  # the nodes that read the shards themselves
+    own |= {a for n in flat.all_input_nodes for a in n.all_input_nodes} if flat.target is CAST else set()
+    for node, whole in zip(shards, wholes):
+        for user in [u for u in node.users if u not in own]:
+            user.replace_input_with(node, whole)
+
+
+def describe_bucket(bucket: list, issued: fx.Node, world: int, wire, reduce, trainable: set) -> dict:
+    """What one bucket moves: its parameters, the bytes gathered (and, if any requires a gradient,
+    reduce-scattered) over all ranks in the wire dtypes, where the gather is issued and awaited."""
+    names = [input_slot(node).target for _, node, _ in bucket]
+    numel = sum(node.meta["val"].numel() for _, node, _ in bucket) * world
+    own = bucket[0][1].meta["val"].element_size()
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return {"parameters": shown, "count": len(names),
+            "gathered_bytes": numel * (wire.itemsize if wire else own),
+            "reduced_bytes": numel * (reduce.itemsize if reduce else own) if trainable & set(names) else 0,
+            "issued_before": issued.name, "awaited_before": bucket[0][0].name}
+
+
+def describe_reductions(gm: fx.GraphModule) -> list[dict]:
+    """Each gradient reduce-scatter of the backward: bytes it reduces over all ranks (its input),
+    their dtype, the node it is issued after and the one that first reads its result."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SCATTER:
+            continue
+        grad = node.args[0].meta["val"]
+        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
+        readers = [r for w in waits for r in w.users]
+        first = min(readers, key=order.__getitem__).name if readers else "output"
+        out.append({"reduced_bytes": grad.numel() * grad.element_size(), "dtype": str(grad.dtype),
+                    "issued_after": node.prev.name, "awaited_before": first})
+    return out
+
+
+def average_gradients(gm: fx.GraphModule) -> PassResult:
+    """Divide each reduce-scattered gradient output by its group's size: DDP's average."""
+    graph = gm.graph
+    output = graph.output_node()
+    outputs = list(output.args[0])
+    averaged = 0
+    for pos, node in enumerate(outputs):
+        if not isinstance(node, fx.Node):
+            continue
+        waited = node
+        while waited.op == "call_function" and (is_view(waited) or waited.target in CASTS):
+            waited = waited.args[0]  # through views and mixed precision's cast back to the parameter's dtype
+        if waited.target is not c10d.wait_tensor.default or getattr(waited.args[0], "target", None) not in SCATTER:
+            continue
+        group_size = waited.args[0].args[2]
+        with graph.inserting_before(output):
+            outputs[pos] = graph.call_function(aten.div.Tensor, (node, group_size))
+        averaged += 1
+    output.args = (outputs,)
+    return PassResult(averaged > 0, {"averaged_gradients": averaged})

@@ -43,6 +43,7 @@ from picofx.cli.train_metrics import Layout, throughput
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
 from picofx.parallel import ParallelMesh
+from picofx.parallel.launch import join_launched_group
 from picofx.runtime.distributed import first_failure
 
 # Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
@@ -58,15 +59,9 @@ class Ranks:
 
     def __init__(self, args):
         self.world, self.rank, self.agreement, self.owns_group = args.world, 0, None, False
-        if args.world > 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():  # torchrun's rendezvous; a caller may have made the group already
-                dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                                        timeout=datetime.timedelta(minutes=5))
-                self.owns_group = True
-            self.rank = dist.get_rank()
-            self.agreement = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREEMENT_SECONDS))
+        if args.world > 1:  # torchrun's rendezvous; a caller may have made the group already
+            self.rank, self.agreement, self.owns_group = join_launched_group(
+                args.device, datetime.timedelta(minutes=5), datetime.timedelta(seconds=AGREEMENT_SECONDS))
         # the mesh is (pp, dp, tp), outermost first: the ranks of one replica (its stages, its tp ranks) share its batches
         self.replica = (self.rank // args.tp) % args.dp
         self.speaks = self.rank == 0

@@ -22,6 +22,18 @@ class RankError(AssertionError):
     pass
 
 
+def join_launched_group(device: str, timeout: datetime.timedelta, agreement_timeout: datetime.timedelta):
+    """This process's rank in the group torchrun launched (made here unless a caller made it), and
+    a second gloo group of its own timeout on which ranks agree whether their setup succeeded.
+    Returns (rank, agreement group, whether this call made the default group)."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+    return dist.get_rank(), dist.new_group(backend="gloo", timeout=agreement_timeout), made
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

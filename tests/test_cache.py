@@ -1,21 +1,25 @@
 """The on-disk cache of optimized graphs (picofx.runtime.cache): a second identical optimize loads
 the graph instead of capturing and running the passes, and trains exactly like the first."""
+import os
+import subprocess
 import sys
 
+import pytest
 import torch
 
 import picofx
 from picofx.capture.export import input_key
 from picofx.models import zoo
 from picofx.passes import Checkpoint
-from picofx.runtime.cache import NotCacheable, cache_key
+from picofx.runtime import cache
+from picofx.runtime.cache import GraphCache, NotCacheable, cache_key
 
 PASSES = ["fuse", Checkpoint(budget=0.95)]  # 95% of the peak: checkpoint tags nodes, the hit replays them
 
 
-def optimized_step(passes=PASSES, seq=16, **kwargs):
+def optimized_step(passes=PASSES, seq=16, model="llama-tiny", **kwargs):
     torch.manual_seed(0)
-    z = zoo.build("llama-tiny", batch=2, seq=seq)
+    z = zoo.build(model, batch=2, seq=seq)
     opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn, **kwargs)
     out = opt(**z.example_inputs)
     loss = out if isinstance(out, torch.Tensor) else out.loss
@@ -91,3 +95,44 @@ def test_what_is_not_cached_says_why(monkeypatch, tmp_path):
     opt, _, _ = optimized_step(["fuse"], verify="numerics")
     assert opt.report.sections["cache"] == "off: verify='numerics' checks every pass as it runs"
     assert not list(tmp_path.iterdir())
+
+
+def test_a_hugging_face_model_is_cached_and_trains_alike(monkeypatch, tmp_path):
+    pytest.importorskip("transformers")
+    captures = use_cache(monkeypatch, tmp_path)
+    first, loss, grads = optimized_step(["fuse"], model="hf-llama-tiny")
+    assert first.report.sections["cache"].startswith("miss; saved to "), first.report.sections["cache"]
+    second, cached_loss, cached_grads = optimized_step(["fuse"], model="hf-llama-tiny")
+    assert second.report.sections["cache"].startswith("hit") and len(captures) == 1
+    torch.testing.assert_close(cached_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(cached_grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_save_that_fails_half_way_leaves_no_partial_file(monkeypatch, tmp_path):
+    use_cache(monkeypatch, tmp_path)
+
+    save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        if not str(path).endswith(".tmp"):  # torch's own files
+            return save(obj, path, *args, **kwargs)
+        open(path, "wb").write(b"half an entry")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(cache.torch, "save", disk_full)
+    opt, _, _ = optimized_step(["fuse"])
+    assert opt.report.sections["cache"] == "miss; not saved: OSError: No space left on device"
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.suffix in (".pt", ".tmp")) == []
+
+
+def test_opening_the_cache_removes_partial_files_whose_writer_died(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid now names no process
+    left = tmp_path / f"{'a' * 32}.{dead.pid}.tmp"
+    writing = tmp_path / f"{'b' * 32}.{os.getpid()}.tmp"  # a save in progress, by a process that runs
+    entry = tmp_path / f"{'c' * 32}.pt"
+    for path in (left, writing, entry):
+        path.write_bytes(b"x")
+    GraphCache(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, entry.name])

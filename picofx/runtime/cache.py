@@ -40,7 +40,7 @@ from picofx.manager.progress import Progress
 from picofx.rewrite import registered_rules
 from picofx.capture.vocabulary import SIGNATURE_META
 
-FORMAT = 2  # bump when an entry's layout changes: older entries are then ignored and rewritten
+FORMAT = 3  # bump when an entry's layout changes: older entries are then ignored and rewritten
 VOLATILE_META = ("val", "flops", "bytes", "tensor_meta", "example_value", "unbacked_bindings")
 
 
@@ -194,7 +194,9 @@ def dump_graph(gm: fx.GraphModule) -> dict:
     with warnings.catch_warnings():  # pickling a pytree spec's leaves trips torch's LeafSpec deprecation
         warnings.filterwarnings("ignore", category=FutureWarning)
         codegen = pickle.dumps(gm.graph._codegen)
-    return {"nodes": nodes, "tensors": tensors, "codegen": codegen}
+    # the nodes go as pickle's bytes: torch.save's pickler refuses some of their arguments
+    # (a torch.memory_format, as a clone in Hugging Face's attention has), which pickle takes
+    return {"nodes": pickle.dumps(nodes), "tensors": tensors, "codegen": codegen}
 
 
 def load_graph(data: dict) -> fx.GraphModule:
@@ -205,7 +207,7 @@ def load_graph(data: dict) -> fx.GraphModule:
     root = nn.Module()
     for name, tensor in data["tensors"].items():
         root.register_buffer(name, tensor)
-    add_nodes(graph, data["nodes"])
+    add_nodes(graph, _unpickled(data["nodes"]))
     return fx.GraphModule(root, graph)
 
 
@@ -262,10 +264,21 @@ def default_directory() -> Path:
 
 class GraphCache:
     """Entries as files `<key>.pt` in `directory`. Unreadable, stale or mismatched entries are
-    ignored (and rewritten by the run that ignored them)."""
+    ignored (and rewritten by the run that ignored them). A save writes `<key>.<pid>.tmp` first;
+    one left by a process that died while writing is removed when the cache is next opened."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        self.remove_partial_files()
+
+    def remove_partial_files(self) -> None:
+        """Delete the `<key>.<pid>.tmp` files whose writer no longer runs on this machine."""
+        if os.name != "posix":  # os.kill(pid, 0) asks whether a process runs only on POSIX
+            return
+        for partial in self.directory.glob("*.*.tmp"):
+            pid = partial.name.split(".")[1]
+            if pid.isdigit() and not _running(int(pid)):
+                partial.unlink(missing_ok=True)
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.pt"
@@ -299,13 +312,26 @@ class GraphCache:
                          "records": pickle.dumps(records), "joint": joint.to_data()}
             self.directory.mkdir(parents=True, exist_ok=True)
             partial = self.path(key).with_suffix(f".{os.getpid()}.tmp")
-            torch.save(entry, partial)
-            os.replace(partial, self.path(key))  # readers never see half a file
+            try:
+                torch.save(entry, partial)
+                os.replace(partial, self.path(key))  # readers never see half a file
+            finally:
+                partial.unlink(missing_ok=True)  # a save that failed half way leaves nothing behind
         except NotCacheable as e:
             return f"not saved: {e}"
         except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
             return f"not saved: {type(e).__name__}: {e}"
         return f"saved to {self.path(key)}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _unpickled(data: bytes):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from picofx.cost.comm import send_seconds
 from picofx.cost.device import Link
 from picofx.cost.units import format_bytes
 
@@ -105,7 +106,7 @@ def stage_cost(units: list[Unit], index: int, lo: int, hi: int, *, ranks: int, s
     chunk = units[lo:hi]
     comm = 0.0
     for edge in ([lo - 1] if lo > 0 else []) + ([hi - 1] if hi < len(units) else []):
-        comm += 2 * (units[edge].boundary_bytes / link.bandwidth + link.latency)  # activation, then gradient
+        comm += 2 * send_seconds(units[edge].boundary_bytes, link)  # activation, then gradient
     params = sum(u.parameter_bytes for u in chunk)
     rank = index % ranks
     return StageCost(index=index, rank=rank, units=range(lo, hi), compute=sum(u.time for u in chunk),

@@ -1,4 +1,15 @@
-"""Communication cost: ring all-reduce time on a link, and gradient buckets planned to hide it.
+"""Communication cost: what each collective puts on the wire and how long it takes on a link, and
+gradient buckets planned to hide the all-reduces behind the backward.
+
+The collectives are timed as rings (NCCL's and gloo's large-message algorithm). Over n ranks, for
+a tensor of `nbytes` (all-reduce, all-to-all and reduce-scatter: each rank's input; all-gather:
+the gathered result), each rank sends
+    all-reduce       2(n-1)/n x nbytes in 2(n-1) steps (a reduce-scatter, then an all-gather)
+    reduce-scatter   (n-1)/n x nbytes in n-1 steps
+    all-gather       (n-1)/n x nbytes in n-1 steps
+    all-to-all       (n-1)/n x nbytes in n-1 steps (one chunk to each other rank)
+    send             nbytes in one step (point to point)
+and each step pays the link's latency once.
 
 A data-parallel backward produces gradients one after another; each bucket of gradients is
 all-reduced once its last gradient exists, while the rest of the backward still computes. The
@@ -12,13 +23,62 @@ from dataclasses import dataclass
 from picofx.cost.device import Device, Link
 
 
-def ring_all_reduce_seconds(nbytes: int, world: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes` per rank over `world` ranks: 2(n-1) steps (reduce-scatter, then
-    all-gather), each moving nbytes/n over the link and paying its latency once."""
+def all_reduce_steps(world: int) -> int:
+    return 2 * (world - 1)
+
+
+def all_reduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends all-reducing `nbytes`."""
+    return all_reduce_steps(world) * nbytes // world if world > 1 else 0
+
+
+def reduce_scatter_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends reduce-scattering its `nbytes` (keeping 1/world of the sum)."""
+    return (world - 1) * nbytes // world if world > 1 else 0
+
+
+def all_gather_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends gathering `nbytes` in all (world pieces, one its own)."""
+    return (world - 1) * nbytes // world if world > 1 else 0
+
+
+def all_to_all_bytes(nbytes: int, world: int) -> int:
+    """Bytes each rank sends of its `nbytes` cut in world chunks, one to each rank (its own stays)."""
+    return (world - 1) * nbytes // world if world > 1 else 0
+
+
+def ring_seconds(nbytes: float, world: int, steps: int, link: Link) -> float:
+    """`steps` ring steps, each moving nbytes/world over the link and paying its latency once."""
     if world <= 1 or nbytes == 0:
         return 0.0
-    steps = 2 * (world - 1)
     return steps / world * nbytes / link.bandwidth + steps * link.latency
+
+
+def all_reduce_seconds(nbytes: float, world: int, link: Link) -> float:
+    return ring_seconds(nbytes, world, all_reduce_steps(world), link)
+
+
+def reduce_scatter_seconds(nbytes: float, world: int, link: Link) -> float:
+    return ring_seconds(nbytes, world, world - 1, link)
+
+
+def all_gather_seconds(nbytes: float, world: int, link: Link) -> float:
+    return ring_seconds(nbytes, world, world - 1, link)
+
+
+def all_to_all_seconds(nbytes: float, world: int, link: Link) -> float:
+    return ring_seconds(nbytes, world, world - 1, link)
+
+
+def send_seconds(nbytes: float, link: Link) -> float:
+    """One message of `nbytes` from one rank to another."""
+    return nbytes / link.bandwidth + link.latency
+
+
+def all_reduce_size_sending(sent: float, world: int) -> float:
+    """The all-reduce that puts `sent` bytes per rank on the wire (what a compressed exchange
+    sending `sent` bytes is timed as)."""
+    return sent * world / all_reduce_steps(world) if world > 1 else sent
 
 
 def link_for(device: Device, world: int, ranks_per_node: int = 8) -> Link:
@@ -79,7 +139,7 @@ def schedule(grads: list[Gradient], bounds: list[int], backward_seconds: float, 
         nbytes = sum(g.nbytes for g in grads[first:last + 1])
         issue = grads[last].ready
         start = max(issue, link_free)
-        seconds = ring_all_reduce_seconds(nbytes, world, link)
+        seconds = all_reduce_seconds(nbytes, world, link)
         link_free = start + seconds
         exposed = max(0.0, link_free - max(backward_seconds, start))
         buckets.append(Bucket(first, last, nbytes, issue, start, seconds, exposed))
@@ -113,12 +173,12 @@ def plan_buckets(grads: list[Gradient], backward_seconds: float, world: int, lin
     prefix = [0]
     for g in grads:
         prefix.append(prefix[-1] + g.nbytes)
-    finish = {head: grads[head].ready + ring_all_reduce_seconds(prefix[head + 1], world, link)}
+    finish = {head: grads[head].ready + all_reduce_seconds(prefix[head + 1], world, link)}
     came_from = {head: None}
     for j in range(head + 1, n):
         best, arg = float("inf"), None
         for i in range(head, j):
-            t = max(finish[i], grads[j].ready) + ring_all_reduce_seconds(prefix[j + 1] - prefix[i + 1], world, link)
+            t = max(finish[i], grads[j].ready) + all_reduce_seconds(prefix[j + 1] - prefix[i + 1], world, link)
             if t < best:
                 best, arg = t, i
         finish[j], came_from[j] = best, arg

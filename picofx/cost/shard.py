@@ -15,20 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from picofx.cost.comm import all_gather_seconds, reduce_scatter_seconds
 from picofx.cost.device import Link
 from picofx.cost.units import format_bytes
 
 ADAMW_STATE_BYTES = 16  # fp32 parameter, gradient and two moments
-
-
-def ring_all_gather_seconds(nbytes: int, world: int, link: Link) -> float:
-    """Ring all-gather of a tensor of `nbytes` in all (each rank holds nbytes/world): world-1 steps."""
-    if world <= 1 or nbytes == 0:
-        return 0.0
-    return (world - 1) / world * nbytes / link.bandwidth + (world - 1) * link.latency
-
-
-ring_reduce_scatter_seconds = ring_all_gather_seconds  # the same steps, summing on the way
 
 
 @dataclass(frozen=True)
@@ -97,8 +88,8 @@ def predict_sharded(layers: list[Layer], activation_bytes: int, world: int, link
                     reshard_after_forward: bool = True, gather_bytes_per_parameter: int = 4,
                     reduce_bytes_per_parameter: int = 4) -> ShardPrediction:
     """Memory and step time of one rank when `layers` (in forward order) are sharded over `world`."""
-    gather = [ring_all_gather_seconds(layer.parameters * gather_bytes_per_parameter, world, link) for layer in layers]
-    reduce = [ring_reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link)
+    gather = [all_gather_seconds(layer.parameters * gather_bytes_per_parameter, world, link) for layer in layers]
+    reduce = [reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link)
               for layer in layers]
     forward = overlapped([layer.forward_s for layer in layers], gather, [0.0] * len(layers), prefetch)
     backward_gathers = gather[::-1] if reshard_after_forward else [0.0] * len(layers)

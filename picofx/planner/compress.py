@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from picofx.cost.comm import ring_all_reduce_seconds
+from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending
 
 DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
 LOSSY = ("topk", "powersgd")
@@ -101,8 +101,7 @@ def exchange(config, layout, tokens: int, device, link) -> Exchange:
     shapes = others if rows == "rows" else [table, *others]
     wire = spec.other.wire_bytes(shapes, FP32, world) + (rows_bytes if rows == "rows" else 0)
     fp32 = dense.wire_bytes([table, *others], FP32, world)
-    # the all-reduce that takes as long as `wire` bytes sent: its ring sends 2(n-1)/n of what it reduces
-    link_s = ring_all_reduce_seconds(wire * world / (2 * (world - 1)), world, link) if world > 1 else 0.0
+    link_s = all_reduce_seconds(all_reduce_size_sending(wire, world), world, link)
     traffic = TRAFFIC_PER_ELEMENT[family(spec.other.label)] * sum(math.prod(s) for s in shapes)
     if rows == "rows":  # a zero table, every rank's rows added into it
         traffic += table_numel * FP32 + world * tokens * (2 * table[1] * FP32 + 4)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from picofx.cost.comm import ring_all_reduce_seconds
+from picofx.cost.comm import all_reduce_seconds, send_seconds
 from picofx.cost.device import Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange
@@ -110,10 +110,10 @@ def predict(run: Run, layout: Layout) -> Prediction:
     tp_comm = 0.0
     if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
         activations_all_reduced = 4 * stage_layers + (2 if pp == 1 else 1)
-        tp_comm = activations_all_reduced * ring_all_reduce_seconds(activation_bytes, tp, run.link(tp)) + \
-            3 * ring_all_reduce_seconds(b * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
+        tp_comm = activations_all_reduced * all_reduce_seconds(activation_bytes, tp, run.link(tp)) + \
+            3 * all_reduce_seconds(b * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
     neighbours = run.link(2 * layout.dp * tp)  # the next stage's rank is dp x tp ranks away
-    sends = 2 * (neighbours.latency + activation_bytes / neighbours.bandwidth) if pp > 1 else 0.0
+    sends = 2 * send_seconds(activation_bytes, neighbours) if pp > 1 else 0.0
     micro = fw + bw + recompute + tp_comm + sends
     slots = layout.microbatches + pp - 1
     compute_step = slots * micro

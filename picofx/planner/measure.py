@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from picofx.cost.comm import all_reduce_steps
 from picofx.cost.device import Device, cpu
 from picofx.parallel.mesh import resolve_dim
 from picofx.parallel.launch import run_ranks
@@ -187,7 +188,7 @@ def busy_latency(world: int, iterations: int = 20) -> float:
         seconds.append(time.perf_counter() - start)
     cost = torch.tensor([max(0.0, seconds[1] - seconds[0]) / iterations], dtype=torch.float64)
     dist.all_reduce(cost, op=dist.ReduceOp.MAX)
-    return cost.item() / (2 * (world - 1))
+    return cost.item() / all_reduce_steps(world)
 
 
 def link_rates(world: int) -> dict:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from torch import fx
 
 from picofx.cost.balance import in_flight
-from picofx.cost.comm import link_for, ring_all_reduce_seconds
+from picofx.cost.comm import (all_gather_seconds, all_reduce_seconds, all_to_all_seconds, link_for,
+                              reduce_scatter_seconds)
 from picofx.cost.model import BACKWARD_PER_FORWARD, CostModel
 from picofx.cost.liveness import tensor_values
-from picofx.cost.shard import ring_all_gather_seconds
 from picofx.parallel.layouts import recorded
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
@@ -33,10 +33,12 @@ def value_bytes(node) -> int:
 
 def collective_seconds(node: fx.Node, kind: str, world: int, link) -> float:
     if kind == "all_reduce":
-        return ring_all_reduce_seconds(value_bytes(node.args[0]), world, link)
+        return all_reduce_seconds(value_bytes(node.args[0]), world, link)
     if kind.startswith("all_gather"):
-        return ring_all_gather_seconds(value_bytes(node), world, link)
-    return ring_all_gather_seconds(value_bytes(node.args[0]), world, link)  # reduce-scatter: the same steps
+        return all_gather_seconds(value_bytes(node), world, link)
+    if kind.startswith("all_to_all"):
+        return all_to_all_seconds(value_bytes(node.args[0]), world, link)
+    return reduce_scatter_seconds(value_bytes(node.args[0]), world, link)
 
 
 def layout_world(graphs: dict) -> int:

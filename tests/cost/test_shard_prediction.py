@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from picofx.cost.device import Link
-from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, overlapped, predict_sharded, ring_all_gather_seconds
+from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, overlapped, predict_sharded
 
 LINK = Link("test link", bandwidth=1e9, latency=0.0)
 
@@ -16,11 +16,6 @@ def test_collectives_hide_behind_longer_compute_except_the_first_gather_and_the_
     assert overlapped([0.1] * 4, [1.0] * 4, [0.0] * 4, prefetch=1) == pytest.approx(4.1)
     # without prefetch a layer's gather waits for the previous layer's compute
     assert overlapped([1.0] * 3, [0.5] * 3, [0.0] * 3, prefetch=0) > overlapped([1.0] * 3, [0.5] * 3, [0.0] * 3, 1)
-
-
-def test_ring_all_gather_moves_all_but_the_own_share():
-    assert ring_all_gather_seconds(8e9, 8, LINK) == pytest.approx(7.0)
-    assert ring_all_gather_seconds(8e9, 1, LINK) == 0.0
 
 
 def test_sharded_state_is_sixteen_bytes_per_parameter_over_the_ranks():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import picofx
-from picofx.cost.comm import Gradient, fixed_bounds, plan_buckets, ring_all_reduce_seconds
+from picofx.cost.comm import Gradient, all_reduce_seconds, fixed_bounds, plan_buckets
 from picofx.cost.device import H100, Link
 from picofx.models import zoo
 from picofx.passes import Overlap
@@ -183,12 +183,12 @@ def test_bucket_plans():
     grads = [Gradient(f"g{i}", 4 << 20, ready=0.01 * (i + 1)) for i in range(10)]  # 4 MiB every 10 ms
     assert fixed_bounds(grads, 10 << 20, 1 << 20) == [0, 3, 6, 9]
     plan = plan_buckets(grads, 0.1, 8, link, 1 << 20)
-    one = ring_all_reduce_seconds(4 << 20, 8, link)
+    one = all_reduce_seconds(4 << 20, 8, link)
     assert one == pytest.approx(14 / 8 * (4 << 20) / 1e9 + 14 * 1e-5)
-    assert plan.buckets[0].last == 0 and plan.exposed_seconds < ring_all_reduce_seconds(40 << 20, 8, link)
+    assert plan.buckets[0].last == 0 and plan.exposed_seconds < all_reduce_seconds(40 << 20, 8, link)
     assert sum(b.nbytes for b in plan.buckets) == 40 << 20
     # NVLink vs InfiniBand: eight ranks in a node, sixty-four across nodes
-    assert ring_all_reduce_seconds(1 << 30, 64, H100.inter_node_link) > ring_all_reduce_seconds(1 << 30, 8, H100.intra_node_link)
+    assert all_reduce_seconds(1 << 30, 64, H100.inter_node_link) > all_reduce_seconds(1 << 30, 8, H100.intra_node_link)
 
 
 def test_options_are_checked():

@@ -60,6 +60,15 @@ def test_console_script_is_installed(tmp_path):
     assert "aten.gelu.default" in result.stdout and "compile (eager)" in result.stdout
 
 
+def test_dump_of_a_communicating_pass_on_one_process_prints_nothing_on_stderr(tmp_path):
+    """overlap's all-reduces run on a one-rank group; the report's memory prediction must not run
+    one of them for real (torch then warns at exit of a collective never waited for)."""
+    result = subprocess.run([sys.executable, "-m", "picofx", "dump", "llama-tiny", "--passes", "overlap",
+                             "--html", str(tmp_path / "report.html")], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+    assert "all_reduce" in result.stdout and (tmp_path / "report.html").is_file()
+
+
 def test_version_comes_from_the_installed_package(capsys):
     import importlib.metadata
 

@@ -27,9 +27,16 @@ _cache: dict[tuple, int] = {}
 
 def _allocates_scratch(node: fx.Node, attention: bool) -> bool:
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, torch._ops.OpOverload) or _communicates(target):
         return False
     return target.namespace not in ("aten", "prims") or (attention and target.name().startswith("aten::_scaled_dot_product"))
+
+
+def _communicates(op: torch._ops.OpOverload) -> bool:
+    """A collective, or an op that runs one (it names a process group): run here, on one rank
+    alone, it would wait for peers that never join it, or leave its work unwaited at exit."""
+    return op.namespace.startswith(("_c10d", "c10d")) or any(
+        a.name in ("group", "group_name") for a in op._schema.arguments)
 
 
 def _real(value):

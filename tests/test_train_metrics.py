@@ -1,8 +1,14 @@
-"""MFU and FLOPs per token of examples/train_llama.py, for one process, data parallel and pipelined
-runs: the whole model's FLOPs over the peak of every rank."""
+"""MFU and FLOPs per token of picofx train, for one process, data-parallel, tensor-parallel and
+pipelined runs: the whole model's FLOPs over the peak of every rank, a CPU's peak measured."""
 import pytest
+import torch
 
-from picofx.cli.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
+import picofx
+from picofx.cli import train_metrics
+from picofx.cli.train_args import parse_args
+from picofx.cli.train_metrics import (Layout, Peak, captured_flops_per_token, model_flops_utilization,
+                                      oversubscribed, palm_flops_per_token, rank_peak, throughput)
+from picofx.models import zoo
 
 FLOPS_PER_TOKEN = 0.95e6
 PEAK = 80e9
@@ -16,7 +22,8 @@ def reference_mfu(layout: Layout, replica_batch_tokens: int, step_seconds: float
     return done / possible
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2), Layout(pp=2), Layout(dp=2, pp=2), Layout(dp=3, pp=4)])
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=2), Layout(pp=2), Layout(dp=2, pp=2), Layout(dp=3, pp=4),
+                                    Layout(tp=2), Layout(dp=2, tp=2), Layout(dp=2, tp=2, pp=2)])
 def test_mfu_is_the_whole_runs_flops_over_every_ranks_peak(layout):
     tokens, seconds = 8 * 128, 0.37
     mfu = model_flops_utilization(FLOPS_PER_TOKEN, tokens / seconds, PEAK, layout)
@@ -39,3 +46,45 @@ def test_captured_flops_are_summed_over_the_stages_and_counted_once_per_replica(
     replicated = Layout(dp=2, pp=2)  # the all-reduce sums both replicas' copies of each stage
     assert captured_flops_per_token(stage_flops[1], micro_tokens, replicated, total=lambda _: 16.0e9) == whole
     assert captured_flops_per_token(8.0e9, 4 * 128, Layout(dp=2)) == 8.0e9 / (4 * 128)
+
+
+@pytest.mark.parametrize("argv, world", [([], 2), (["--pp", "2"], 4), (["--tp", "2"], 2), (["--tp", "2", "--shard"], 4),
+                                         (["--tp", "2", "--pp", "2"], 4), (["--tp", "2", "--pp", "2", "--shard"], 8)])
+def test_the_layout_of_a_launch_counts_every_rank_it_uses(argv, world):
+    args = parse_args(argv, environ={"RANK": "0", "WORLD_SIZE": str(world)})
+    assert Layout.of(args).ranks == world
+
+
+def test_mfu_under_tensor_parallelism_divides_by_every_ranks_peak():
+    """Two tensor-parallel ranks run one batch: the model's FLOPs at the replica's tokens/s over
+    twice one rank's (here fake) peak."""
+    z = zoo.build("llama-tiny", batch=2, seq=16)
+    opt = picofx.optimize(z.model, z.example_inputs, [], backend="eager", loss_fn=z.loss_fn)
+    peak = Peak(1e9, torch.float32, "measured", "a fake")
+    layout = Layout(tp=2)
+    measured = throughput(z.model, opt, 1000.0, seq=16, tokens_per_call=32, device="cpu", layout=layout,
+                          total=lambda x: 2 * x, peak=lambda *_: peak)
+    assert measured.mfu == palm_flops_per_token(z.model, 16) * 1000.0 / (2 * 1e9)
+    assert "MFU" in measured.line(layout) and "1 GFLOP/s per rank x 2 ranks (a fake)" in measured.line(layout)
+
+
+def test_a_cpu_peak_is_measured_at_the_steps_dtype_and_averaged_over_the_ranks(monkeypatch):
+    asked = []
+    monkeypatch.setattr(train_metrics, "matmul_flops", lambda dtype, device, **_: asked.append(dtype) or 50e9)
+    peak = rank_peak("cpu", torch.bfloat16, Layout(dp=2), total=lambda x: x + 30e9)  # the other rank: 30e9
+    assert asked == [torch.bfloat16] and peak.flops == 40e9 and peak.kind == "measured"
+    assert rank_peak("cpu", torch.float32, Layout()).flops == 50e9  # one process: no collective
+
+
+def test_the_matmul_benchmark_measures_at_the_threads_torch_uses():
+    assert 1e6 < train_metrics.matmul_flops(torch.float32, "cpu", size=64, repeats=1) < 1e14
+
+
+@pytest.mark.parametrize("ranks, threads, cores, warned", [(2, 2, 2, True), (2, 1, 2, False), (1, 4, 2, True),
+                                                           (1, 2, 2, False), (4, 1, 2, True)])
+def test_more_threads_than_cores_is_said(ranks, threads, cores, warned):
+    warning = oversubscribed(ranks, threads, cores)
+    assert (warning is not None) == warned
+    if warned:
+        fix = f"OMP_NUM_THREADS={cores // ranks}" if ranks <= cores else f"at most {cores} ranks"
+        assert f"than the {cores} cores" in warning and fix in warning

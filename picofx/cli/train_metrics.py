@@ -1,9 +1,11 @@
 """picofx train's throughput arithmetic: FLOPs per token and MFU for every layout.
 
 MFU = the whole model's FLOPs per token x the tokens per second of the whole run (every replica)
-/ (the peak FLOP/s of one rank x the number of ranks). A pipeline's ranks share one batch, so
-the run's tokens/s is one pipeline's tokens/s times the data-parallel replicas; the FLOPs per
-token stay the whole model's, whatever part of it a rank holds.
+/ (the peak FLOP/s of one rank x every rank the run uses: dp x tp x pp). A pipeline's stages and
+a replica's tensor-parallel ranks share one batch, so the run's tokens/s is one replica's tokens/s
+times the data-parallel replicas; the FLOPs per token stay the whole model's, whatever part of it
+a rank holds. The peak is measured on a CPU (a matmul at the step's dtype, on the threads each
+rank runs with, every rank at once) and a GPU's datasheet figure.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picofx.cost.device import device_for
+from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -20,12 +22,18 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 @dataclass(frozen=True)
 class Layout:
-    dp: int = 1  # data-parallel replicas, each on its own batch
+    dp: int = 1  # data-parallel replicas (sharded or not), each on its own batch
+    tp: int = 1  # tensor-parallel ranks, one batch split over them
     pp: int = 1  # pipeline stages, one batch through all of them
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def of(cls, args) -> Layout:
+        """picofx train's layout, from its resolved options."""
+        return cls(dp=args.dp, tp=args.tp, pp=args.pp)
 
 
 def run_tokens_per_s(replica_tokens_per_s: float, layout: Layout) -> float:
@@ -65,10 +73,51 @@ def captured_graphs(opt_model) -> list:
 def captured_flops_per_token(rank_flops: float, tokens_per_call: int, layout: Layout, total=None) -> float:
     """The whole model's FLOPs per token as the captured graphs hold them. `rank_flops`: one call of
     this rank's graphs (its stages on one micro-batch of `tokens_per_call` tokens under a pipeline);
-    `total(x)` sums x over all ranks (an all-reduce) where the model is split over them."""
-    if layout.pp == 1:
+    `total(x)` sums x over all ranks (an all-reduce) where the model is split over them (a
+    tensor-parallel rank's graphs hold its piece of each matmul, and the norms whole)."""
+    if layout.pp == 1 and layout.tp == 1:
         return rank_flops / tokens_per_call
     return total(rank_flops) / layout.dp / tokens_per_call
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The FLOP/s of one rank that MFU divides by, and where the figure comes from."""
+
+    flops: float
+    dtype: torch.dtype
+    kind: str  # "measured" (a CPU's), "datasheet" (a GPU's) or "nominal"
+    how: str   # what was measured, or the device the figure is for
+
+
+MATMUL = 1024  # the measured matmul's size: 2 GFLOP, a few tens of ms on one core
+
+
+def rank_peak(device: str, dtype: torch.dtype, layout: Layout, total=None) -> Peak:
+    """One rank's peak in `dtype`: a GPU's datasheet figure; on a CPU, what a matmul reaches on the
+    threads the run uses, measured on every rank at once (they share the machine as the run did)
+    and averaged, so every rank must call it."""
+    if torch.device(device).type == "cuda":
+        spec = device_for(device)
+        return Peak(spec.flops_per_second(dtype), dtype, spec.source, spec.name)
+    flops = matmul_flops(dtype, device, size=MATMUL, repeats=3)
+    if layout.ranks > 1:
+        flops = total(flops) / layout.ranks
+    threads = torch.get_num_threads()
+    per_rank = " per rank, every rank at once" if layout.ranks > 1 else ""
+    return Peak(flops, dtype, "measured", f"a {MATMUL} x {MATMUL} matmul on {threads} thread"
+                                          f"{'s' if threads > 1 else ''}{per_rank}")
+
+
+def oversubscribed(local_ranks: int, threads: int, cores: int | None = None) -> str | None:
+    """A warning when the ranks on this machine run more threads than it has cores, else None."""
+    cores = cores or available_cores()
+    if local_ranks * threads <= cores:
+        return None
+    ranks = f"{local_ranks} ranks x {threads} threads" if local_ranks > 1 else f"{threads} threads"
+    fix = f"set OMP_NUM_THREADS={cores // local_ranks}" if local_ranks <= cores else f"run at most {cores} ranks here"
+    return (f"{ranks} is more than the {cores} cores this machine gives the run: the threads take turns and "
+            f"every step slows, many times over on a busy machine; {fix}")
 
 
 @dataclass(frozen=True)
@@ -76,30 +125,27 @@ class Throughput:
     mfu: float                    # a fraction of the ranks' peak
     palm_flops_per_token: float   # 6N + 12LHT, the whole model's
     graph_flops_per_token: float  # what the captured graphs of every rank hold, the whole model's
-    peak: float                   # FLOP/s of one rank in `dtype`
-    dtype: torch.dtype
-    device_name: str
-    source: str
+    peak: Peak                    # of one rank
 
     def line(self, layout: Layout) -> str:
-        ranks = f"{layout.ranks} ranks' " if layout.ranks > 1 else "its "
-        return (f"MFU {100 * self.mfu:.3g}% of {ranks}{DTYPE_NAMES.get(self.dtype, str(self.dtype))} peak on "
-                f"{self.device_name} ({self.peak / 1e9:,.0f} GFLOP/s{' each' if layout.ranks > 1 else ''}, "
-                f"{self.source}); {self.palm_flops_per_token / 1e6:.2f} MFLOP/token by 6N+12LHT, "
-                f"{self.graph_flops_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
+        ranks = f" per rank x {layout.ranks} ranks" if layout.ranks > 1 else ""
+        dtype = DTYPE_NAMES.get(self.peak.dtype, str(self.peak.dtype))
+        return (f"MFU {100 * self.mfu:.3g}% of the {self.peak.kind} {dtype} peak, {self.peak.flops / 1e9:,.0f} "
+                f"GFLOP/s{ranks} ({self.peak.how}); {self.palm_flops_per_token / 1e6:.2f} MFLOP/token by "
+                f"6N+12LHT, {self.graph_flops_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
 
 
 def throughput(model, opt_model, replica_tokens_per_s: float, *, seq: int, tokens_per_call: int, device: str,
-               layout: Layout, total=None) -> Throughput:
+               layout: Layout, total=None, peak=rank_peak) -> Throughput:
     """MFU against the peak, on every rank, of the dtype the step computes in; the FLOPs per token by
-    the PaLM convention and as the captured graphs hold them."""
+    the PaLM convention and as the captured graphs hold them. Every rank calls it (`total`, the
+    sum over the ranks, is a collective). `peak(device, dtype, layout, total)`: one rank's Peak."""
     graphs = captured_graphs(opt_model)
-    spec = device_for(device)
     dtype = step_dtype(graphs)
-    peak = spec.flops_per_second(dtype)
     palm = palm_flops_per_token(model, seq)
-    cost = CostModel(spec)
+    cost = CostModel(device_for(device))
     graph_per_token = captured_flops_per_token(sum(cost.graph_flops(g) for g in graphs), tokens_per_call,
                                                layout, total)
-    mfu = model_flops_utilization(palm, replica_tokens_per_s, peak, layout)
-    return Throughput(mfu, palm, graph_per_token, peak, dtype, spec.name, spec.source)
+    rank = peak(device, dtype, layout, total)
+    mfu = model_flops_utilization(palm, replica_tokens_per_s, rank.flops, layout)
+    return Throughput(mfu, palm, graph_per_token, rank)

@@ -8,6 +8,7 @@ measures on the machine at hand, which is what the CPU entry needs before it is 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -104,6 +105,14 @@ def cpu(cores: int | None = None) -> Device:
                   link_source="nominal: calibrate(..., group=...) measures it")
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 # GPU entries by a word of the name CUDA reports ("NVIDIA H100 80GB HBM3" -> "h100"); add your own.
 DEVICES = {"h100": H100, "h200": H200, "a100": A100}
 
@@ -137,12 +146,7 @@ def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.fl
     if group is not None:
         base = dataclasses.replace(base, **calibrate_link(group, device, repeats=repeats))
     device = torch.device(device)
-    flops = dict(base.peak_flops)
-    for dtype in dtypes:
-        a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
-        b = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
-        seconds = _best_time(lambda a=a, b=b: torch.mm(a, b), device, repeats)
-        flops[dtype] = 2 * matmul_size**3 / seconds
+    flops = {**base.peak_flops, **{dtype: matmul_flops(dtype, device, matmul_size, repeats) for dtype in dtypes}}
     src = torch.empty(copy_bytes // 4, device=device)
     dst = torch.empty_like(src)
     seconds = _best_time(lambda: dst.copy_(src), device, repeats)
@@ -151,6 +155,16 @@ def calibrate(base: Device, device: torch.device | str = "cpu", dtypes=(torch.fl
     overhead = _best_time(lambda: [torch.add(one, one) for _ in range(100)], device, repeats) / 100
     return dataclasses.replace(base, name=f"{base.name}, calibrated", peak_flops=flops,
                                memory_bandwidth=bandwidth, op_overhead=overhead, source="measured")
+
+
+def matmul_flops(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", size: int = 1024,
+                 repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul (2 n^3 FLOPs) in `dtype` on `device`, the best of `repeats` runs,
+    at the threads torch uses now."""
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size**3 / _best_time(lambda: torch.mm(a, b), device, repeats)
 
 
 def calibrate_link(group, device: torch.device | str = "cpu", large_bytes: int = 16 * 2**20, repeats: int = 5) -> dict:

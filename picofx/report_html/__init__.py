@@ -1,13 +1,14 @@
 """One self-contained HTML page (inline SVG and CSS, nothing loaded) of what picofx did and predicts:
 the passes, memory over the step, compute and communication per rank, the pipeline schedule, the
 planner's plans, and a training run's loss. `Report.to_html`, `picofx dump|plan --html` and
-`examples/train_llama.py --report` write it."""
+`picofx train --report` write it."""
 from __future__ import annotations
 
 from torch import fx
 
 from picofx.parallel.layouts import recorded
 from picofx.report_html import data, sections
+from picofx.report_html.plans import plans_section
 from picofx.report_html.page import page
 
 
@@ -47,9 +48,10 @@ def render(report=None, *, graphs: dict | list | None = None, pipeline=None, pla
            cost_model=None, title: str = "picofx report", subtitle: str = "") -> str:
     """The page's HTML. `report`: a Report's to_dict() as Report.to_html gives it; `graphs`: the step's graphs
     ({"forward", "backward", ...}, or a list of pipeline stage graphs); `pipeline`: a PipelineLayout
-    (found on the graphs where not given); `plans`: `picofx plan --json`'s dict; `losses`: per step (or {run name: per step});
-    `measured_peak`: bytes (else a pass's "measured_peak"); `world`: ranks the timeline predicts
-    for (else the layouts' own)."""
+    (found on the graphs where not given); `plans`: `picofx plan --json`'s dict (or its "plans" as planner
+    Predictions); `losses`: per step (or {run name: per step}); `measured_peak`: bytes (else a pass's
+    "measured_peak"); `world`: ranks the timeline predicts for (else the ranks the layouts were made
+    for; one rank: the page says there is no communication)."""
     graphs = dict(enumerate(graphs)) if isinstance(graphs, list) else dict(graphs or {})
     as_dict = report or {}
     layouts, found_pipeline = recorded_layouts(graphs)
@@ -61,7 +63,7 @@ def render(report=None, *, graphs: dict | list | None = None, pipeline=None, pla
              sections.memory_section(data.memory_curve(graphs, cost_model), measured_peak),
              sections.timeline_section(data.comm_timeline(graphs, world, cost_model)),
              sections.pipeline_section(data.pipeline_schedule(pipeline or found_pipeline)),
-             sections.plans_section(plans),
+             plans_section(plans),
              sections.loss_section(losses)]
     return page(title, subtitle, parts)
 

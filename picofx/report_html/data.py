@@ -13,7 +13,6 @@ from picofx.cost.liveness import tensor_values
 from picofx.parallel.layouts import recorded
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-ASSUMED_WORLD = 8  # ranks a one-rank run's timeline is predicted for: one node
 BACKWARD_SHARE = BACKWARD_PER_FORWARD / (1 + BACKWARD_PER_FORWARD)  # of a stage's forward + backward time
 
 
@@ -73,18 +72,20 @@ def memory_curve(graphs: dict, cost: CostModel | None = None) -> dict | None:
 
 
 def comm_timeline(graphs: dict, world: int | None = None, cost: CostModel | None = None) -> dict | None:
-    """One rank's step as the cost model predicts it: compute runs in graph order; a collective
-    starts when issued and the link is free; a wait for one not yet finished stalls compute
-    (exposed). Milliseconds. None when the graphs have no collective."""
+    """One rank's step over `world` ranks (else the ranks the graphs' layouts were made for) as the
+    cost model predicts it: compute runs in graph order; a collective starts when issued and the link
+    is free; a wait for one not yet finished stalls compute (exposed). Milliseconds. "payload_bytes":
+    what the collectives carry per rank, sent or not (one rank sends nothing). None when the graphs
+    have no collective."""
     steps = [(phase, n) for phase in ("forward", "backward") if isinstance(graphs.get(phase), fx.GraphModule)
              for n in graphs[phase].graph.nodes if n.op not in ("placeholder", "output")]
-    if not any(collective_kind(n) for _, n in steps):
+    collectives = [n for _, n in steps if collective_kind(n) not in (None, "wait_tensor")]
+    if not collectives:
         return None
     cost = cost or CostModel()
     world = world or layout_world(graphs)
-    assumed = world == 1
-    world = ASSUMED_WORLD if assumed else world
     link = link_for(cost.device, world)
+    payload = sum(value_bytes(n if collective_kind(n).startswith("all_gather") else n.args[0]) for n in collectives)
     compute, comm, exposed = [], [], []
     clock = link_free = 0.0
     finishes: dict[fx.Node, float] = {}
@@ -109,9 +110,9 @@ def comm_timeline(graphs: dict, world: int | None = None, cost: CostModel | None
     if finishes and max(finishes.values()) > clock:  # collectives no wait of these graphs covers
         exposed.append((clock, max(finishes.values()), "after the step's last op"))
     end = max([clock] + [e for _, e, _ in comm])
-    return {"world": world, "assumed": assumed, "link": link.name, "compute": compute, "comm": comm, "exposed": exposed,
+    return {"world": world, "link": link.name, "compute": compute, "comm": comm, "exposed": exposed,
             "step_ms": end, "exposed_ms": sum(e - s for s, e, _ in exposed),
-            "comm_ms": sum(e - s for s, e, _ in comm)}
+            "comm_ms": sum(e - s for s, e, _ in comm), "collectives": len(collectives), "payload_bytes": payload}
 
 
 def pipeline_schedule(layout) -> dict | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from html import escape
 
 from picofx.cost.units import format_bytes
-from picofx.report_html.svg import bars, binary_ticks, gantt, line_chart
+from picofx.report_html.page import RUNS
+from picofx.report_html.svg import binary_ticks, gantt, line_chart
 
 
 def section(anchor: str, title: str, *parts: str) -> str:
@@ -20,6 +21,12 @@ def para(text: str, cls: str = "") -> str:
 def legend(*entries: tuple[str, str]) -> str:
     return '<p class="legend">' + "".join(f'<span class="key {cls}"></span>{escape(text)} ' for cls, text in entries) \
         + "</p>"
+
+
+def drawn(bars_: list[dict], *entries: tuple[str, str]) -> list[tuple[str, str]]:
+    """The legend `entries` whose class some bar is drawn in."""
+    used = {bar["cls"] for bar in bars_}
+    return [entry for entry in entries if entry[0] in used]
 
 
 def ms(value: float) -> str:
@@ -79,6 +86,13 @@ def timeline_section(timeline: dict | None) -> str:
     """`timeline`: data.comm_timeline's."""
     if not timeline:
         return ""
+    if timeline["world"] == 1:
+        return section("timeline", "Compute and communication per rank", para(
+            f"One process: the passes placed {timeline['collectives']} collective"
+            f"{'s' if timeline['collectives'] > 1 else ''}, carrying "
+            f"{format_bytes(timeline['payload_bytes'])} per step, but over one rank they send nothing, so there is "
+            "no communication to predict. Run the step under torchrun (or give Report.to_html world=N) for the "
+            "timeline over its ranks."))
     compute = [{"start": s, "end": e, "cls": "compute", "tip": f"{phase} {ms(e - s)}", "text": phase}
                for s, e, phase in timeline["compute"]]
     compute += [{"start": s, "end": e, "cls": "exposed", "tip": f"exposed {ms(e - s)}: {why}"}
@@ -87,13 +101,12 @@ def timeline_section(timeline: dict | None) -> str:
     chart = gantt([{"label": "rank compute", "bars": compute}, {"label": "rank comm", "bars": comm}],
                   x_label="predicted time (ms)", x_fmt=lambda v: f"{v:.3g}", end=timeline["step_ms"])
     hidden = timeline["comm_ms"] - timeline["exposed_ms"]
-    ranks = f"{timeline['world']} ranks" + (" (assumed: this run has one)" if timeline.get("assumed") else "")
-    text = (f"Each of {ranks} over {timeline['link']}: step {ms(timeline['step_ms'])}, "
+    text = (f"Each of {timeline['world']} ranks over {timeline['link']}: step {ms(timeline['step_ms'])}, "
             f"communication {ms(timeline['comm_ms'])} of which {ms(max(hidden, 0))} hides behind compute and "
             f"{ms(timeline['exposed_ms'])} is exposed (compute waits).")
     return section("timeline", "Compute and communication per rank", para(text),
-                   legend(("compute", "compute"), ("comm", "collective on the link"),
-                          ("exposed", "exposed: compute waits for a collective")), chart)
+                   legend(*drawn(compute + comm, ("compute", "compute"), ("comm", "collective on the link"),
+                                 ("exposed", "exposed: compute waits for a collective"))), chart)
 
 
 def pipeline_section(schedule: dict | None) -> str:
@@ -118,56 +131,11 @@ def pipeline_section(schedule: dict | None) -> str:
             f"{schedule['microbatches']} micro-batches: step {ms(schedule['step_ms'])}, bubble "
             f"{schedule['bubble']:.0%} of rank time (the plan predicts {schedule['predicted_bubble']:.0%}).")
     return section("pipeline", "Pipeline schedule", para(text),
-                   legend(("forward", "forward (F<micro-batch>)"), ("backward", "backward (B<micro-batch>)"),
-                          ("bubble", "bubble: rank idle")), chart)
+                   legend(*drawn([bar for row in rows for bar in row["bars"]], ("forward", "forward (F<micro-batch>)"),
+                                 ("backward", "backward (B<micro-batch>)"), ("bubble", "bubble: rank idle"))), chart)
 
 
-def plan_label(p: dict) -> str:
-    text = f"dp{p['dp']}{' shard' if p.get('shard') else ''} x tp{p['tp']} x pp{p['pp']}, {p['microbatches']} mb"
-    return text + (", ckpt" if p.get("checkpoint") else "") + (f", {p['compress']}" if p.get("compress") else "")
-
-
-def plans_section(plans: dict | None, top: int = 12, unfit: int = 4) -> str:
-    """`plans`: what `picofx plan --json` writes ({"plans": [...], "best": index}); the first `top`
-    plans, and the first `unfit` of those after them that do not fit, with why."""
-    if not plans or not plans.get("plans"):
-        return ""
-    every, best = plans["plans"], plans.get("best")
-    chosen = list(range(min(top, len(every))))
-    chosen += [i for i in range(len(chosen), len(every)) if not every[i]["fits"]][:unfit]
-    shown = [every[i] for i in chosen]
-    head = ("<tr><th>#</th><th>layout</th><th>memory/GPU</th><th>step s</th><th>tokens/s</th><th>MFU</th>"
-            "<th>fits</th><th>bottleneck</th><th>suggestions</th></tr>")
-    rows = [head]
-    for i, p in zip(chosen, shown):
-        cls = "best" if i == best else "fits" if p["fits"] else "nofit"
-        measured = f" (measured {p['measured_step_s']:.4g})" if p.get("measured_step_s") else ""
-        why = "" if p["fits"] else f": {p.get('reason', '')}"
-        tips = "".join(f"<li>{escape(s)}</li>" for s in p.get("suggestions") or [])
-        rows.append(f'<tr class="{cls}"><td>{i}</td><td>{escape(plan_label(p))}</td>'
-                    f'<td class="num">{p["memory_per_gpu"] / 1e9:.1f} GB</td><td class="num">{p["step_s"]:.4g}'
-                    f'{escape(measured)}</td><td class="num">{p["tokens_per_s"]:,.0f}</td><td class="num">'
-                    f'{p["mfu"]:.1%}</td><td>{"yes" if p["fits"] else "no"}{escape(why)}</td>'
-                    f'<td class="bottleneck">{escape(p.get("bottleneck", ""))}</td><td><ul class="notes">{tips}'
-                    "</ul></td></tr>")
-    def chart(value: str, fmt, tip) -> str:
-        return bars([{"label": f"#{i} {plan_label(p)}", "value": p[value], "tip": f"{plan_label(p)}: {tip(p)}",
-                      "cls": "best" if i == best else "fits" if p["fits"] else "nofit"} for i, p in zip(chosen, shown)],
-                    value_fmt=fmt)
-
-    step = chart("step_s", lambda v: f"{v:.3g} s", lambda p: f"{p['step_s']:.4g} s, {p.get('bottleneck', '')}")
-    memory = chart("memory_per_gpu", lambda v: f"{v / 1e9:.1f} GB", lambda p: f"{p['memory_per_gpu'] / 1e9:.1f} GB "
-                   + ("fits" if p["fits"] else f"does not fit: {p.get('reason', '')}"))
-    text = (f"{len(every)} layouts, {sum(p['fits'] for p in every)} fit; the first {min(top, len(every))} by "
-            "predicted step" + (", then the first that do not fit" if len(shown) > top else "")
-            + (f"; best: #{best} {plan_label(every[best])}" if best is not None else "; none fits"))
-    return section("plans", "Plans: predicted step, memory, bottleneck", para(text),
-                   f'<table class="plans">{"".join(rows)}</table>',
-                   legend(("best", "best"), ("fits", "fits"), ("nofit", "does not fit")),
-                   "<h3>Predicted step per plan</h3>", step, "<h3>Predicted memory per GPU</h3>", memory)
-
-
-SERIES = 12  # distinct line colours (page.py's .run0 ... .run11); more runs reuse them in order
+SERIES = len(RUNS)  # distinct line colours (.run0 ...); more runs reuse them in order
 
 
 def loss_section(losses: list[float] | dict[str, list[float]] | None) -> str:

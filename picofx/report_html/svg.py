@@ -83,8 +83,9 @@ def line_chart(series: list[dict], *, x_label: str, y_label: str, x_fmt=str, y_f
     `spans`: shaded x ranges {"x0", "x1", "label", "cls"}."""
     xs = [x for s in series for x, _ in s["points"]] or [0.0]
     ys = [y for s in series for _, y in s["points"]] + [m["y"] for m in marks] or [0.0]
-    low = 0 if from_zero else min(ys) - 0.05 * (max(ys) - min(ys) or 1)
-    ax = Axes(WIDTH, height, (min(xs), max(xs)), (low, max(ys) * 1.08 if max(ys) > 0 else 1))
+    pad = 0.05 * ((max(ys) - min(ys)) or abs(max(ys)) or 1)  # of the data's range: the data fills the height
+    low, high = (0, max(ys) * 1.08 if max(ys) > 0 else 1) if from_zero else (min(ys) - pad, max(ys) + pad)
+    ax = Axes(WIDTH, height, (min(xs), max(xs)), (low, high))
     body = []
     for span in spans:
         body.append(_rect(ax.x(span["x0"]), ax.top, ax.x(span["x1"]) - ax.x(span["x0"]), ax.bottom - ax.top,

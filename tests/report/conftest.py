@@ -1,5 +1,6 @@
-"""The four kinds of HTML page, each written once per test session: an optimize run's report
-(overlap), `picofx plan --html`, `picofx dump --html` (pipeline) and `train_llama.py --report`."""
+"""The kinds of HTML page, each written once per test session: an optimize run's report (overlap,
+predicted for 8 ranks), `picofx plan --html`, `picofx dump --html` (pipeline; overlap on one process)
+and `picofx train --report`."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,13 @@ def dump_page(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("html") / "dump.html")
     assert picofx_main(["dump", "llama-tiny", "--passes", "pipeline", "--batch", "4", "--pipeline.stages", "2",
                         "--pipeline.microbatches", "4", "--html", path]) == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def overlap_dump_page(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("html") / "overlap_dump.html")
+    assert picofx_main(["dump", "llama-tiny", "--passes", "overlap", "--html", path]) == 0
     return path
 
 

@@ -9,8 +9,11 @@ import pytest
 
 from picofx.cost.balance import Unit, plan_for
 from picofx.cost.device import Link
+from picofx.cost.units import format_bytes
+from picofx.models import zoo
 from picofx.report_html import render, sections
 from picofx.report_html.data import pipeline_schedule
+from picofx.report_html.svg import MARGIN, line_chart
 
 HOSTILE = '<script>alert("x")</script> & <b>'
 
@@ -112,6 +115,23 @@ def test_an_optimize_run_with_overlap_has_its_passes_memory_and_exposed_communic
     assert "optimize &lt;tiny&gt; &amp; overlap" in page
     assert 'class="exposed"' in page and "Each of 8 ranks" in page
     assert "gradient buckets (overlap)" in page
+
+
+def test_a_one_process_dump_with_overlap_says_it_sends_nothing_instead_of_predicting_other_ranks(overlap_dump_page):
+    page = open(overlap_dump_page, encoding="utf-8").read()
+    timeline = page[page.index('<section id="timeline">'):]
+    timeline = timeline[:timeline.index("</section>")]
+    gradients = sum(p.numel() * p.element_size() for p in zoo.build("llama-tiny").model.parameters())
+    assert f"carrying {format_bytes(gradients)} per step, but over one rank they send nothing" in timeline
+    assert "<svg" not in timeline and "8 ranks" not in page and "assumed" not in page
+
+
+def test_a_loss_curve_fills_the_chart_height():
+    losses = [5.6038, 5.49, 5.51, 5.4538]
+    chart = line_chart([{"name": "loss", "points": list(enumerate(losses)), "cls": "loss"}], x_label="step",
+                       y_label="loss", from_zero=False, height=280)
+    ys = [float(point.split(",")[1]) for point in re.search(r'<polyline[^>]* points="([^"]+)"', chart)[1].split()]
+    assert max(ys) - min(ys) >= 0.8 * (280 - MARGIN["top"] - MARGIN["bottom"])
 
 
 def test_the_memory_chart_draws_the_measured_peak_beside_the_predicted_one():

@@ -10,6 +10,7 @@ from html import escape
 
 WIDTH = 760
 MARGIN = {"left": 92, "right": 16, "top": 12, "bottom": 40}
+LABEL_HEIGHT = 12  # pixels of an 11px label's line
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -92,10 +93,13 @@ def line_chart(series: list[dict], *, x_label: str, y_label: str, x_fmt=str, y_f
                           span["cls"], span["label"]))
         body.append(_text(ax.x(span["x0"]) + 4, ax.top + 12, span["label"], "start", "note"))
     body += ax.y_axis(y_label, y_fmt, y_ticks) + ax.x_axis(x_label, x_fmt)
-    for k, mark in enumerate(marks):  # labels side by side, so that close lines do not overwrite them
-        body.append(f'<line class="mark {mark["cls"]}" x1="{ax.left}" y1="{ax.y(mark["y"]):.1f}" x2="{ax.right}" '
-                    f'y2="{ax.y(mark["y"]):.1f}"><title>{escape(mark["label"])}</title></line>')
-        body.append(_text(ax.right - 4 - 190 * k, ax.y(mark["y"]) - 4, mark["label"], "end", f"note {mark['cls']}"))
+    lines = [ax.y(mark["y"]) for mark in marks]
+    for k, (mark, y) in enumerate(zip(marks, lines)):  # labels side by side, so that close lines do not overwrite them
+        body.append(f'<line class="mark {mark["cls"]}" x1="{ax.left}" y1="{y:.1f}" x2="{ax.right}" '
+                    f'y2="{y:.1f}"><title>{escape(mark["label"])}</title></line>')
+        crowded = any(y - LABEL_HEIGHT <= other < y or other == y and j < k for j, other in enumerate(lines) if j != k)
+        label_y = y + LABEL_HEIGHT if crowded else y - 4  # below its line where another line runs just above it
+        body.append(_text(ax.right - 4 - 190 * k, label_y, mark["label"], "end", f"note {mark['cls']}"))
     for s in series:
         path = " ".join(f"{ax.x(x):.1f},{ax.y(y):.1f}" for x, y in s["points"])
         body.append(f'<polyline class="line {s["cls"]}" points="{path}"><title>{escape(s["name"])}</title></polyline>')

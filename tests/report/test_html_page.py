@@ -134,6 +134,19 @@ def test_a_loss_curve_fills_the_chart_height():
     assert max(ys) - min(ys) >= 0.8 * (280 - MARGIN["top"] - MARGIN["bottom"])
 
 
+def test_no_line_crosses_the_label_of_a_peak_close_to_another():
+    marks = [{"y": 1.47e6, "label": "predicted peak", "cls": "predicted"},
+             {"y": 1.53e6, "label": "measured peak", "cls": "measured"}]
+    chart = line_chart([{"name": "live", "points": [(0, 0.5e6), (1, 1.47e6)], "cls": "memory"}], x_label="ms",
+                       y_label="bytes", marks=marks)
+    lines = [float(y) for y in re.findall(r'<line class="mark [^"]*" x1="[^"]*" y1="([^"]*)"', chart)]
+    labels = [float(y) for y in re.findall(r'<text x="[^"]*" y="([^"]*)"[^>]*class="note (?:predicted|measured)"',
+                                          chart)]
+    assert len(lines) == len(labels) == 2 and lines[0] - lines[1] < 12  # close: one label's height apart
+    for baseline in labels:  # an 11px label covers from about 9px above its baseline to 2px below
+        assert not any(baseline - 9 < y < baseline + 2 for y in lines), (baseline, lines)
+
+
 def test_the_memory_chart_draws_the_measured_peak_beside_the_predicted_one():
     curve = {"points": [(0.0, 100), (1.0, 900), (2.0, 400)], "backward_starts_ms": 1.0, "resident": 100,
              "peak": 900, "peak_at": "mm <x>", "peak_phase": "forward"}

@@ -1,13 +1,14 @@
 """Gradient compression as a planner option: which compressors a layout's replicas may use, the bytes
 each rank sends per step, the seconds on the link and the compute the compressor adds.
 
-The bytes are the overlap pass's own: each compressor's `wire_bytes(shapes, itemsize, world)` over
-the gradients one rank holds (those of the first pipeline stage, split by tensor parallelism as
-pass `tensor_parallel` splits them), and for "sparse_rows" the pass's rule: the embedding goes as
-(token id, row) pairs only where that is fewer bytes than the table, and never for gradients
-accumulated over micro-batches (a dense table then). The link time is that of an all-reduce taking
-as long as the bytes sent, as the pass times its buckets. The compute: quantizing, casting and
-scattering are memory-bound passes over the gradient, charged at the device's memory bandwidth.
+The bytes are the compressors' own (picofx.compression, as the overlap pass runs them): each one's
+`wire_bytes(shapes, itemsize, world)` over the gradients one rank holds (those of the first pipeline
+stage, split by tensor parallelism as pass `tensor_parallel` splits them), and for "sparse_rows" the
+overlap pass's rule: the embedding goes as (token id, row) pairs only where that is fewer bytes than
+the table, and never for gradients accumulated over micro-batches (a dense table then). The link time
+is that of an all-reduce taking as long as the bytes sent, as the pass times its buckets. The
+compute: quantizing, casting and scattering are memory-bound passes over the gradient, charged at
+the device's memory bandwidth.
 
 Lossy kinds ("topk:F", "powersgd:R") change what the model learns: they are planned only when asked.
 Sharded data parallel is left out: the planner's shard prediction has no compressed reduce-scatter.
@@ -15,9 +16,10 @@ Sharded data parallel is left out: the planner's shard prediction has no compres
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
+from picofx.compression.allreduce import Dense, SparseRows
+from picofx.compression.lossy import parse_compress
 from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending
 
 DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
@@ -40,27 +42,15 @@ def kinds_to_consider(asked=None, *, on_cpu: bool = False) -> tuple[str, ...]:
     """The compressor names to plan: `asked` (a name, "a,b", or a collection of names; None: the
     lossless and near-lossless DEFAULT_KINDS, none on a CPU, whose ranks run the plans themselves
     with --measure and --layout auto and whose compressor costs are not calibrated). Validated
-    with the overlap pass's own spelling."""
+    with the spelling Overlap(compress=...) takes."""
     if asked is None:
         return () if on_cpu else DEFAULT_KINDS
     if isinstance(asked, str):
         asked = [k.strip() for k in asked.split(",")]
     kinds = tuple(dict.fromkeys(k for k in asked if k and k != "none"))
     for kind in kinds:
-        overlap_pass()(compress=kind)  # raises ValueError naming the kinds it takes
+        parse_compress(kind)  # raises ValueError naming the kinds it takes
     return kinds
-
-
-def overlap_pass():
-    """Pass `overlap`'s class, through the registry (the core imports no pass)."""
-    from picofx.manager import PASSES
-
-    return PASSES["overlap"]
-
-
-def sparse_rows_codec():
-    """The overlap pass's SparseRows compressor (its module's, found through the registry)."""
-    return vars(sys.modules[overlap_pass().__module__])["SparseRows"]()
 
 
 def gradient_shapes(config, tp: int, pp: int) -> tuple[tuple, list[tuple]]:
@@ -93,7 +83,7 @@ class Exchange:
 def exchange(config, layout, tokens: int, device, link) -> Exchange:
     """The gradient exchange of `layout` (replicated, dp > 1) with `layout.compress`; `tokens`:
     each rank's tokens per micro-batch (the embedding's rows)."""
-    spec, dense = overlap_pass()(compress=layout.compress).spec, overlap_pass()().spec.other
+    spec, dense = parse_compress(layout.compress), Dense()
     world = layout.dp
     table, others = gradient_shapes(config, layout.tp, layout.pp)
     table_numel = math.prod(table)
@@ -112,8 +102,8 @@ def embedding_as_rows(config, layout, tokens: int) -> tuple[str, int]:
     """How sparse_rows sends the embedding's gradient ("rows", or "dense (why)") and the bytes
     each rank would send as rows, by pass overlap's rule (rows_worth_it)."""
     table = gradient_shapes(config, layout.tp, layout.pp)[0]
-    rows_bytes = sparse_rows_codec().wire_bytes(tokens, table[1], FP32, layout.dp)
-    dense_table = overlap_pass()().spec.other.wire_bytes([table], FP32, layout.dp)
+    rows_bytes = SparseRows().wire_bytes(tokens, table[1], FP32, layout.dp)
+    dense_table = Dense().wire_bytes([table], FP32, layout.dp)
     if layout.microbatches > 1:
         return "dense (gradients accumulated over micro-batches are a dense table)", rows_bytes
     if rows_bytes >= dense_table:

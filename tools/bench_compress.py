@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from picofx.cost.comm import all_reduce_bytes
 from picofx.parallel.launch import run_ranks
 from results import write_json  # tools/results.py
 
@@ -105,15 +106,14 @@ def ddp_model(kind: str, model, warm_steps: int):
 
 
 def ddp_wire_bytes(kind: str, model, world: int) -> int:
-    ring = lambda n: 2 * (world - 1) * n // world  # noqa: E731
     if kind == "ddp:bf16":
-        return ring(sum(2 * p.numel() for p in model.parameters()))
+        return all_reduce_bytes(sum(2 * p.numel() for p in model.parameters()), world)
     kept = 0
     for p in model.parameters():
         rows, cols = p.shape[0], p[0].numel() if p.dim() > 1 else 1
         low = (rows + cols) * 4
         kept += low if p.dim() > 1 and 2 * low < rows * cols else p.numel()
-    return ring(4 * kept)
+    return all_reduce_bytes(4 * kept, world)
 
 
 def contender(kind, warm_steps: int, rank: int, world: int, backend: str):
@@ -164,7 +164,7 @@ def train(rank: int, world: int, steps: int, runs: list, backend: str) -> dict:
             losses[label].append(loss.item() / world)
     out = {}
     for label, (model, _, _, wire, warm_steps) in live.items():
-        ring = 2 * (world - 1) * sum(4 * p.numel() for p in model.parameters()) // world
+        ring = all_reduce_bytes(sum(4 * p.numel() for p in model.parameters()), world)
         compressed = times[label][max(5, warm_steps):] or times[label]  # past compile and the warm-up
         out[label] = {"losses": losses[label], "step_ms": 1e3 * statistics.median(compressed),
                       "wire_bytes": wire, "fp32_ring_bytes": ring, "warmup_steps": warm_steps,

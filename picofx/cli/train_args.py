@@ -17,7 +17,7 @@ from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
 from picofx.cli.train_state import saved_run
 from picofx.manager import resolve_pass
-from picofx.compression.lossy import parse_compress
+from picofx.compression import parse_compress
 from picofx.runtime.distributed import launched_world
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")

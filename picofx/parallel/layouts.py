@@ -43,7 +43,7 @@ class BucketLayout:
     entries: tuple[LayoutEntry, ...] = ()
     pending: tuple[str, ...] = ()  # graph attributes holding accumulated gradients, per bucket
     codecs: tuple[str, ...] = ()  # per bucket, how it travels ("none", "int8", "sparse_rows", ...)
-    state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the graph updates
+    state: Any = field(default=None, compare=False)  # picofx.compression.CompressionState the graph updates
     warmup: int = 0  # the first synced steps that run a variant without lossy compression
 
     @property
@@ -94,7 +94,7 @@ class ShardLayout:
     entries: tuple[ShardEntry, ...] = ()
     gather_dtype: str | None = None  # mixed precision: the dtype parameters are gathered and reduced in
     compress: str | None = None  # how gradients are reduce-scattered (Shard's compress)
-    state: Any = field(default=None, compare=False)  # overlap_compress.CompressionState the backward updates
+    state: Any = field(default=None, compare=False)  # picofx.compression.CompressionState the backward updates
     warmup: int = 0  # Shard's warmup: the first steps run a variant without lossy compression
 
     @property

@@ -68,7 +68,7 @@ def check_layouts(graphs: dict) -> None:
 
 
 def compression_state(graphs: dict, shards: ShardLayout | None = None):
-    """The gradient compressors' state (passes/overlap_compress.CompressionState) the graphs
+    """The gradient compressors' state (picofx.compression.CompressionState) the graphs
     update, or the sharded step's (`shards`, its ShardLayout), or None where no bucket keeps any."""
     states = [recorded(gm).buckets.state for gm in graphs.values() if recorded(gm).buckets is not None]
     states += [shards.state] if shards is not None else []

@@ -169,7 +169,8 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
 
 
 def inductor_checks(rank: int, world: int, batch: int, kinds: tuple, backend: str = "inductor") -> dict:
-    """Each kind compiled by `backend`: two steps' gradients and the generated code (Inductor)."""
+    """Each kind compiled by `backend`: two steps' gradients, the generated code (Inductor), the
+    compressor state and the second step's relative errors the compiled code left."""
     from torch._inductor.utils import run_and_get_code
 
     out = {}
@@ -182,8 +183,8 @@ def inductor_checks(rank: int, world: int, batch: int, kinds: tuple, backend: st
         second = shard(walks(256, batch, 32, seed=7), rank, world)
         record = next(r for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
         out[str(kind)] = {"first": step_grads(opt, z.model, example), "second": step_grads(opt, z.model, second),
-                          "code": code, "notes": record.notes,
-                          "state": state_of(opt)}
+                          "code": code, "notes": record.notes, "state": state_of(opt),
+                          "errors": opt.compression.errors() if opt.compression is not None else {}}
     return out
 
 

@@ -13,8 +13,7 @@ import picofx
 from picofx.cost.device import devices
 from picofx.models.llama import Llama
 from picofx.passes import Overlap
-from picofx.compression.lossy import TopK
-from picofx.compression.allreduce import Dense, Int8, SparseRows
+from picofx.compression import Dense, Int8, SparseRows, TopK
 from picofx.planner import plan_run
 from picofx.planner.compress import exchange, gradient_shapes, kinds_to_consider
 from picofx.planner.layouts import Layout

@@ -11,11 +11,11 @@ and just before the graph returns (as late as the gradients' consumers allow):
     flat = wait_tensor(work) / world                  # gloo has no "avg": sum, then divide
     grads = [piece.view(shape) for piece in split(flat, numels)]
 
-With `compress`, a compressor (passes/overlap_compress.py) writes the exchange instead: bf16,
-int8 blocks, top-k, PowerSGD, and the embedding's gradient as rows ("sparse_rows"); their state
-between steps lives in a CompressionState the runtime resets (`opt.reset_compression()`).
-
-so the all-reduce of one bucket runs while the backward computes the next. Under no_sync
+so the all-reduce of one bucket runs while the backward computes the next. With `compress`, a
+codec of picofx.compression writes each bucket's exchange instead (bf16, int8 blocks, top-k,
+PowerSGD, the embedding's gradient as rows): its issue step where the bucket is ready, its finish
+steps before the graph returns; their state between steps lives in a CompressionState the runtime
+resets (`opt.reset_compression()`). Under no_sync
 (`ctx.gradient_sync == "local"`) the pass adds nothing; after a no_sync phase
 ("sync_accumulated") each bucket adds the gradients accumulated so far (an attribute of the
 graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulated `.grad`.
@@ -31,16 +31,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from picofx.cost.comm import Gradient, fixed_bounds, link_for, plan_buckets, schedule
+from picofx.compression import (Bucket, CompressionState, Dense, Emitter, SparseRows, drain, embedding_rows, issue,
+                                parse_compress, rows_or_dense)
+from picofx.cost.comm import (Gradient, all_reduce_bytes, all_reduce_size_sending, fixed_bounds, link_for,
+                              plan_buckets, schedule)
 from picofx.cost.gradients import dtype_runs, gradients_in_order, ready_times
 from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import resolve_dim
-
-from picofx.compression.lossy import parse_compress
-from picofx.compression.allreduce import (BucketIn, CompressionState, Dense, Emitter, SparseRows, embedding_rows,
-                                            ring_bytes, rows_worth_it)
 
 aten = torch.ops.aten
 
@@ -51,7 +50,7 @@ class Overlap:
     """bucket: "auto" (from the cost model), bytes, or a size string ("25MiB"); first_bucket: the
     first bucket's size, small so communication starts early; compress: None, "bf16", "int8",
     "int8:ef", "topk:F", "powersgd:R", "sparse_rows" or "sparse_rows+KIND" (see
-    passes/overlap_compress.py); group: the ranks to average over: a mesh dimension's name, a
+    picofx/compression/parse.py); group: the ranks to average over: a mesh dimension's name, a
     one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate dimension,
     else every rank); warmup: the first synced steps all-reduce whole gradients instead of
     compressing (the runtime runs a variant of the step; sparse_rows, being exact, stays), so the
@@ -85,9 +84,9 @@ class Overlap:
         if not grads:
             return PassResult(False, {"buckets": 0})
         accumulate = mode == "sync_accumulated"
-        rows, source, rows_note = self.sparse_rows(grads, accumulate, dim.size)
+        rows, source, rows_bytes, rows_note = self.sparse_rows(grads, accumulate, dim.size)
         other = Dense() if mode == "sync_uncompressed" else self.spec.other
-        plan = self.plan(gm, grads, ctx, dim.size, rows, source, other)
+        plan = self.plan(gm, grads, ctx, dim.size, rows, rows_bytes, other)
         codecs = [SparseRows() if rows is not None and b.first == rows else other for b in plan.buckets]
         state = self.states.setdefault(ctx.model, CompressionState(dim.rank))
         layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), source, accumulate)
@@ -98,31 +97,28 @@ class Overlap:
         return PassResult(True, notes)
 
     def sparse_rows(self, grads, accumulate: bool, world: int):
-        """Which gradient goes as rows (its index in `grads`), its Rows, and why it does or does not."""
+        """Which gradient goes as rows (its index in `grads`), its Rows, the bytes they send, and why
+        it does or does not."""
         if not self.spec.rows:
-            return None, None, "off"
+            return None, None, 0, "off"
         index, source, why = embedding_rows(grads, accumulate)
         if index is None:
-            return None, None, why
-        fewer, sparse, dense = rows_worth_it(source, grads[index][1].meta["val"], world)
-        name = grads[index][2]
-        if not fewer:
-            return None, None, f"dense: {name} as rows is {sparse} bytes per rank, the table {dense}"
-        return index, source, f"sparse: {name} as rows is {sparse} bytes per rank instead of {dense}"
+            return None, None, 0, why
+        table = grads[index][1].meta["val"]
+        dense = all_reduce_bytes(table.numel() * table.element_size(), world)
+        source, why = rows_or_dense(source, grads[index][2], table.shape[1], table.element_size(), world, dense,
+                                    "the table")
+        if source is None:
+            return None, None, 0, why
+        return index, source, SparseRows().wire_bytes(source.tokens, table.shape[1], table.element_size(), world), why
 
-    def wire_bytes(self, codec, members, world: int, source=None) -> int:
-        """Bytes each rank sends for one bucket with `codec`."""
-        if isinstance(codec, SparseRows):
-            return rows_worth_it(source, members[0][1].meta["val"], world)[1]
-        shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
-        return codec.wire_bytes(shapes, members[0][1].meta["val"].element_size(), world)
-
-    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None, source, other):
+    def plan(self, gm, grads, ctx: Context, world: int, rows: int | None, rows_bytes: int, other):
         """Bucket bounds (auto: from the cost model) and their predicted timing, in all-reduce
         bytes that take as long as what the compressor sends (the embedding as rows: its own bucket)."""
-        ring = lambda b: b * world / (2 * (world - 1)) if world > 1 else b  # noqa: E731
-        wire = [int(ring(self.wire_bytes(SparseRows() if i == rows else other, [g], world, source)))
-                for i, g in enumerate(grads)]
+        def sent(i, node):
+            val = node.meta["val"]
+            return rows_bytes if i == rows else other.wire_bytes([tuple(val.shape)], val.element_size(), world)
+        wire = [int(all_reduce_size_sending(sent(i, g[1]), world)) for i, g in enumerate(grads)]
         ready, total = ready_times(gm, [g[1] for g in grads], ctx.cost_model)
         items = [Gradient(g[2], b, t) for g, b, t in zip(grads, wire, ready)]
         link = link_for(ctx.cost_model.device, world)
@@ -139,7 +135,7 @@ class Overlap:
         graph = gm.graph
         output = graph.output_node()
         outputs = list(output.args[0])
-        entries, pending_names, exchanges, report = [], [], [], []
+        entries, pending_names, exchanges, report = [], [], [], []  # exchanges: (in flight, members)
         for k, (bucket, codec) in enumerate(zip(plan.buckets, codecs)):
             members = grads[bucket.first:bucket.last + 1]  # in production order: the last one is made last
             val = members[0][1].meta["val"]
@@ -153,18 +149,15 @@ class Overlap:
                     pending_names.append(name)
                     flat = graph.call_function(aten.add.Tensor, (flat, graph.get_attr(name)))
                 shapes = [tuple(node.meta["val"].shape) for _, node, _ in members]
-                rows = source if isinstance(codec, SparseRows) else None
-                exchange = codec.exchange(em, BucketIn(flat, [m[2] for m in members], shapes, val.dtype,
-                                                       val.device, rows))
-                next(exchange)  # issues the bucket's first collective here
-            exchanges.append((exchange, members))
+                bucket = Bucket(flat, [m[2] for m in members], shapes, val.dtype, val.device, index=k,
+                                source=source if isinstance(codec, SparseRows) else None)
+                exchanges.append((issue(codec, em, bucket), members))  # the bucket's first collectives here
             entries += [LayoutEntry(name, tuple(node.meta["val"].shape), str(node.meta["val"].dtype), k)
                         for _, node, name in members]
-            report.append({"bucket": k, "compressor": codec.label,
-                           "wire_bytes": self.wire_bytes(codec, members, em.world, source),
-                           "fp32_ring_bytes": ring_bytes(4 * flat_numel(members), em.world)})
-        results = self.finish([e for e, _ in exchanges], graph, output)
-        with graph.inserting_before(output):
+            report.append({"bucket": k, "compressor": codec.label, "wire_bytes": codec.bucket_bytes(bucket, em.world),
+                           "fp32_ring_bytes": all_reduce_bytes(4 * flat_numel(members), em.world)})
+        with graph.inserting_before(output):  # each wait as late as the next round allows
+            results = drain(em, [pending for pending, _ in exchanges])
             for flat, (_, members) in zip(results, exchanges):
                 numels = [node.meta["val"].numel() for _, node, _ in members]
                 pieces = graph.call_function(aten.split_with_sizes.default, (flat, numels))
@@ -176,24 +169,6 @@ class Overlap:
         layout = BucketLayout(dim=em.dim, compress=self.compress, entries=tuple(entries),
                               pending=tuple(pending_names), codecs=tuple(c.label for c in codecs), state=em.state)
         return layout, wire_notes(report)
-
-    @staticmethod
-    def finish(exchanges: list, graph: fx.Graph, output: fx.Node) -> list[fx.Node]:
-        """Run each bucket's remaining rounds before the output, round by round over the buckets,
-        so a bucket's next collective is issued before the following bucket's waits."""
-        results: dict[int, fx.Node] = {}
-        active = list(enumerate(exchanges))
-        with graph.inserting_before(output):
-            while active:
-                still = []
-                for k, exchange in active:
-                    try:
-                        next(exchange)
-                        still.append((k, exchange))
-                    except StopIteration as done:
-                        results[k] = done.value
-                active = still
-        return [results[k] for k in range(len(exchanges))]
 
 
 def wire_notes(report: list[dict]) -> dict:

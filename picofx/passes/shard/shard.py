@@ -17,7 +17,7 @@ the whole parameters alive between forward and backward. The decision is recorde
 on the forward graph; the runtime (picofx.runtime.shard) turns the model's parameters into DTensor
 shards and feeds the graph their padded local pieces.
 
-With `compress`, each bucket's reduce-scatter becomes a compressor's exchange (passes/shard_compress.py).
+With `compress`, each bucket's reduce-scatter becomes a codec's exchange (compress.py, beside this file).
 
 List `shard` after the passes that rewrite the forward graph (fuse, precision): they see the
 parameters gathered.
@@ -39,7 +39,7 @@ from picofx.cost.units import parse_budget
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
-from picofx.compression.allreduce import CompressionState, Dense
+from picofx.compression import CompressionState, Dense
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 
 aten = torch.ops.aten
@@ -77,8 +77,8 @@ class Shard:
     the dtype it did (list "precision" before "shard" to compute in bf16); the call's inputs are
     not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported.
     compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
-    "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that compressor
-    (passes/shard_compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
+    "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that codec
+    (picofx/passes/shard/compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
     uncompressed (a variant of the step; sparse_rows, being exact, stays)."""
 
     mesh: Any = None

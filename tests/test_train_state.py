@@ -1,4 +1,4 @@
-"""--save and --resume of examples/train_llama.py: a resumed run goes on exactly as the saved one
+"""--save and --resume of picofx train: a resumed run goes on exactly as the saved one
 would have (same losses, bit for bit), and a checkpoint holds the model under its own names."""
 import importlib
 

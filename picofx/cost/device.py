@@ -131,7 +131,7 @@ def device_for(device: torch.device | str) -> Device:
     name = torch.cuda.get_device_name(device).lower()
     keys = sorted((key for key in DEVICES if key in name), key=len, reverse=True)
     if not keys:
-        raise KeyError(f"no description for {name!r}; add one to picofx.device.DEVICES "
+        raise KeyError(f"no description for {name!r}; add one to picofx.cost.device.DEVICES "
                        f"(known: {', '.join(DEVICES)}) or use calibrate()")
     capacity = torch.cuda.get_device_properties(device).total_memory
     return dataclasses.replace(DEVICES[keys[0]], memory_capacity=capacity)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from picofx.compression.allreduce import Dense, SparseRows
-from picofx.compression.lossy import parse_compress
+from picofx.compression import Dense, SparseRows, parse_compress
 from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending
 
 DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
@@ -100,7 +99,7 @@ def exchange(config, layout, tokens: int, device, link) -> Exchange:
 
 def embedding_as_rows(config, layout, tokens: int) -> tuple[str, int]:
     """How sparse_rows sends the embedding's gradient ("rows", or "dense (why)") and the bytes
-    each rank would send as rows, by pass overlap's rule (rows_worth_it)."""
+    each rank would send as rows, by pass overlap's rule (picofx.compression.rows_or_dense)."""
     table = gradient_shapes(config, layout.tp, layout.pp)[0]
     rows_bytes = SparseRows().wire_bytes(tokens, table[1], FP32, layout.dp)
     dense_table = Dense().wire_bytes([table], FP32, layout.dp)

@@ -159,7 +159,6 @@ def test_no_process_group_says_how_to_launch():
         picofx.optimize(z.model, z.example_inputs, ["overlap"], backend="eager", loss_fn=z.loss_fn)
 
 
-@pytest.mark.slow
 def test_inductor_matches_full_batch_and_keeps_waits_late():
     z = zoo.build("llama-tiny", batch=BATCH)
     ranks = run_ranks(overlap_ranks.inductor_checks, 2, BATCH, timeout=560, collective_timeout=300)

@@ -103,7 +103,6 @@ def test_report_lists_every_pass_with_stage_and_counts():
     assert record.nodes_before == record.nodes_after == len(opt.graph_module.graph.nodes)
 
 
-@pytest.mark.slow
 def test_inductor_training_step_matches_eager_and_runs_every_stage():
     z = zoo.build("llama-tiny")
     seen = []

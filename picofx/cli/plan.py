@@ -4,14 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from picofx.cost.device import devices
-from picofx.cost.model import CostModel
-from picofx.models.llama import LlamaConfig
-from picofx.planner.compress import DEFAULT_KINDS, kinds_to_consider
-from picofx.planner.costs import PASSES, model_costs
-from picofx.planner.layouts import Run, plan_layouts, suggestions
+from picofx.cli.train_args import at_least
+from picofx.planner.compress import DEFAULT_KINDS
+from picofx.planner.costs import PASSES
 from picofx.planner.measure import calibrated_device, measure
 from picofx.planner.models import MODELS, model_config
+from picofx.planner.recipe import describe_passes, planned_recipe
+from picofx.planner.run import check_run, measured_table, plan_run, table
 from picofx.planner.show import show
 
 GPU_KINDS = ("h100", "h200", "a100", "cpu")
@@ -27,11 +26,11 @@ def add_plan_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help=f"a zoo name ({', '.join(MODELS)}), a Hugging Face config.json or its directory, "
                                  "or module:function")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=at_least(1), required=True)
     p.add_argument("--gpu", choices=GPU_KINDS, default="h100")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all GPUs")
+    p.add_argument("--gpus-per-node", type=at_least(1), default=8)
+    p.add_argument("--seq", type=at_least(1), default=4096)
+    p.add_argument("--global-batch", type=at_least(1), required=True, help="sequences per optimizer step, over all GPUs")
     p.add_argument("--compress", metavar="KINDS",
                    help="gradient compressors to plan for replicated data parallel, comma-separated, as "
                         "Overlap(compress=...) spells them (default: " + ",".join(DEFAULT_KINDS) + "; on --gpu cpu "
@@ -50,65 +49,15 @@ def add_plan_parser(commands) -> None:
                         "buckets and exposed all-reduce (after the backward, overlapped, bf16)")
 
 
-def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
-             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list]:
-    """Every layout of `model` (a name or path as the command takes it, or a LlamaConfig) over `gpus`,
-    predicted and ranked (those that fit first, fastest first). `device`: a picofx.cost.device.Device
-    instead of the `gpu` kind's entry. `compress`: the compressors replicated layouts are also planned
-    with (picofx.planner.compress.kinds_to_consider; None: the defaults for the device)."""
-    on_cpu = gpu == "cpu" if device is None else "cpu" in device.name.lower()
-    kinds = kinds_to_consider(compress, on_cpu=on_cpu)
-    device = device or devices()[gpu]
-    config = model if isinstance(model, LlamaConfig) else model_config(model)
-    run = Run(model_costs(config, seq, CostModel(device), passes), device, gpus,
-              min(gpus_per_node, gpus), global_batch)
-    predictions = plan_layouts(run, kinds)
-    for p in predictions[:20]:
-        p.suggestions = suggestions(run, p)
-    return run, predictions
-
-
-def table(predictions: list, top: int) -> str:
-    head = (f"{'#':>3} {'layout':36s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
-            f"{'fits':4s}  bottleneck")
-    rows = [head, "-" * len(head)]
-    for i, p in enumerate(predictions[:top]):
-        rows.append(f"{i:>3} {p.layout.describe():36s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
-                    f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
-        for s in p.suggestions[:3]:
-            rows.append(f"{'':>4}  -> {s}")
-    return "\n".join(rows)
-
-
-def measured_table(measured: list) -> str:
-    """Predicted against measured, and the issue's targets: each within 35%, the plan predicted
-    fastest within 15% of the measured fastest."""
-    rows = [f"{'layout':36s} {'predicted s':>12} {'measured s':>11} {'error':>7}"]
-    errors = []
-    for p in measured:
-        error = p.step_s / p.measured_step_s - 1
-        errors.append(abs(error))
-        rows.append(f"{p.layout.describe():36s} {p.step_s:12.4f} {p.measured_step_s:11.4f} {error:+7.0%}")
-    fastest = min(p.measured_step_s for p in measured)
-    chosen = measured[0].measured_step_s / fastest - 1
-    rows.append(f"every prediction within 35%: {'yes' if max(errors) <= 0.35 else 'no'} (worst {max(errors):.0%}); "
-                f"the plan predicted fastest is {chosen:.0%} slower than the measured fastest "
-                f"({'within' if chosen <= 0.15 else 'outside'} 15%)")
-    return "\n".join(rows)
-
-
-def calibrated_cpu(config, gpus: int, seq: int, global_batch: int, link: dict | None = None, say=print):
-    """This machine's CPU as `gpus` ranks of it see it (picofx.planner.measure.calibrated_device);
-    `link`: the ranks' measured link rates, None: measured here on `gpus` gloo ranks."""
-    return calibrated_device(config, gpus, link=link, say=say)
-
-
 def plan_command(args) -> dict:
     here = args.measure and args.gpu == "cpu"  # plans run on this machine: predict for it as its ranks share it
-    device = calibrated_cpu(model_config(args.model), args.gpus, args.seq, args.global_batch) if here else None
+    config, compute = model_config(args.model), ("fuse",) if here else PASSES
+    check_run(config, args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,
+              global_batch=args.global_batch)
+    device = calibrated_device(config, args.gpus) if here else None
     run, predictions = plan_run(args.model, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
-                                seq=args.seq, global_batch=args.global_batch, device=device,
-                                passes=("fuse",) if here else PASSES, compress=args.compress)
+                                seq=args.seq, global_batch=args.global_batch, device=device, passes=compute,
+                                compress=args.compress)
     if not predictions:
         raise ValueError(f"no layout of {args.model} runs on {args.gpus} GPUs with a global batch of "
                          f"{args.global_batch}: the batch must divide over the data-parallel ranks")
@@ -120,12 +69,17 @@ def plan_command(args) -> dict:
              and not p.layout.checkpoint]
     if plain and not any(p.fits for p in plain):
         print(f"\nplain data parallel does not fit: {plain[0].reason}")
+    made = planned_recipe(predictions[0].layout, run.device, compute) if predictions[0].fits else None
+    if made is not None:
+        mesh = " x ".join(f"{dim} {size}" for dim, size in made.mesh_shape.items() if size > 1) or "one rank"
+        print(f"\nplan 0 runs as passes [{describe_passes(made.passes)}] on a mesh of {mesh} "
+              "(picofx.plan(...).recipe())")
     if args.measure:
-        out_measured = measure(predictions, run, max(3, args.measure_top))
-        print("\n" + measured_table(out_measured))
-    out = {"plans": [p.as_json() for p in predictions], "best": 0 if predictions[0].fits else None}
+        print("\n" + measured_table(measure(predictions, run, max(3, args.measure_top))))
+    out = {"plans": [p.as_json() for p in predictions], "best": 0 if made else None,
+           "recipe": made and {"passes": describe_passes(made.passes), "mesh": made.mesh_shape}}
     for what in args.show:
-        out[what], text = show(what, run, predictions, ("fuse",) if here else PASSES)
+        out[what], text = show(what, run, predictions, compute)
         print("\n" + text)
     if args.json:
         with open(args.json, "w") as f:

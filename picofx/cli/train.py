@@ -37,12 +37,11 @@ import picofx
 from picofx.cli import train_state
 from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
-from picofx.cli.train_layout import choose_layout
+from picofx.cli.train_layout import choose_layout, train_mesh
 from picofx.cli.train_data import Batches, DataError, load_tokens
 from picofx.cli.train_metrics import Layout, throughput
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
-from picofx.parallel import ParallelMesh
 from picofx.parallel.launch import join_launched_group
 from picofx.runtime.distributed import first_failure
 
@@ -101,38 +100,6 @@ class Ranks:
     def close(self) -> None:
         if self.owns_group:
             torch.distributed.destroy_process_group()
-
-
-def parallel_passes(args) -> tuple[list, object]:
-    """The passes of --dp and --pp, and the run's mesh of ranks (None in one process)."""
-    if args.world == 1:
-        return [], None
-    device = args.device.split(":")[0]
-    if args.tp > 1:
-        tensor_parallel = picofx.passes.TensorParallel(sequence_parallel=args.sequence_parallel)
-        if args.pp > 1:  # each pipeline stage's graph split over its tp ranks (its pieces sharded under --shard)
-            mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp if args.shard else 1, tp=args.tp, device_type=device)
-            return [pipeline_pass(args), tensor_parallel, *(["shard"] if args.shard else [])], mesh
-        if args.shard:  # the dp_shard ranks shard each tp piece: every rank holds 1/(dp x tp)
-            return [tensor_parallel, "shard"], ParallelMesh.build(dp_shard=args.dp, tp=args.tp, device_type=device)
-        # each replica spans --tp ranks; the replicas average their gradients in the backward
-        mesh = ParallelMesh.build(dp_replicate=args.dp, tp=args.tp, device_type=device)
-        return [tensor_parallel, *(["overlap"] if args.dp > 1 else [])], mesh
-    if args.shard:  # the data-parallel ranks shard the model (each pipeline stage's, under --pp)
-        mesh = ParallelMesh.build(pp=args.pp, dp_shard=args.dp, device_type=device)
-        sharding = (picofx.passes.Shard(compress=args.compress, warmup=args.compress_warmup) if args.compress
-                    else "shard")
-        return ([pipeline_pass(args)] if args.pp > 1 else []) + [sharding], mesh
-    mesh = ParallelMesh.build(pp=args.pp, dp_replicate=args.dp, device_type=device)
-    if args.pp == 1:
-        return [picofx.passes.Overlap(compress=args.compress, warmup=args.compress_warmup) if args.compress
-                else "overlap"], mesh
-    return [pipeline_pass(args), *(["overlap"] if args.dp > 1 else [])], mesh  # stage grads averaged in the backward
-
-
-def pipeline_pass(args):
-    return picofx.passes.Pipeline(stages=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                  virtual=2 if "Interleaved" in args.schedule else 1, measure=args.measure_cuts)
 
 
 def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
@@ -203,18 +170,13 @@ def layout_line(args) -> str:
 
 def setup(args, ranks: Ranks) -> Session:
     """The model, its data, the optimized step and the optimizer, resumed where --resume says."""
-    extra_passes, mesh = parallel_passes(args)
+    passes, mesh = picofx_passes(args), train_mesh(args)
     torch.manual_seed(args.seed)
     positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
     config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
     model = Llama(config).to(args.device)
     batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
-    # tp sees the linears fuse replaces; under --pp it splits each stage's graph, so the cut comes first
-    tensor_parallel = [p for p in extra_passes if isinstance(p, picofx.passes.TensorParallel)]
-    cut = [p for p in extra_passes if tensor_parallel and isinstance(p, picofx.passes.Pipeline)]
-    rest = [p for p in extra_passes if p not in tensor_parallel and p not in cut]
-    passes = [*cut, *tensor_parallel, *picofx_passes(args), *rest]
     opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
                                 loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)

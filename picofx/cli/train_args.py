@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-import picofx
+from picofx.cli.train_layout import train_recipe
 from picofx.cost.device import device_for
 from picofx.cost.units import check_budget, format_bytes
 from picofx.models.llama import CONFIGS
@@ -332,8 +332,6 @@ def run_options(args) -> dict:
 
 
 def picofx_passes(args) -> list:
-    """--passes as picofx takes them: names, with checkpoint built on --memory-budget."""
-    if args.memory_budget is None:
-        return list(args.passes)
-    return [picofx.passes.Checkpoint(budget=args.memory_budget) if name == "checkpoint" else name
-            for name in args.passes]
+    """The passes of the run: --passes (checkpoint built on --memory-budget) and those of its layout
+    (--dp/--tp/--pp/--shard/--compress), by the planner's one recipe (train_layout.train_recipe)."""
+    return train_recipe(args).passes

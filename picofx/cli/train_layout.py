@@ -1,4 +1,6 @@
-"""picofx train --layout auto: the layout `picofx.planner.predict` predicts fastest among those the script runs.
+"""picofx train's layout: its --dp/--tp/--pp/--shard options as a planner Layout, run by the planner's one
+recipe (picofx.planner.recipe); and --layout auto: the layout `picofx.plan` predicts fastest among those
+the script runs.
 
 Rank 0 plans and broadcasts its choice: on a CPU the plan's device is calibrated by measuring (a
 single-rank step of the model; the link by all-reduces every rank takes part in), and measurements
@@ -12,6 +14,28 @@ import dataclasses
 
 from picofx.models.llama import CONFIGS
 from picofx.planner.layouts import Layout
+from picofx.planner.recipe import Recipe, recipe, unsupported
+
+
+def args_layout(args) -> Layout:
+    """The run's layout as the options give it (after check_layout, or --layout auto's choice);
+    --passes checkpoint is the layout's checkpointing."""
+    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, shard=args.shard,
+                  microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
+                  checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
+                  compress=args.compress)
+
+
+def train_recipe(args) -> Recipe:
+    """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe."""
+    return recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
+                  checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
+                  measure_cuts=args.measure_cuts)
+
+
+def train_mesh(args):
+    """The run's ParallelMesh (None in one process)."""
+    return None if args.world == 1 else train_recipe(args).mesh(args.device.split(":")[0])
 
 
 def unrunnable(layout: Layout) -> str | None:
@@ -22,11 +46,7 @@ def unrunnable(layout: Layout) -> str | None:
         return "--compress with anything but replicated --dp"
     if layout.pp == 1 and layout.microbatches > 1:
         return "micro-batches without a pipeline (gradient accumulation)"
-    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
-        return "replicated --dp over tensor-parallel stages"
-    if layout.sequence_parallel and layout.pp > 1:
-        return "--sequence-parallel with --pp"
-    return None
+    return unsupported(layout)
 
 
 def explain(plans, index: int) -> str:

@@ -1,5 +1,10 @@
-"""`picofx plan`: the layouts of a training run over N GPUs, predicted and ranked (picofx.planner.layouts),
-from one decoder layer's costs read from the cost model (picofx.planner.costs)."""
-from picofx.cli.plan import add_plan_parser, plan_command, plan_run
+"""The planner: every layout of a training run over N GPUs predicted (picofx.planner.layouts, from one
+decoder layer's costs read from the cost model: picofx.planner.costs) and ranked (picofx.planner.run),
+each with its suggestions (picofx.planner.suggest); the one recipe from a layout to passes and mesh
+(picofx.planner.recipe)."""
+from picofx.planner.layouts import Layout, Prediction
+from picofx.planner.recipe import Recipe
+from picofx.planner.run import plan_run
+from picofx.planner.suggest import Suggestion
 
-__all__ = ["add_plan_parser", "plan_command", "plan_run"]
+__all__ = ["Layout", "Prediction", "Recipe", "Suggestion", "plan_run"]

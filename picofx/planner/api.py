@@ -3,13 +3,14 @@ and mesh that run the best of them.
 
     plans = picofx.plan(model, world=8, seq=4096, global_batch=256, gpu="h100")
     plans.best                     # the fastest plan that fits, as `picofx plan --json` writes it
-    opt = picofx.optimize(model, batch, passes=plans.passes(), mesh=ParallelMesh.build(**plans.mesh_shape()))
+    made = plans.recipe()          # its passes and mesh (picofx.planner.recipe)
+    opt = picofx.optimize(model, batch, passes=made.passes, mesh=made.mesh())
 
-The ranking is `picofx plan`'s own (picofx.cli.plan.plan_run). On the CPU (gpu "cpu", or
-None where torch sees no GPU) the device is calibrated here as `picofx plan --measure` calibrates
-it: one measured single-rank step of the model, and the link of the ranks (`link`: rates measured
-by `picofx.cost.device.calibrate_link` in the caller's process group; else measured on `world`
-gloo ranks spawned for it).
+The ranking is `picofx plan`'s own (picofx.planner.run.plan_run); the passes and mesh of a plan are
+the one recipe's (picofx.planner.recipe). On the CPU (gpu "cpu", or None where torch sees no GPU) the
+device is calibrated here as `picofx plan --measure` calibrates it: one measured single-rank step of
+the model, and the link of the ranks (`link`: rates measured by `picofx.cost.device.calibrate_link`
+in the caller's process group; else measured on `world` gloo ranks spawned for it).
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ import torch
 
 from picofx.cost.device import Device, device_for, devices
 from picofx.models.llama import LlamaConfig
-from picofx.cli.plan import PASSES, calibrated_cpu, plan_run, table
 from picofx.planner.compress import kinds_to_consider
-from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout, Prediction, Run
+from picofx.planner.costs import PASSES
+from picofx.planner.layouts import Layout, Prediction, Run
+from picofx.planner.measure import calibrated_device
 from picofx.planner.models import HF_KEYS, model_config
+from picofx.planner.recipe import Recipe, planned_recipe
+from picofx.planner.run import check_run, plan_run, table
 
 LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
 
@@ -42,43 +46,8 @@ def as_config(model) -> LlamaConfig:
                   if getattr(config, theirs, None) is not None}
         values.setdefault("num_key_value_heads", values["num_attention_heads"])
         return LlamaConfig(**values)
-    raise TypeError(f"picofx.planner.predict: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
+    raise TypeError(f"picofx.plan: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
                     "zoo name, a LlamaConfig, a Hugging Face config, or a model with a .config of one")
-
-
-def layout_passes(layout: Layout, compute=("fuse",), checkpoint_budget: int | None = None) -> list:
-    """The passes that run `layout`, in the order picofx.optimize takes them: the pipeline cut before
-    tensor parallel (which then splits each stage's graph), tensor parallel before the passes that
-    rewrite the linears it reads (`compute`: fuse, precision), data parallelism last. Micro-batches
-    without a pipeline are the caller's gradient accumulation (`opt.no_sync()`), not a pass."""
-    from picofx.manager import PASSES  # the passes by their registered names (the core imports no pass)
-
-    tensor_parallel = [PASSES["tensor_parallel"](sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
-    pipeline = [PASSES["pipeline"](stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches)] \
-        if layout.pp > 1 else []
-    checkpoint = [PASSES["checkpoint"](budget=checkpoint_budget, optimizer="adamw")] if layout.checkpoint else []
-    replicas = PASSES["shard"]() if layout.shard else PASSES["overlap"](compress=layout.compress)
-    data = [replicas] if layout.dp > 1 else []
-    if tensor_parallel and pipeline:
-        return [*pipeline, *tensor_parallel, *compute, *checkpoint, *data]
-    return [*tensor_parallel, *compute, *checkpoint, *pipeline, *data]
-
-
-def layout_mesh_shape(layout: Layout) -> dict:
-    """ParallelMesh.build's sizes for `layout`."""
-    return {"pp": layout.pp, "dp_replicate": 1 if layout.shard else layout.dp,
-            "dp_shard": layout.dp if layout.shard else 1, "tp": layout.tp}
-
-
-def unsupported(layout: Layout) -> str | None:
-    """Why picofx's passes cannot run `layout` together (None: they can)."""
-    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
-        return "replicated data parallel over tensor-parallel pipeline stages (use shard)"
-    if layout.sequence_parallel and layout.pp > 1:
-        return "sequence parallelism under a pipeline"
-    if layout.compress and layout.shard:
-        return "gradient compression is the replicated all-reduce's"
-    return None
 
 
 @dataclass
@@ -106,18 +75,21 @@ class Plans:
     def _chosen(self, index: int | None) -> Prediction:
         index = self.best_index if index is None else index
         if index is None:
-            raise ValueError(f"picofx.planner.predict: no plan fits {self.run.device.name}; the smallest needs "
+            raise ValueError(f"picofx.plan: no plan fits {self.run.device.name}; the smallest needs "
                              f"{min(p.memory_per_gpu for p in self.predictions) / 1e9:.1f} GB per GPU")
         return self.predictions[index]
 
+    def recipe(self, index: int | None = None) -> Recipe:
+        """The passes and mesh of plan `index` (default: the best)."""
+        return planned_recipe(self._chosen(index).layout, self.run.device, self.compute_passes)
+
     def passes(self, index: int | None = None) -> list:
-        """The passes of plan `index` (default: the best) for picofx.api."""
-        budget = int(self.run.device.memory_capacity * MAX_MEMORY_FRACTION)
-        return layout_passes(self._chosen(index).layout, self.compute_passes, budget)
+        """The passes of plan `index` (default: the best) for picofx.optimize."""
+        return self.recipe(index).passes
 
     def mesh_shape(self, index: int | None = None) -> dict:
         """ParallelMesh.build(**shape) of plan `index` (default: the best)."""
-        return layout_mesh_shape(self._chosen(index).layout)
+        return self.recipe(index).mesh_shape
 
     def table(self, top: int = 10) -> str:
         return table(self.predictions, top)
@@ -126,18 +98,18 @@ class Plans:
         return len(self.predictions)
 
 
-def _device(gpu, config: LlamaConfig, world: int, seq: int, global_batch: int, link, say):
+def _device(gpu, config: LlamaConfig, world: int, link, say):
     """The device the plans are predicted for, and the passes its costs assume."""
     if isinstance(gpu, Device):
         return gpu, PASSES
     if gpu is None:
         gpu = "cuda" if torch.cuda.is_available() else "cpu"
     if gpu == "cpu":
-        return calibrated_cpu(config, world, seq, global_batch, link=link, say=say), ("fuse",)
+        return calibrated_device(config, world, link=link, say=say), ("fuse",)
     if gpu.startswith("cuda"):
         return device_for(gpu), PASSES
     if gpu not in devices():
-        raise ValueError(f"picofx.planner.predict: gpu {gpu!r}; one of {', '.join(devices())}, 'cpu', 'cuda' or a Device")
+        raise ValueError(f"picofx.plan: gpu {gpu!r}; one of {', '.join(devices())}, 'cpu', 'cuda' or a Device")
     return devices()[gpu], PASSES
 
 
@@ -169,20 +141,22 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
     shard=True, microbatches=lambda m: m <= 8)."""
     unknown = set(limits) - LAYOUT_FIELDS
     if unknown:
-        raise TypeError(f"picofx.planner.predict: unknown limits {sorted(unknown)}; limits are Layout fields: "
+        raise TypeError(f"picofx.plan: unknown limits {sorted(unknown)}; limits are Layout fields: "
                         f"{sorted(LAYOUT_FIELDS)}")
     config = as_config(model)
+    check_run(config, model if isinstance(model, str) else "the model", gpus=world,
+              gpus_per_node=gpus_per_node or min(world, 8), seq=seq, global_batch=global_batch)
     on_cpu = gpu == "cpu" or (gpu is None and not torch.cuda.is_available()) or \
         (isinstance(gpu, Device) and "cpu" in gpu.name.lower())
     kinds = kinds_to_consider(compress, on_cpu=on_cpu)
-    device, compute = _device(gpu, config, world, seq, global_batch, link, say)
+    device, compute = _device(gpu, config, world, link, say)
     if memory is not None:
         device = dataclasses.replace(device, memory_capacity=memory)
     run, predictions = plan_run(config, gpus=world, gpus_per_node=gpus_per_node or min(world, 8), seq=seq,
                                 global_batch=global_batch, device=device, passes=compute, compress=kinds)
     kept = [p for p in predictions if _allowed(p.layout, limits)]
     if not kept:
-        raise ValueError(f"picofx.planner.predict: no layout of {world} GPUs with a global batch of {global_batch}"
+        raise ValueError(f"picofx.plan: no layout of {world} GPUs with a global batch of {global_batch}"
                          + (f" within the limits {limits}" if limits else "") + ": the batch must divide over the "
                          "data-parallel ranks and their micro-batches")
     return Plans(run, kept, compute)

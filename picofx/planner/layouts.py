@@ -1,6 +1,6 @@
 """Layouts of a training run over N GPUs (dp x tp x pp, sharded or replicated, micro-batches,
-checkpointing, sequence parallelism, compression), each predicted: memory per GPU, step time,
-what limits it, and what to change.
+checkpointing, sequence parallelism, compression), each predicted: memory per GPU, step time and
+what limits it (what to change: picofx.planner.suggest).
 
 Ranks are laid out as picofx's mesh lays them out (pp outermost, then data parallel, tp
 innermost), so a tp group stays within a node. Formulas, per micro-batch of b sequences of T tokens:
@@ -39,7 +39,15 @@ from picofx.planner.costs import ModelCosts
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
 ADAMW_TRAFFIC = 28            # bytes an AdamW step moves per fp32 parameter: reads p, g, m, v; writes p, m, v
-MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory (allocator fragmentation)
+MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory: the rest is kept for the allocator
+                             # and fragmentation
+BOTTLENECKS = {  # the step's time terms, as the bottleneck each names
+    "compute": "compute", "recompute": "recompute", "tensor_parallel_comm": "tensor-parallel communication",
+    "pipeline_sends": "pipeline activation sends", "bubble": "pipeline bubble",
+    "data_parallel_exposed": "exposed dp communication", "compression": "gradient compression",
+    "optimizer": "optimizer step",
+}
+DOES_NOT_FIT = "memory: does not fit"
 
 
 @dataclass(frozen=True)
@@ -73,14 +81,14 @@ class Prediction:
     fits: bool
     reason: str = ""
     bottleneck: str = ""
-    suggestions: list = field(default_factory=list)
+    suggestions: list = field(default_factory=list)  # picofx.planner.suggest.Suggestion, best first
     measured_step_s: float | None = None
 
     def as_json(self) -> dict:
         return {**dataclasses.asdict(self.layout), "memory_per_gpu": self.memory_per_gpu, "step_s": self.step_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits, "reason": self.reason,
-                "bottleneck": self.bottleneck, "suggestions": self.suggestions, "memory": self.memory,
-                "time": self.time, "measured_step_s": self.measured_step_s}
+                "bottleneck": self.bottleneck, "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
+                "memory": self.memory, "time": self.time, "measured_step_s": self.measured_step_s}
 
 
 @dataclass(frozen=True)
@@ -169,21 +177,25 @@ def predict(run: Run, layout: Layout) -> Prediction:
     prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
                             c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
     if not fits:
-        prediction.reason = (f"memory: needs {total / 1e9:.1f} GB per GPU, {run.device.name} has "
-                             f"{run.device.memory_capacity / 1e9:.1f} GB")
+        digits = 1 if round(total / 1e9, 1) != round(capacity / 1e9, 1) else 2  # 76.04 of 75.99: not "76.0 of 76.0"
+        prediction.reason = (f"memory: needs {total / 1e9:.{digits}f} GB per GPU of the {capacity / 1e9:.{digits}f} GB "
+                             f"usable ({MAX_MEMORY_FRACTION:.0%} of the {run.device.name}'s "
+                             f"{run.device.memory_capacity / 1e9:.1f} GB; the rest kept for the allocator and "
+                             "fragmentation)")
     prediction.bottleneck = bottleneck(prediction, dp_what)
     return prediction
 
 
 def bottleneck(p: Prediction, dp_what: str) -> str:
+    """What limits the plan: memory where it does not fit, else the largest overhead beyond compute
+    where it takes more than 15% of the step, else compute."""
     if not p.fits:
-        return "memory"
-    t = p.time
-    costs = {"pipeline bubble": t["bubble"], f"exposed {dp_what}": t["data_parallel_exposed"],
-             "tensor-parallel all-reduces": t["tensor_parallel_comm"], "recomputation": t["recompute"],
-             "pipeline activation sends": t["pipeline_sends"]}
-    name, seconds = max(costs.items(), key=lambda kv: kv[1])
-    return name if seconds > 0.15 * p.step_s else "compute"
+        return DOES_NOT_FIT
+    overheads = ("bubble", "data_parallel_exposed", "tensor_parallel_comm", "recompute", "pipeline_sends")
+    term = max(overheads, key=lambda t: p.time[t])
+    if p.time[term] <= 0.15 * p.step_s:
+        return BOTTLENECKS["compute"]
+    return f"{BOTTLENECKS[term]} ({dp_what})" if term == "data_parallel_exposed" else BOTTLENECKS[term]
 
 
 def valid(run: Run, layout: Layout) -> str | None:
@@ -241,46 +253,6 @@ def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
                 continue
         out.append(other)
     return out
-
-
-def suggestions(run: Run, p: Prediction) -> list[str]:
-    """Neighbouring layouts that are predicted faster (or that fit, where this one does not)."""
-    out, layout = [], p.layout
-    options = [("twice the micro-batches", dataclasses.replace(layout, microbatches=layout.microbatches * 2)),
-               ("half the micro-batches", dataclasses.replace(layout, microbatches=layout.microbatches // 2)),
-               ("checkpointing" if not layout.checkpoint else "no checkpointing",
-                dataclasses.replace(layout, checkpoint=not layout.checkpoint)),
-               ("sequence parallelism", dataclasses.replace(layout, sequence_parallel=True)),
-               ("sharded data parallel" if not layout.shard else "replicated data parallel",
-                dataclasses.replace(layout, shard=not layout.shard)),
-               ("bf16 gradient all-reduce", dataclasses.replace(layout, compress="bf16")),
-               ("int8 gradient exchange", dataclasses.replace(layout, compress="int8"))]
-    for what, other in options:
-        if other == layout or other.microbatches < 1 or valid(run, other) is not None:
-            continue
-        if (other.shard or other.compress) and other.dp == 1 or (other.sequence_parallel and other.tp == 1):
-            continue
-        if other.compress and other.shard:
-            continue
-        q = predict(run, other)
-        if not q.fits:
-            continue
-        if not p.fits:
-            out.append(f"{what}: fits ({q.memory_per_gpu / 1e9:.1f} GB per GPU), step {q.step_s * 1e3:.0f} ms")
-        elif q.step_s < p.step_s * 0.98:
-            change = f"step {100 * (q.step_s / p.step_s - 1):+.0f}%"
-            if other.compress != layout.compress:
-                change = f"exposed gradient exchange {exposed_ms(p):.0f} -> {exposed_ms(q):.0f} ms, " + change
-            if layout.pp > 1 and other.microbatches != layout.microbatches:
-                change = (f"bubble {100 * p.time['bubble'] / p.step_s:.0f}% -> "
-                          f"{100 * q.time['bubble'] / q.step_s:.0f}%, " + change)
-            out.append(f"{what} ({other.describe()}): {change}")
-    return out
-
-
-def exposed_ms(p: Prediction) -> float:
-    """The data-parallel exchange's exposed milliseconds, the compressor's compute included."""
-    return 1e3 * (p.time["data_parallel_exposed"] + p.time.get("compression", 0.0))
 
 
 def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:

@@ -1,9 +1,9 @@
 """`picofx plan --measure`: run the top plans for a few steps on this machine's ranks (gloo) and time them.
 
-Each plan becomes picofx's passes on a ParallelMesh of its layout (tensor_parallel, fuse, pipeline,
-shard or overlap), trains the model with AdamW on random tokens for a few steps (backend eager;
-gradient accumulation over the micro-batches where there is no pipeline), and reports the median
-step of its slowest rank.
+Each plan becomes picofx's passes on a ParallelMesh of its layout by the one recipe
+(picofx.planner.recipe: tensor_parallel, fuse, pipeline, shard or overlap), trains the model with
+AdamW on random tokens for a few steps (backend eager; gradient accumulation over the micro-batches
+where there is no pipeline), and reports the median step of its slowest rank.
 
 The device the predictions are made for is calibrated on the same number of single-threaded gloo
 ranks, all measuring at once, each figure the slowest rank's median (`lockstep_seconds`): so the
@@ -28,6 +28,7 @@ from picofx.cost.comm import all_reduce_steps
 from picofx.cost.device import Device, cpu
 from picofx.parallel.mesh import resolve_dim
 from picofx.parallel.launch import run_ranks
+from picofx.planner.recipe import recipe
 
 TIMEOUT_S = 900
 COPY_BYTES = 8 * 2**20
@@ -201,25 +202,6 @@ def link_rates(world: int) -> dict:
     return {**link, "link_latency": latency, "network_latency": latency}
 
 
-def measured_passes(layout) -> list:
-    """The passes of `layout`, in train_llama.py's order: under a pipeline the cut comes first and
-    tensor_parallel splits each stage's graph."""
-    from picofx.manager import PASSES  # the passes by their registered names (the core imports no pass)
-
-    tp = [PASSES["tensor_parallel"](sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
-    pipeline = [PASSES["pipeline"](stages=layout.pp, microbatches=layout.microbatches)] if layout.pp > 1 else []
-    data = ["shard" if layout.shard else "overlap"] if layout.dp > 1 else []
-    return [*pipeline, *tp, "fuse", *data] if tp else ["fuse", *pipeline, *data]
-
-
-def passes_and_mesh(layout):
-    from picofx.parallel import ParallelMesh
-
-    return measured_passes(layout), ParallelMesh.build(pp=layout.pp, tp=layout.tp,
-                                                       dp_shard=layout.dp if layout.shard else 1,
-                                                       dp_replicate=1 if layout.shard else layout.dp)
-
-
 def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: int, steps: int) -> tuple:
     """On one rank: the seconds of each of `steps` training steps (after two warm-ups: the first
     compiles, the second the gradient-accumulation variants), and the eager step's cost per graph op
@@ -229,12 +211,12 @@ def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: 
 
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(config, max_position_embeddings=max(seq, 8)))
-    passes, mesh = passes_and_mesh(layout)
+    made = recipe(layout, compute=["fuse"])
     replica_batch = global_batch // layout.dp
     micro = replica_batch if layout.pp > 1 else replica_batch // layout.microbatches
     ids = torch.randint(0, config.vocab_size, (micro, seq + 1), generator=torch.Generator().manual_seed(rank))
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-    opt = optimize(model, batch, passes, backend="eager", loss_fn=causal_lm_loss, mesh=mesh)
+    opt = optimize(model, batch, made.passes, backend="eager", loss_fn=causal_lm_loss, mesh=made.mesh())
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-4)
     probe, ops = eager_step(config)
     accumulate = 1 if layout.pp > 1 else layout.microbatches

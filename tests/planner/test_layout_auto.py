@@ -1,5 +1,5 @@
-"""torchrun ... examples/train_llama.py --layout auto: rank 0 plans, says which layout and why, every rank
-trains with it, and the loss falls."""
+"""torchrun ... -m picofx train --layout auto: rank 0 plans, says which layout and why, every rank trains
+with it, and the loss falls."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ RUN = ["--layout", "auto", "--backend", "eager", "--steps", "20", "--log-every",
 
 def launch(ranks: int, *options: str, timeout: int, auto: bool = True) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(ROOT / "examples" / "train_llama.py"), *(RUN if auto else RUN[2:]), *options]
+               "-m", "picofx", "train", *(RUN if auto else RUN[2:]), *options]
     env = {**os.environ, "PICOFX_CACHE": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -11,9 +11,7 @@ import torch
 import picofx
 from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.cli.train_layout import unrunnable
-from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
 from picofx.planner import plan_run
-from picofx.planner.api import layout_mesh_shape, layout_passes
 from picofx.planner.layouts import Layout
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
@@ -50,29 +48,7 @@ def test_limits_keep_only_the_layouts_asked_for():
         picofx.plan("llama-tiny", world=4, seq=32, global_batch=8, gpu="h100", stages=2)
 
 
-@pytest.mark.parametrize("layout, kinds, mesh", [
-    (Layout(4, 1, 1), ["fuse", Overlap], {"dp_replicate": 4}),
-    (Layout(4, 1, 1, shard=True), ["fuse", Shard], {"dp_shard": 4}),
-    (Layout(2, 2, 1, sequence_parallel=True), [TensorParallel, "fuse", Overlap], {"dp_replicate": 2, "tp": 2}),
-    (Layout(2, 1, 2, microbatches=4), ["fuse", Pipeline, Overlap], {"pp": 2, "dp_replicate": 2}),
-    (Layout(2, 2, 2, shard=True, microbatches=2), [Pipeline, TensorParallel, "fuse", Shard],
-     {"pp": 2, "dp_shard": 2, "tp": 2}),
-    (Layout(4, 1, 1, checkpoint=True, compress="bf16"), ["fuse", Checkpoint, Overlap], {"dp_replicate": 4}),
-], ids=["dp", "shard", "tp-sp", "pp-dp", "pp-shard-tp", "ckpt-bf16"])
-def test_each_layout_kind_gives_its_passes_in_the_order_optimize_needs(layout, kinds, mesh):
-    passes = layout_passes(layout, ("fuse",), checkpoint_budget=1 << 30)
-    assert [p if isinstance(p, str) else type(p) for p in passes] == kinds
-    assert layout_mesh_shape(layout) == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, **mesh}
-    for p in passes:
-        if isinstance(p, Pipeline):
-            assert (p.stages, p.microbatches, p.schedule) == (layout.pp, layout.microbatches, layout.schedule)
-        if isinstance(p, TensorParallel):
-            assert p.sequence_parallel == layout.sequence_parallel
-        if isinstance(p, Overlap):
-            assert p.compress == layout.compress
-
-
-def test_train_llama_runs_what_picofx_runs_without_accumulation_or_checkpointing():
+def test_picofx_train_runs_what_picofx_runs_without_accumulation_or_checkpointing():
     assert unrunnable(Layout(4, 1, 1)) is None and unrunnable(Layout(2, 2, 2, shard=True, microbatches=2)) is None
     assert "micro-batches" in unrunnable(Layout(4, 1, 1, microbatches=2))
     assert "checkpointing" in unrunnable(Layout(4, 1, 1, checkpoint=True))

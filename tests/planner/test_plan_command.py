@@ -5,9 +5,16 @@ import json
 
 import pytest
 
+import dataclasses
+
+import picofx
 from picofx.cli import main
+from picofx.cost.device import devices
 from picofx.cost.shard import ADAMW_STATE_BYTES
 from picofx.planner import plan_run
+from picofx.planner.costs import ModelCosts
+from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout, Run, predict
+from picofx.planner.models import model_config, parameter_count
 
 
 def sound(predictions, run) -> None:
@@ -51,6 +58,14 @@ def test_the_command_prints_a_table_and_writes_every_plan_as_json(tmp_path, caps
             "step_s", "tokens_per_s", "mfu", "fits", "bottleneck", "suggestions", "measured_step_s"}
     assert keys <= set(data["plans"][0])
     assert {(p["dp"] * p["tp"] * p["pp"]) for p in data["plans"]} == {4}
+    suggestion = {"change", "addresses", "step_seconds_gain", "memory_bytes_gain", "layout"}
+    assert all(p["suggestions"] and set(p["suggestions"][0]) == suggestion for p in data["plans"])
+    assert printed.count("  -> ") == min(10, len(data["plans"]))  # each row's best suggestion
+    best = data["plans"][0]
+    assert data["recipe"]["mesh"] == {"pp": best["pp"], "tp": best["tp"],
+                                      "dp_replicate": 1 if best["shard"] else best["dp"],
+                                      "dp_shard": best["dp"] if best["shard"] else 1}
+    assert f"plan 0 runs as passes [{data['recipe']['passes']}]" in printed
 
 
 def test_bad_input_is_one_line_and_status_2(capsys):
@@ -67,3 +82,37 @@ def test_measure_runs_the_top_plans_on_gloo_ranks_and_prints_predicted_against_m
     assert "predicted s" in printed and "measured s" in printed and "calibrated:" in printed
     measured = [p for p in json.loads(out.read_text())["plans"] if p["measured_step_s"] is not None]
     assert len(measured) >= 3 and all(p["measured_step_s"] > 0 for p in measured)
+
+
+def test_a_plan_that_does_not_fit_names_the_headroom_the_planner_keeps():
+    """A step that needs less than the GPU has, but more than the planner lets it use."""
+    config = model_config("llama-tiny")
+    costs = ModelCosts(config, 32, 1e-3, 2e-3, 4 * 10**9, 1e-3, 2e-3, 10**8, 10**8, parameter_count(config), 1e6)
+    layout = Layout(4, 1, 1)
+    needs = predict(Run(costs, devices()["h100"], 4, 4, 8), layout).memory_per_gpu
+    gpu = dataclasses.replace(devices()["h100"], memory_capacity=int(needs / (MAX_MEMORY_FRACTION + 0.02)))
+    p = predict(Run(costs, gpu, 4, 4, 8), layout)
+    assert needs < gpu.memory_capacity and not p.fits
+    usable = gpu.memory_capacity * MAX_MEMORY_FRACTION
+    assert p.reason == (f"memory: needs {needs / 1e9:.1f} GB per GPU of the {usable / 1e9:.1f} GB usable "
+                        f"({MAX_MEMORY_FRACTION:.0%} of the {gpu.name}'s {gpu.memory_capacity / 1e9:.1f} GB; the rest "
+                        "kept for the allocator and fragmentation)")
+
+
+def test_a_sequence_past_the_models_positions_is_refused(capsys):
+    assert main(["plan", "llama2-7b", "--gpus", "8", "--seq", "100000", "--global-batch", "256"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "100,000 tokens" in err and "llama2-7b's 4,096 positions" in err
+    assert "at most 4,096 tokens" in err
+    with pytest.raises(ValueError, match="4,096 positions"):
+        picofx.plan("llama2-7b", world=8, seq=100_000, global_batch=256, gpu="h100")
+
+
+def test_no_gpus_is_refused_naming_gpus_not_the_batch(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "llama-tiny", "--gpus", "0", "--global-batch", "8"])
+    err = capsys.readouterr().err
+    error = err.splitlines()[-1]
+    assert stop.value.code == 2 and error == "picofx plan: error: argument --gpus: must be at least 1, got 0"
+    with pytest.raises(ValueError, match="the number of GPUs must be at least 1, got 0"):
+        picofx.plan("llama-tiny", world=0, seq=32, global_batch=8, gpu="h100")

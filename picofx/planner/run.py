@@ -1,0 +1,76 @@
+"""Every layout of a training run, predicted and ranked with its suggestions, and the tables that show
+them: what `picofx plan`, `picofx.plan(...)` and `picofx train --layout auto` plan with."""
+from __future__ import annotations
+
+from picofx.cost.device import devices
+from picofx.cost.model import CostModel
+from picofx.models.llama import LlamaConfig
+from picofx.planner.compress import kinds_to_consider
+from picofx.planner.costs import PASSES, model_costs
+from picofx.planner.layouts import Prediction, Run, plan_layouts
+from picofx.planner.models import model_config
+from picofx.planner.suggest import Planned, suggest
+
+
+def check_run(config: LlamaConfig, name: str, *, gpus: int, gpus_per_node: int, seq: int, global_batch: int) -> None:
+    """Refuse, naming what to change, a run the planner cannot plan (ValueError)."""
+    for what, value in (("the number of GPUs", gpus), ("GPUs per node", gpus_per_node), ("the sequence length", seq),
+                        ("the global batch", global_batch)):
+        if value < 1:
+            raise ValueError(f"{what} must be at least 1, got {value}")
+    limit = config.max_position_embeddings
+    if seq > limit:
+        raise ValueError(f"a sequence of {seq:,} tokens is longer than {name}'s {limit:,} positions "
+                         f"(max_position_embeddings): plan sequences of at most {limit:,} tokens, or a model "
+                         "configured for longer ones")
+
+
+def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
+             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list[Prediction]]:
+    """Every layout of `model` (a name or path as `picofx plan` takes it, or a LlamaConfig) over `gpus`,
+    predicted and ranked (those that fit first, fastest first), each with its suggestions. `device`: a
+    picofx.cost.device.Device instead of the `gpu` kind's entry. `compress`: the compressors replicated
+    layouts are also planned with (picofx.planner.compress.kinds_to_consider; None: the device's defaults)."""
+    on_cpu = gpu == "cpu" if device is None else "cpu" in device.name.lower()
+    kinds = kinds_to_consider(compress, on_cpu=on_cpu)
+    config = model if isinstance(model, LlamaConfig) else model_config(model)
+    check_run(config, model if isinstance(model, str) else "the model", gpus=gpus, gpus_per_node=gpus_per_node,
+              seq=seq, global_batch=global_batch)
+    device = device or devices()[gpu]
+    run = Run(model_costs(config, seq, CostModel(device), passes), device, gpus, min(gpus_per_node, gpus),
+              global_batch)
+    predictions = plan_layouts(run, kinds)
+    planned = Planned(predictions)
+    for p in predictions:
+        p.suggestions = suggest(p, planned)
+    return run, predictions
+
+
+def table(predictions: list[Prediction], top: int) -> str:
+    """The first `top` plans, a row each, with the best suggestion under it."""
+    head = (f"{'#':>3} {'layout':36s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
+            f"{'fits':4s}  bottleneck")
+    rows = [head, "-" * len(head)]
+    for i, p in enumerate(predictions[:top]):
+        rows.append(f"{i:>3} {p.layout.describe():36s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
+                    f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
+        if p.suggestions:
+            rows.append(f"{'':>4}  -> {p.suggestions[0].describe(p)}")
+    return "\n".join(rows)
+
+
+def measured_table(measured: list[Prediction]) -> str:
+    """Predicted against measured: is each prediction within 35%, and is the plan predicted fastest
+    within 15% of the measured fastest."""
+    rows = [f"{'layout':36s} {'predicted s':>12} {'measured s':>11} {'error':>7}"]
+    errors = []
+    for p in measured:
+        error = p.step_s / p.measured_step_s - 1
+        errors.append(abs(error))
+        rows.append(f"{p.layout.describe():36s} {p.step_s:12.4f} {p.measured_step_s:11.4f} {error:+7.0%}")
+    fastest = min(p.measured_step_s for p in measured)
+    chosen = measured[0].measured_step_s / fastest - 1
+    rows.append(f"every prediction within 35%: {'yes' if max(errors) <= 0.35 else 'no'} (worst {max(errors):.0%}); "
+                f"the plan predicted fastest is {chosen:.0%} slower than the measured fastest "
+                f"({'within' if chosen <= 0.15 else 'outside'} 15%)")
+    return "\n".join(rows)

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch.utils._ordered_set import OrderedSet
 
 from picofx.capture.annotate import fake_mode_of
 from picofx.compression.state import CompressionState
@@ -223,7 +222,7 @@ class Emitter:
         """Write `value` into the state buffer `kept` in place. Inductor otherwise takes a buffer of
         up to 8 elements (a relative error's) for a constant and inlines it, dropping the write; the
         graph's mutated_named_buffers keeps it a buffer."""
-        self.gm.meta.setdefault("mutated_named_buffers", OrderedSet()).add(kept.target)
+        self.gm.meta.setdefault("mutated_named_buffers", set()).add(kept.target)
         self(aten.copy_.default, kept, value)
 
     def residuals(self, b: Bucket) -> list[fx.Node]:

@@ -14,7 +14,7 @@ from picofx.capture.explain import argument_name, call_arguments
 from picofx.capture.export import Signature, capture_call, input_changes, input_key, split_inputs
 from picofx.cost.model import CostModel
 from picofx.errors import InputShapeError
-from picofx.manager import Context, PassManager, Stage, pass_info, resolve_passes
+from picofx.manager import Context, PassManager, Stage, SyncMode, pass_info, resolve_passes
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
@@ -97,9 +97,12 @@ def forward_context(model: nn.Module, signature: Signature, inputs: list, *, bac
 
 
 def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instruments, options,
-               cost_model, cache: GraphCache | None = None, mesh=None, gradient_sync: str = "sync") -> CompiledStep:
+               cost_model, cache: GraphCache | None = None, mesh=None,
+               gradient_sync: SyncMode = SyncMode.SYNC) -> CompiledStep:
     """One capture and compilation, for the call's input shapes. The order of stages is fixed:
-    forward passes see the captured graph; joint and partitioned passes run inside compilation."""
+    forward passes see the captured graph; joint and partitioned passes run inside compilation.
+    Within a stage the passes run in the order the manager put them in (their declared constraints,
+    else as given); the report says when that is not the order given."""
     manager = PassManager(passes, verify=verify, instruments=instruments)
     args, kwargs = captured_inputs(manager, args, kwargs)
     key, entry, cache_note = None, None, None
@@ -119,6 +122,8 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
                         capture_seconds=time.perf_counter() - start,
                         records=cached_records(entry) if entry else manager.records,
                         sections={"cache": cache_note} if cache_note else {})
+        if manager.order_changes:
+            report.sections["pass order"] = manager.order_changes
         inputs = graph_inputs(signature, model, args, kwargs)
         gm = prepared_graph(entry, inputs, signature) if entry else gm
         ctx = forward_context(model, signature, inputs, backend=backend, cost_model=cost_model, options=options,
@@ -127,10 +132,6 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         manager.announce("captured", gm, ctx)
         graphs = [gm] if entry else manager.run(Stage.FORWARD, gm, ctx)
     if len(graphs) != 1:  # pipeline stages: this rank compiles and runs its own
-        if recorded(gm).tensor_parallel is not None and recorded(graphs[0]).tensor_parallel is None:
-            raise ValueError("tensor_parallel ran on the whole step before pipeline cut it, so no stage knows "
-                             "its split parameters: list it after the pipeline, passes=[Pipeline(...), "
-                             "TensorParallel(), ...], to split each stage's graph over its tp ranks.")
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend=backend)
         return step
@@ -189,11 +190,11 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_first_call", (args, kwargs))
         self._step_for(args, kwargs)
 
-    def _step_for(self, args: tuple, kwargs: dict, gradient_sync: str = "sync") -> CompiledStep:
+    def _step_for(self, args: tuple, kwargs: dict, gradient_sync: SyncMode = SyncMode.SYNC) -> CompiledStep:
         key = (self._model.training, input_key(args, kwargs), gradient_sync)
         step = self._steps.get(key)
         if step is None:
-            if self._steps and not self._recapture and gradient_sync == "sync":
+            if self._steps and not self._recapture and gradient_sync is SyncMode.SYNC:
                 raise InputShapeError(describe_input_change(*self._first_call, args, kwargs))
             start = time.perf_counter()
             step = build_step(self._model, args, kwargs, **self._build_options, gradient_sync=gradient_sync)
@@ -201,7 +202,7 @@ class OptimizedModule(nn.Module):
                 first_mode = next(iter(self._steps))[0]
                 changed = [input_changes(*self._first_call, args, kwargs),
                            ("train" if key[0] else "eval") + " mode" if key[0] != first_mode else "",
-                           f"gradient sync {gradient_sync}" if gradient_sync != "sync" else ""]
+                           f"gradient sync {gradient_sync}" if gradient_sync is not SyncMode.SYNC else ""]
                 notices().info(f"{'; '.join(c for c in changed if c) or 'new call'}: captured and compiled "
                                f"again in {time.perf_counter() - start:.1f}s (recompilation {len(self._steps)})")
             self._steps[key] = step
@@ -211,7 +212,7 @@ class OptimizedModule(nn.Module):
     def forward(self, *args, **kwargs):
         step = self._step_for(args, kwargs)
         mode = self._sync.mode(step.graphs, shard_layout(step))
-        if mode != "sync":  # no_sync, the first synced call after it, or a warm-up step: a variant of the backward
+        if mode is not SyncMode.SYNC:  # no_sync, the synced call after it, or a warm-up step: a variant of the backward
             step = self._step_for(args, kwargs, mode)
             self._sync.before_call(mode, step.graphs, self._model)
         return step(self._model, args, kwargs)
@@ -324,8 +325,10 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
              progress=None, mesh=None) -> OptimizedModule:
     """Capture `model`'s training step on `example_inputs`, run `passes`, compile with `backend`.
 
-    passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order;
-               each runs at its own stage.
+    passes:    names ("fuse") or pass objects (picofx.passes.Checkpoint(budget="8GiB")), any order:
+               each runs at its own stage, and where a pass declares it must run before or after
+               another (tensor_parallel before fuse and shard, ...) the manager orders them so
+               (opt.report's "pass order" says when it did); otherwise they run in the order given.
     backend:   "inductor" (torch.compile's code generation) or "eager" (run the graphs as they are).
     loss_fn:   for models that return logits: `loss_fn(output, labels)`; the call then passes `labels=`.
     verify:    after every pass, "invariants" (default), "numerics" (also compare outputs and gradients
@@ -334,7 +337,7 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
     progress:  a function of one string (e.g. print) told each step (capture, each pass, compile)
                as it finishes, with its time.
     recapture: a call with other input shapes captures and compiles again; False raises instead.
-    cost_model: what passes predict time and memory with (default: picofx.cost_model.CostModel for
+    cost_model: what passes predict time and memory with (default: picofx.cost.model.CostModel for
                the inputs' device; pass one built on a calibrated picofx.cost.device description).
     mesh:      the run's layout of ranks (picofx.parallel.ParallelMesh, or a DeviceMesh whose
                dimensions are named "pp", "dp_replicate", "dp_shard", "tp"); by default, under

@@ -111,7 +111,7 @@ def test_inductor_training_step_matches_eager_and_runs_every_stage():
         def watcher(gm, ctx):
             seen.append((ctx.stage, ctx.graph_role))
             return picofx.PassResult()
-        watcher.stage = stage
+        watcher.info = picofx.manager.PassInfo(stage)
         return watcher
 
     passes = [watch(s) for s in picofx.Stage]

@@ -6,7 +6,7 @@ import torch
 
 import picofx
 from picofx.models import zoo
-from picofx.manager import PassInfo, PassManager, Stage
+from picofx.manager import GraphRole, PassInfo, PassManager, Stage
 from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
 aten = torch.ops.aten
@@ -107,11 +107,11 @@ def test_unknown_pass_name_lists_the_available_ones():
         PassManager(["fusee"])
 
 
-def test_dataclass_pass_with_options_and_stage(llama):
+def test_dataclass_pass_with_options_declared_at_the_joint_stage(llama):
     @dataclass(frozen=True)
     class CountNodes:
         label: str = "nodes"
-        stage = Stage.JOINT
+        info = PassInfo(Stage.JOINT)
 
         def __call__(self, gm, ctx):
             return picofx.PassResult(notes={self.label: len(gm.graph.nodes), "role": ctx.graph_role})
@@ -119,7 +119,7 @@ def test_dataclass_pass_with_options_and_stage(llama):
     opt = picofx.optimize(llama.model, llama.example_inputs, [CountNodes("joint_nodes")], backend="eager",
                           loss_fn=llama.loss_fn)
     (record,) = opt.report.records
-    assert record.stage is Stage.JOINT and record.notes["role"] == "joint"
+    assert record.stage is Stage.JOINT and record.notes["role"] is GraphRole.JOINT
     assert record.notes["joint_nodes"] == len(opt.graphs["joint"].graph.nodes)
 
 
@@ -133,7 +133,7 @@ def test_joint_stage_numerics_catch_a_wrong_pass(llama):
         out.args = (type(out.args[0])(grads),)
         return picofx.PassResult(changed=True)
 
-    scale_gradients.stage = Stage.JOINT
+    scale_gradients.info = PassInfo(Stage.JOINT)
     with pytest.raises(picofx.PassError, match="scale_gradients' \\(joint stage, joint graph\\) failed verification"):
         picofx.optimize(llama.model, llama.example_inputs, [scale_gradients], backend="eager",
                         loss_fn=llama.loss_fn, verify="numerics")

@@ -11,7 +11,7 @@ from torch import fx
 
 import picofx
 from picofx.models import zoo
-from picofx.manager import Stage, register_pass
+from picofx.manager import PassInfo, Stage, register_pass
 from picofx.manager.passes import PASSES, RegisteredPass, pass_name, pass_stage
 from picofx.testing import assert_trains_like_eager, captured, run_pass
 
@@ -63,7 +63,7 @@ def breaking_pass(break_graph, stage, role, *, raises: bool):
                 raise RuntimeError("gave up halfway")
         return picofx.PassResult(changed=True)
 
-    return RegisteredPass(broken, f"break_{break_graph.__name__}", stage)
+    return RegisteredPass(broken, f"break_{break_graph.__name__}", PassInfo(stage))
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_one_function_registered_twice_gives_two_passes():
 
 def test_a_class_registered_twice_keeps_each_name():
     class Noop:
-        stage = Stage.JOINT
+        info = PassInfo(Stage.JOINT)
 
         def __call__(self, gm, ctx):
             return picofx.PassResult()
@@ -183,7 +183,7 @@ def test_a_class_registered_twice_keeps_each_name():
         second = register_pass("noop_second")(Noop)
         assert (pass_name(first()), pass_name(second())) == ("noop_first", "noop_second")
         assert pass_stage(first()) is pass_stage(second()) is Stage.JOINT and isinstance(second(), Noop)
-        with pytest.raises(ValueError, match="Noop declares stage Stage.JOINT"):
+        with pytest.raises(ValueError, match="Noop is a class, which declares itself"):
             register_pass("noop_third", Stage.FORWARD)(Noop)
     finally:
         for name in ("noop_first", "noop_second", "noop_third"):

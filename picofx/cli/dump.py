@@ -196,7 +196,7 @@ def add_pass_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of every registered pass, from its dataclass fields: --pipeline.microbatches 8."""
     for name in sorted(PASSES):
         options = pass_options(name)
-        stage = pass_stage(PASSES[name])
+        stage = pass_stage(PASSES[name]())  # the pass with its default options declares it
         python_only = [o.name for o in options if not o.from_text]
         described = "no options" if not options else \
             f"options only Python can give: {', '.join(python_only)}" if python_only else None
@@ -214,7 +214,7 @@ def pass_summary() -> str:
     """One line per registered pass: its stage and its options with their defaults."""
     lines = []
     for name in sorted(PASSES):
-        stage = pass_stage(PASSES[name])
+        stage = pass_stage(PASSES[name]())  # the pass with its default options declares it
         shown = ", ".join(f"{o.name}={o.default!r}" for o in pass_options(name))
         lines.append(f"  {name:<12} {stage.value} stage; options: {shown or 'none'}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
-"""The manager that runs passes stage by stage, measures them and rolls them back.
+"""The manager that orders the passes, runs them stage by stage, measures them and rolls them back.
 
-The manager, not the pass, measures time and node counts, re-annotates, verifies and restores
-the previous graph when the pass fails.
+The manager, not the pass, puts the passes in an order their declarations allow
+(picofx.manager.order), measures time and node counts, re-annotates, verifies and restores the
+previous graph when a pass fails.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import fx
 
 from picofx.capture.annotate import annotate
 from picofx.errors import BudgetError, PassBudgetError, PassError, VerificationError
+from picofx.manager.order import run_order
 from picofx.manager.passes import Context, PassRecord, PassResult, Stage, pass_info, pass_name, resolve_passes, runs_at
 from picofx.manager.verify import check_invariants, check_numerics, check_structure
 
@@ -89,7 +91,8 @@ class PassManager:
     def __init__(self, passes, *, verify: str | None = "invariants", instruments=()):
         if verify not in (None, "invariants", "numerics"):
             raise ValueError(f"verify must be None, 'invariants' or 'numerics', got {verify!r}")
-        self.passes = resolve_passes(passes)
+        # the order they run in, and when it is not the order given, what moved and why (for the report)
+        self.passes, self.order_changes = run_order(resolve_passes(passes))
         self.verify = verify
         self.instruments = list(instruments)
         self.records: list[PassRecord] = []

@@ -1,12 +1,14 @@
-"""What a pass is: its stage, its context, its result, its record; the registry of pass names.
+"""What a pass is: its declaration, its context, its result, its record; the registry of pass names.
 
 A pass is `(gm, ctx) -> PassResult`: a plain function registered with `register_pass`, or a
-frozen dataclass with `__call__` when it has options. It declares what it is with a `PassInfo`
-(`info`: its stage, the mesh dimensions it works over, whether it communicates, splits the graph
-or measures), or only its stage with a `stage` attribute (a function may instead be given one by
-`register_pass`). The manager checks the declarations; the runtime reads them. Names resolve through
-`PASSES`, which the passes fill when they are imported (`import picofx` imports picofx's own);
-the core never imports a pass.
+frozen dataclass with `__call__` when it has options. It declares what it is once, in a
+`PassInfo`: its stage, the passes it must run before or after, the mesh dimensions it works over,
+whether it communicates, splits the graph or measures. A class holds it as `info` (a class
+attribute, or a property when it depends on the options); a function gets it from
+`register_pass(name, Stage.JOINT)` or `register_pass(name, PassInfo(...))`, or as its own `info`
+attribute. A pass that declares nothing is a forward pass. Everything reads a declaration through
+`pass_info(p)`. Names resolve through `PASSES`, which the passes fill when they are imported
+(`import picofx` imports picofx's own); the core never imports a pass.
 """
 from __future__ import annotations
 
@@ -27,6 +29,23 @@ class Stage(enum.Enum):
     PARTITIONED = "partitioned"  # the forward and backward graphs after partitioning
 
 
+class GraphRole(enum.StrEnum):
+    """Which graph a pass is given (`ctx.graph_role`)."""
+
+    FORWARD = "forward"    # the captured forward graph, or the forward graph after partitioning
+    JOINT = "joint"
+    BACKWARD = "backward"
+
+
+class SyncMode(enum.StrEnum):
+    """How the step's backward synchronises data-parallel gradients (`ctx.gradient_sync`)."""
+
+    SYNC = "sync"
+    LOCAL = "local"                           # inside no_sync(): each rank keeps its own gradients
+    SYNC_ACCUMULATED = "sync_accumulated"     # the first synced step after no_sync: adds what accumulated
+    SYNC_UNCOMPRESSED = "sync_uncompressed"   # a compressor's warm-up steps: whole gradients
+
+
 @dataclass
 class PassResult:
     changed: bool = False
@@ -38,11 +57,17 @@ class PassResult:
 
 @dataclass(frozen=True)
 class PassInfo:
-    """What a pass declares about itself. The manager checks it before anything is captured; the
-    runtime reads it (never the pass's other attributes)."""
+    """What a pass declares about itself. The manager checks it before anything is captured and
+    orders the passes by it; the runtime reads it (never the pass's other attributes).
+
+    runs_before / runs_after name other passes (by registered name) that, when they are given too,
+    must run after / before this one: the manager sorts the passes it is given to honour them and
+    otherwise keeps the caller's order."""
 
     stage: Stage = Stage.FORWARD
     also_at: tuple[Stage, ...] = ()  # later stages it runs at too (it reads ctx.stage to know which)
+    runs_before: tuple[str, ...] = ()
+    runs_after: tuple[str, ...] = ()
     mesh_dims: tuple[str, ...] = ()  # the parallel mesh's dimensions it works over ("dp_replicate", "pp", ...)
     mesh_size: int | None = None     # the size it needs on the first of them, if any (a pipeline's stages)
     communicates: bool = False       # it inserts collectives: compiled keeping them overlapped; layouts checked
@@ -52,6 +77,19 @@ class PassInfo:
     replans: bool = False            # after a real step is measured it may re-plan (`after_measured_step`)
     plans_partition: bool = False    # it decides what the backward saves: picofx's partitioner runs
     tags_only: bool = False          # it only writes node.meta tags: no graph copy before it, no re-annotation
+
+    def __post_init__(self):
+        if not isinstance(self.stage, Stage) or not all(isinstance(s, Stage) for s in self.also_at):
+            raise TypeError(f"PassInfo: stage and also_at are picofx.Stage values, got {self.stage!r}, "
+                            f"{self.also_at!r}")
+        for field_name in ("runs_before", "runs_after", "also_at", "mesh_dims"):
+            if not isinstance(getattr(self, field_name), tuple):
+                raise TypeError(f"PassInfo({field_name}=...): a tuple, e.g. {field_name}=('shard',), "
+                                f"got {getattr(self, field_name)!r}")
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return (self.stage, *self.also_at)
 
 
 @dataclass
@@ -65,11 +103,10 @@ class Context:
     options: dict[str, Any] = field(default_factory=dict)  # the user's `optimize(options=...)`
     cost_model: Any = None
     stage: Stage = Stage.FORWARD
-    graph_role: str = "forward"    # "forward", "joint" or "backward"
+    graph_role: GraphRole = GraphRole.FORWARD
     mesh: Any = None               # picofx.parallel.ParallelMesh of the run (None: one process)
     input_names: list | None = None  # the graph's inputs' parameter names (None for other inputs)
-    gradient_sync: str = "sync"    # "sync", "local" (no_sync), "sync_accumulated" (the call after), or
-                                   # "sync_uncompressed" (overlap's warm-up steps)
+    gradient_sync: SyncMode = SyncMode.SYNC
     cache_directory: str | None = None  # the on-disk cache's directory, when it is on
 
 
@@ -77,7 +114,7 @@ class Context:
 class PassRecord:
     name: str
     stage: Stage
-    graph_role: str
+    graph_role: GraphRole
     seconds: float
     nodes_before: int
     nodes_after: int
@@ -97,54 +134,52 @@ PASSES: dict[str, Callable[[], Callable]] = {}
 
 @dataclass(frozen=True)
 class RegisteredPass:
-    """A function registered as a pass: its own name and stage, so one function registered under
-    two names (and stages) gives two passes. Calls the function."""
+    """A function registered as a pass: its own name and declaration, so one function registered
+    under two names (and stages) gives two passes. Calls the function."""
 
     function: Callable
     pass_name: str
-    stage: Stage
-
-    @property
-    def info(self) -> PassInfo:
-        return PassInfo(self.stage)
+    info: PassInfo
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         return self.function(gm, ctx)
 
 
-def register_pass(name: str, stage: Stage | None = None):
-    """Register a pass under `name`: a function `(gm, ctx) -> PassResult` or a dataclass type
-    whose no-argument instance is the pass with default options. `stage` defaults to the one the
-    pass declares (a `stage` attribute), else Stage.FORWARD. A function comes back as a
-    RegisteredPass with this name and stage; registering it again gives another pass."""
+def register_pass(name: str, declared: Stage | PassInfo | None = None):
+    """Register a pass under `name`: a function `(gm, ctx) -> PassResult`, or a dataclass type
+    whose no-argument instance is the pass with default options. A class declares itself (its
+    `info`); a function is declared here by `declared`, a Stage or a whole PassInfo (default: the
+    function's own `info`, else a forward pass). A function comes back as a RegisteredPass with
+    this name and declaration; registering it again gives another pass."""
 
     def register(obj):
         if name in PASSES:
             raise ValueError(f"register_pass: a pass named {name!r} is already registered")
         if isinstance(obj, type):
-            obj = _registered_class(obj, name, stage)
+            if declared is not None:
+                raise ValueError(f"register_pass({name!r}, {declared}): {obj.__name__} is a class, which declares "
+                                 "itself: give it `info = PassInfo(...)` and register it with register_pass(name)")
+            obj = _named_class(obj, name)
             PASSES[name] = obj
             return obj
         function = obj.function if isinstance(obj, RegisteredPass) else obj
-        registered = RegisteredPass(function, name, stage or getattr(function, "stage", Stage.FORWARD))
+        if declared is None:
+            info = pass_info(obj)
+        else:
+            info = declared if isinstance(declared, PassInfo) else PassInfo(declared)
+        registered = RegisteredPass(function, name, info)
         PASSES[name] = lambda: registered
         return registered
 
     return register
 
 
-def _registered_class(cls: type, name: str, stage: Stage | None) -> type:
-    """`cls` named `name`, at the stage it declares (or `stage` when it declares none). A class
-    registered before, under another name, is subclassed, so each registration keeps its name."""
-    declared = getattr(cls, "stage", None)
-    if stage is not None and declared is not None and stage is not declared:
-        raise ValueError(f"register_pass({name!r}, {stage}): {cls.__name__} declares stage {declared}; "
-                         "drop the stage argument or the class's `stage` attribute")
+def _named_class(cls: type, name: str) -> type:
+    """`cls` named `name`. A class registered before, under another name, is subclassed, so each
+    registration keeps its name."""
     if "pass_name" in cls.__dict__:
-        return type(cls.__name__, (cls,), {"pass_name": name, "stage": declared or stage or Stage.FORWARD,
-                                           "__module__": cls.__module__, "__doc__": cls.__doc__})
+        return type(cls.__name__, (cls,), {"pass_name": name, "__module__": cls.__module__, "__doc__": cls.__doc__})
     cls.pass_name = name
-    cls.stage = declared or stage or Stage.FORWARD
     return cls
 
 
@@ -183,9 +218,9 @@ def pass_name(p) -> str:
 
 
 def pass_info(p) -> PassInfo:
-    """What pass `p` declares: its `info`, else a PassInfo of its `stage` alone (a user's pass)."""
+    """What pass `p` declares: its `info`; a pass that declares nothing is a forward pass."""
     info = getattr(p, "info", None)
-    return info if isinstance(info, PassInfo) else PassInfo(getattr(p, "stage", Stage.FORWARD))
+    return info if isinstance(info, PassInfo) else PassInfo()
 
 
 def pass_stage(p) -> Stage:
@@ -193,8 +228,7 @@ def pass_stage(p) -> Stage:
 
 
 def runs_at(p, stage: Stage) -> bool:
-    info = pass_info(p)
-    return info.stage is stage or stage in info.also_at
+    return stage in pass_info(p).stages
 
 
 def check_declarations(passes: list) -> None:
@@ -205,9 +239,10 @@ def check_declarations(passes: list) -> None:
         raise ValueError(f"passes {splitting} each split the step into pipeline stages; use one of them.")
     for p in passes:
         info, name = pass_info(p), pass_name(p)
-        stage = getattr(p, "stage", info.stage)
-        if stage is not info.stage:
-            raise ValueError(f"pass {name!r} declares stage {info.stage} in its info and {stage} as `stage`.")
+        stage = getattr(p, "stage", None)
+        if isinstance(stage, Stage):  # a declaration of old, which the manager would no longer read
+            raise ValueError(f"pass {name!r} declares `stage = {stage}`; a pass declares itself once, in its "
+                             f"PassInfo: info = PassInfo({stage}) (a function: register_pass({name!r}, {stage})).")
         if info.splits_graph and (info.stage is not Stage.FORWARD or info.also_at):
             raise ValueError(f"pass {name!r} splits the graph at the {info.stage.value} stage; only forward "
                              "passes may split it (stage graphs are compiled one by one).")

@@ -30,7 +30,7 @@ from torch.fx.graph import _BoxedCodeGen
 from picofx.capture.annotate import annotate
 from picofx.cost.partition import partition
 from picofx.errors import PassError
-from picofx.manager import Context, PassManager, Stage, pass_info
+from picofx.manager import Context, GraphRole, PassManager, Stage, pass_info
 
 
 def has_recompute_tags(gm: fx.GraphModule) -> bool:
@@ -47,16 +47,16 @@ class StageRunner:
         self.numerics = manager.verify == "numerics"
         self.graphs: dict[str, fx.GraphModule] = {}
 
-    def _context(self, stage: Stage, role: str, inputs) -> Context:
+    def _context(self, stage: Stage, role: GraphRole, inputs) -> Context:
         return dataclasses.replace(self.ctx, example_inputs=inputs, stage=stage, graph_role=role)
 
-    def _real_inputs(self, gm: fx.GraphModule, role: str) -> list | None:
+    def _real_inputs(self, gm: fx.GraphModule, role: GraphRole) -> list | None:
         """Real values for the graph's placeholders: the example primals; for the backward graph the
         values the forward graph saved (its trailing outputs, in order); ones for the tangents."""
         if not self.numerics:
             return None
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if role == "backward":
+        if role is GraphRole.BACKWARD:
             saved_count = sum(1 for n in placeholders if not n.name.startswith("tangents"))
             known = iter(self.forward_outputs[len(self.forward_outputs) - saved_count:])
         else:
@@ -72,7 +72,7 @@ class StageRunner:
                 inputs.append(val)
         return inputs
 
-    def run(self, stage: Stage, role: str, gm: fx.GraphModule) -> fx.GraphModule:
+    def run(self, stage: Stage, role: GraphRole, gm: fx.GraphModule) -> fx.GraphModule:
         with unset_fake_temporarily():
             annotate(gm)
             ctx = self._context(stage, role, self._real_inputs(gm, role))
@@ -90,21 +90,21 @@ class StageRunner:
             if len(graphs) != 1:
                 raise NotImplementedError(f"a {stage.value}-stage pass split the {role} graph; "
                                           "only forward-stage passes may split graphs.")
-            if role == "forward" and self.numerics:
+            if role is GraphRole.FORWARD and self.numerics:
                 self.forward_outputs = list(fx.Interpreter(graphs[0]).run(*ctx.example_inputs))
-        self.graphs[role] = graphs[0]
+        self.graphs[role.value] = graphs[0]
         return graphs[0]
 
     # backend="eager": aot_autograd callbacks
     def eager_partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
-        self.run(Stage.JOINT, "joint", joint)
+        self.run(Stage.JOINT, GraphRole.JOINT, joint)
         return partition(joint, joint_inputs, **kwargs)
 
     def eager_forward(self, gm: fx.GraphModule, example_inputs):
-        return make_boxed_func(self.run(Stage.PARTITIONED, "forward", gm).forward)
+        return make_boxed_func(self.run(Stage.PARTITIONED, GraphRole.FORWARD, gm).forward)
 
     def eager_backward(self, gm: fx.GraphModule, example_inputs):
-        gm = self.run(Stage.PARTITIONED, "backward", gm)
+        gm = self.run(Stage.PARTITIONED, GraphRole.BACKWARD, gm)
         # Boxed: the graph takes its inputs as a list and clears it, so each saved activation is
         # freed after its last use in backward instead of when the whole backward returns.
         gm.graph.set_codegen(_BoxedCodeGen())
@@ -122,7 +122,7 @@ class _JointHook(CustomGraphPass):
         self.runner = runner
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.runner.run(Stage.JOINT, "joint", graph.owning_module)
+        self.runner.run(Stage.JOINT, GraphRole.JOINT, graph.owning_module)
 
     def uuid(self):
         return None  # never reuse a cached compile: the passes' decisions depend on the model
@@ -130,8 +130,8 @@ class _JointHook(CustomGraphPass):
 
 class _PostGradHook(_JointHook):
     def __call__(self, graph: fx.Graph) -> None:
-        role = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes) \
-            else "forward"
+        role = GraphRole.BACKWARD if any(n.op == "placeholder" and n.name.startswith("tangents")
+                                         for n in graph.nodes) else GraphRole.FORWARD
         self.runner.run(Stage.PARTITIONED, role, graph.owning_module)
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from picofx.errors import DistributedError
+from picofx.manager.passes import SyncMode
 from picofx.parallel.layouts import BucketLayout, ShardLayout, TensorParallelLayout, recorded
 
 def launched_world(environ) -> int | None:
@@ -111,25 +112,25 @@ class GradientSync:
         finally:
             self.enabled = previous
 
-    def mode(self, graphs: dict | None = None, shards: ShardLayout | None = None) -> str:
+    def mode(self, graphs: dict | None = None, shards: ShardLayout | None = None) -> SyncMode:
         """How the next backward syncs: "local" (no_sync), "sync_accumulated", "sync_uncompressed"
         (the first synced steps of a compressor with `warmup`, all-reduced whole, as torch's
         PowerSGD hook starts), or "sync". A sharded step (`shards`, its layout) reduce-scatters
         under no_sync too, so only its warm-up makes a variant."""
         buckets = [recorded(gm).buckets for gm in (graphs or {}).values() if recorded(gm).buckets is not None]
         if buckets and not self.enabled:
-            return "local"
+            return SyncMode.LOCAL
         if buckets and self.accumulated:
-            return "sync_accumulated"
+            return SyncMode.SYNC_ACCUMULATED
         warmup = max([b.warmup for b in buckets] + [shards.warmup if shards is not None else 0])
-        return "sync_uncompressed" if self.warmed < warmup else "sync"
+        return SyncMode.SYNC_UNCOMPRESSED if self.warmed < warmup else SyncMode.SYNC
 
-    def before_call(self, mode: str, graphs: dict, model: nn.Module) -> None:
-        if mode == "sync_uncompressed":
+    def before_call(self, mode: SyncMode, graphs: dict, model: nn.Module) -> None:
+        if mode is SyncMode.SYNC_UNCOMPRESSED:
             self.warmed += 1
-        elif mode == "local":
+        elif mode is SyncMode.LOCAL:
             self.accumulated = True
-        elif mode == "sync_accumulated":
+        elif mode is SyncMode.SYNC_ACCUMULATED:
             for gm in graphs.values():
                 layout = recorded(gm).buckets
                 if layout is not None:

@@ -95,8 +95,10 @@ def with_data_parallel(rank: int, world: int) -> dict:
 
 
 def with_shard(rank: int, world: int, directory: str) -> dict:
-    """4 ranks as dp_shard 2 x tp 2: each dp rank its half of the batch, parameters 2-D DTensors;
-    one step, the wrong order refused, three AdamW steps with clipping, a DCP checkpoint."""
+    """4 ranks as dp_shard 2 x tp 2: each dp rank its half of the batch, parameters 2-D DTensors.
+    Shard listed before TensorParallel (each on its mesh dimension): one step. Then the same passes
+    and fuse in another order than they run in: one step, three AdamW steps with clipping, a DCP
+    checkpoint."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -108,17 +110,17 @@ def with_shard(rank: int, world: int, directory: str) -> dict:
 
     mesh = ParallelMesh.build(dp_shard=2, tp=2)
     dp = mesh.dim("dp_shard")
-    z = zoo.build("llama-tiny", batch=4)
-    out = {"whole_bytes": local_bytes(z.model)}
-    try:
-        picofx.optimize(z.model, shard(z.example_inputs, dp.rank, 2), [Shard(), TensorParallel()], backend="eager",
-                        loss_fn=z.loss_fn, mesh=mesh)
-    except picofx.PassError as e:
-        out["wrong_order"] = str(e)
-    opt = picofx.optimize(z.model, shard(z.example_inputs, dp.rank, 2), [TensorParallel(), "fuse", Shard()],
-                          backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    out["loss"] = opt.forward_backward(**shard(z.example_inputs, dp.rank, 2))
-    out["grads"] = {n: _full(p.grad) for n, p in z.model.named_parameters()}
+    out = {}
+    for order, passes in (("shard first", [Shard(mesh="dp_shard"), TensorParallel(mesh="tp")]),
+                          ("fuse first", ["fuse", Shard(), TensorParallel()])):
+        z = zoo.build("llama-tiny", batch=4)
+        out.setdefault("whole_bytes", local_bytes(z.model))
+        opt = picofx.optimize(z.model, shard(z.example_inputs, dp.rank, 2), passes, backend="eager",
+                              loss_fn=z.loss_fn, mesh=mesh)
+        out[order] = {"loss": opt.forward_backward(**shard(z.example_inputs, dp.rank, 2)),
+                      "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
+                      "ran": list(dict.fromkeys(r.name for r in opt.report.records)),
+                      "pass order": opt.report.sections.get("pass order")}
     out["placements"] = {n: str(list(p.placements)) for n, p in z.model.named_parameters()}
     out["local_bytes"] = local_bytes(z.model)
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
@@ -134,23 +136,20 @@ def with_shard(rank: int, world: int, directory: str) -> dict:
 
 
 def with_pipeline(rank: int, world: int) -> dict:
-    """4 ranks as pp 2 x tp 2: each stage's graph split over its tp ranks, both on the whole batch."""
+    """4 ranks as pp 2 x tp 2, tensor_parallel listed first: the pipeline cuts first, then each
+    stage's graph is split over its tp ranks, both on the whole batch."""
     from picofx.parallel import ParallelMesh
     from picofx.passes import Pipeline
 
     mesh = ParallelMesh.build(pp=2, tp=2)
     z = zoo.build("llama-tiny", batch=4)
-    try:
-        picofx.optimize(z.model, z.example_inputs, [TensorParallel(), Pipeline(stages=2, microbatches=2)],
-                        backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    except ValueError as e:
-        wrong_order = str(e)
-    opt = picofx.optimize(z.model, z.example_inputs, [Pipeline(stages=2, microbatches=2), TensorParallel()],
+    opt = picofx.optimize(z.model, z.example_inputs, [TensorParallel(), Pipeline(stages=2, microbatches=2)],
                           backend="eager", loss_fn=z.loss_fn, mesh=mesh)
     loss = opt.forward_backward(**dict(z.example_inputs))
     held = dict(opt.named_parameters())
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in held.items()},
-            "placed": all(isinstance(p, DTensor) for p in held.values()), "wrong_order": wrong_order,
+            "placed": all(isinstance(p, DTensor) for p in held.values()),
+            "pass order": opt.report.sections.get("pass order"),
             "local_bytes": sum(p.to_local().numel() * p.element_size() for p in held.values()),
             "whole_bytes": sum(p.numel() * p.element_size() for p in held.values())}
 

@@ -154,19 +154,26 @@ def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
         assert_gradients_equal(rank["grads"], summed)
 
 
-def test_sharded_data_parallel_times_tensor_parallel_stores_a_quarter_and_trains_as_one_process(tmp_path):
-    """dp_shard 2 x tp 2: parameters 2-D DTensors (FSDP2 over TP), the dp ranks on halves of the batch;
-    one step, 3 AdamW steps with clipping, and the DCP checkpoint loaded into the plain model."""
+def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quarter_and_trains_as_one_process(tmp_path):
+    """dp_shard 2 x tp 2: parameters 2-D DTensors (FSDP2 over TP), the dp ranks on halves of the batch.
+    [Shard, TensorParallel] and [fuse, Shard, TensorParallel] run as tensor_parallel, fuse, shard
+    and equal one process; then 3 AdamW steps with clipping, and the DCP checkpoint loaded into the
+    plain model."""
     from overlap_ranks import later_batch
 
     directory = str(tmp_path / "checkpoint")
     ranks = run_ranks(tensor_parallel_ranks.with_shard, 4, directory, timeout=900, collective_timeout=300)
     z = zoo.build("llama-tiny", batch=4)
     loss, grads = single(z)
+    for order, ran in (("shard first", ["tensor_parallel", "shard"]),
+                       ("fuse first", ["tensor_parallel", "fuse", "shard"])):
+        torch.testing.assert_close(torch.stack([r[order]["loss"] for r in ranks]).mean(), loss, **LOSS)
+        for rank in ranks:
+            assert rank[order]["ran"] == ran
+            assert "tensor_parallel before shard: tensor_parallel declares runs_before='shard'" in \
+                rank[order]["pass order"]
+            assert_gradients_equal(rank[order]["grads"], grads)
     for rank in ranks:
-        assert "list it before shard" in rank["wrong_order"]
-        torch.testing.assert_close(torch.stack([r["loss"] for r in ranks]).mean(), loss, **LOSS)
-        assert_gradients_equal(rank["grads"], grads)
         assert rank["local_bytes"] <= rank["whole_bytes"] // 4 + 4096  # norms: half over dp_shard, whole over tp
     placements = ranks[0]["placements"]
     assert placements["decoder_layers.0.attention.q_proj.weight"] == "[_StridedShard(dim=0, sf=2), Shard(dim=0)]"
@@ -182,14 +189,14 @@ def test_sharded_data_parallel_times_tensor_parallel_stores_a_quarter_and_trains
     assert_trained_and_saved_as(ranks, z.model, directory)
 
 
-def test_tensor_parallel_times_pipeline_on_four_ranks_equals_one_process():
+def test_tensor_parallel_listed_before_pipeline_runs_after_it_on_four_ranks_and_equals_one_process():
     ranks = run_ranks(tensor_parallel_ranks.with_pipeline, 4, timeout=600, collective_timeout=300)
     z = zoo.build("llama-tiny", batch=4)
     loss, grads = single(z)
     held = set()
     for rank in ranks:
         torch.testing.assert_close(rank["loss"], loss, **LOSS)
-        assert "list it after the pipeline" in rank["wrong_order"]
+        assert "pipeline before tensor_parallel: tensor_parallel declares runs_after='pipeline'" in rank["pass order"]
         assert rank["placed"] and rank["local_bytes"] < rank["whole_bytes"] * 0.6
         assert_gradients_equal(rank["grads"], grads, names=rank["grads"])
         held |= set(rank["grads"])

@@ -212,7 +212,7 @@ def _batch_size(joint: fx.GraphModule) -> int | None:
     return None
 
 
-@register_pass("checkpoint", Stage.JOINT)
+@register_pass("checkpoint")
 @dataclass(frozen=True)
 class Checkpoint:
     """budget: bytes (int), "8GiB"/"512MiB"/"1.5GB", or a fraction (float) of the predicted peak
@@ -229,7 +229,6 @@ class Checkpoint:
     optimizer: object = None
     measure: bool = False
     measured_rounds: tuple = ()
-    stage = Stage.JOINT
 
     @property
     def info(self) -> PassInfo:  # its peak is predicted for picofx's partition, used even when it tags nothing

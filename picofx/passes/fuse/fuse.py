@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from picofx.runtime.heap import heap_frozen
-from picofx.manager import Context, PassResult, Stage, register_pass
+from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.rewrite.matcher import prepare
 from picofx.rewrite.pattern_store import PatternStore
 from picofx.rewrite.rewriter import rewrite
@@ -50,7 +50,8 @@ class Fuse:
     rules: tuple | None = None  # rule names or Rule objects, applied in this order; None: all registered
     explain: bool = False       # also report near-misses (candidates a check rejected)
     keep_logits: bool = False   # the fused loss also returns the logits when the graph returns them
-    stage = Stage.FORWARD
+    # Precision's casts before the matmuls would hide SwiGLU, attention and the loss from the patterns.
+    info = PassInfo(Stage.FORWARD, runs_before=("precision",))
 
     def selected_rules(self) -> list[Rule]:
         registered = registered_rules()

@@ -44,7 +44,7 @@ from picofx.parallel.mesh import resolve_dim
 aten = torch.ops.aten
 
 
-@register_pass("overlap", Stage.PARTITIONED)
+@register_pass("overlap")
 @dataclass(frozen=True)
 class Overlap:
     """bucket: "auto" (from the cost model), bytes, or a size string ("25MiB"); first_bucket: the
@@ -62,7 +62,6 @@ class Overlap:
     group: Any = None
     warmup: int = 0
     info = PassInfo(Stage.PARTITIONED, mesh_dims=("dp_replicate",), communicates=True)
-    stage = info.stage
     # compressor state per optimized model: shared by every graph the model's runs compile
     states: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
 

@@ -56,7 +56,6 @@ class Pipeline:
     virtual: int = 1                # stages per rank (interleaved schedules)
     group: object = None            # ProcessGroup or DeviceMesh with a "pp" dimension; None: the run's mesh or world
     measure: bool = False           # time units by running one micro-batch step (whole model) on the first rank
-    stage = Stage.FORWARD
 
     @property
     def info(self) -> PassInfo:

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from picofx.capture.vocabulary import module_path
-from picofx.manager import PassResult, Stage, register_pass
+from picofx.manager import PassInfo, PassResult, Stage, register_pass
 from picofx.passes.precision.casts import insert_casts
 from picofx.passes.precision.rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
                                           parse_dtype, resolve_op_names, rule_table, weight_free_nodes)
@@ -50,7 +50,7 @@ class Precision:
     fp32_ops: tuple = ()                            # ops kept in fp32 besides the default islands
     sensitivity: float | None = None                # relative error above which a node stays fp32
     loss_scale: object = None                       # the torch.amp.GradScaler the loop uses (fp16)
-    stage = Stage.FORWARD
+    info = PassInfo(Stage.FORWARD)
 
     def __post_init__(self):
         dtypes = {parse_dtype(self.dtype)} | {parse_dtype(d, f"dtype for override {g!r}")

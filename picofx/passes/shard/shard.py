@@ -90,9 +90,9 @@ class Shard:
     warmup: int = 0
     # per optimized model: the forward's layout (the backward compresses by it) and the compressor state
     layouts: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
+    # The forward's rewrites see the parameters whole; under a pipeline, each stage's graph is sharded.
     info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("dp_shard",),
-                    communicates=True)
-    stage = info.stage
+                    communicates=True, runs_after=("fuse", "precision", "pipeline"))
 
     def __post_init__(self):
         precision_policy(self.mixed_precision)

@@ -32,7 +32,7 @@ from picofx.capture.vocabulary import (COPY_PACKETS, input_slot, is_parameter, i
 from picofx.cost.partition import forward_region
 from picofx.passes.tensor_parallel.plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
-from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of, recorded
+from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.fuse.fuse import Fuse
 from picofx.passes.tensor_parallel.async_overlap import overlap_sequence_parallel
@@ -53,14 +53,15 @@ class TensorParallel:
     the inferred plan. sequence_parallel: norms and residual adds on sequence shards (an all-gather
     before each column-parallel block, a reduce-scatter after each row-parallel one). async_overlap:
     with sequence_parallel, those gathers and scatters are split into chunks overlapped with the
-    linears they feed or follow (passes/tensor_parallel_async.py)."""
+    linears they feed or follow (picofx.passes.tensor_parallel.async_overlap)."""
 
     mesh: Any = None
     plan: Any = "auto"
     sequence_parallel: bool = False
     async_overlap: bool = True
-    info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("tp",), communicates=True)
-    stage = info.stage
+    # It reads the model's own linears on whole parameters, each pipeline stage's graph once cut.
+    info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("tp",), communicates=True,
+                    runs_before=("fuse", "precision", "shard"), runs_after=("pipeline",))
 
     def __post_init__(self):
         if self.plan != "auto" and not (isinstance(self.plan, dict) and set(self.plan.values()) <= set(STYLES)):
@@ -75,13 +76,6 @@ class TensorParallel:
                 return PassResult(False, {})
             chunked = overlap_sequence_parallel(gm)
             return PassResult(any(chunked.values()), {"chunked": chunked})
-        if recorded(gm).shards is not None:
-            raise ValueError("tensor_parallel splits the whole parameters that shard has already cut into "
-                             "dp_shard pieces: list it before shard, passes=[TensorParallel(), 'fuse', Shard()].")
-        fused = sorted({str(n.target) for n in gm.graph.nodes if str(n.target).startswith(FUSED_PROJECTIONS)})
-        if fused:
-            raise ValueError(f"tensor_parallel reads the linears that fuse replaced ({', '.join(fused)}): list it "
-                             "before fuse, passes=[TensorParallel(), 'fuse', ...]; fuse then fuses each rank's pieces.")
         dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
         plan = infer_plan(gm, dim.size)
         for pattern, style in (self.plan.items() if isinstance(self.plan, dict) else ()):
@@ -141,8 +135,6 @@ def in_a_layer(node: fx.Node) -> bool:
     return layer_of_path(traced_module_path(node)) is not None
 
 
-FUSED_PROJECTIONS = ("picofx.silu_mul", "picofx.gelu_mul", "picofx.rms_norm", "picofx.add_rms_norm", "picofx.rope",
-                     "picofx.linear_cross_entropy")  # the ops fuse leaves: it ran first
 SEQUENCE_DIM = 1  # the residual stream is (batch, sequence, hidden)
 
 

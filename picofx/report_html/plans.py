@@ -22,7 +22,8 @@ def decimal_bytes(n: float) -> str:
 
 
 def seconds(s: float, digits: int = 4) -> str:
-    return f"{s:.{digits}g} s" if abs(s) >= 1 else f"{s * 1e3:.{digits}g} ms"
+    unit, scale = next((u, k) for u, k in (("s", 1), ("ms", 1e-3), ("µs", 1e-6)) if abs(s) >= k or u == "µs")
+    return f"{s / scale:.{digits}g} {unit}"
 
 
 def percent(share: float) -> str:

@@ -6,19 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
 
 from picofx.planner.layouts import Layout, Prediction
+from picofx.planner.suggest import NONE_HELPS, Suggestion
 from picofx.report_html import render
-
-
-@dataclass(frozen=True)
-class Suggestion:  # the shape the planner's suggestions have: gains are the plan's figure minus the change's
-    change: str
-    addresses: str
-    step_seconds_gain: float
-    memory_bytes_gain: float
-    layout: Layout | None = None
 
 
 def prediction(layout: Layout, *, step_s: float = 4.0, memory: float = 40e9, fits: bool = True, mfu: float = 0.4,
@@ -46,8 +37,8 @@ def cells(page: str) -> list[str]:
 
 def test_each_plan_shows_its_best_change_with_its_gain_and_the_others_folded_under_it():
     plans = [prediction(PIPELINED, suggestions=SUGGESTED),
-             prediction(MORE_MICROBATCHES, step_s=3.5, suggestions=[Suggestion("no neighbouring change helps",
-                                                                              "pipeline bubble", 0.0, 0.0)])]
+             prediction(MORE_MICROBATCHES, step_s=3.5,
+                        suggestions=[Suggestion(NONE_HELPS, "pipeline bubble", 0.0, 0.0)])]
     best, none_helps = cells(page_of(plans))
     shown, folded = best.split("<details>")
     assert "8 micro-batches: step -600 ms (-15%), memory +2.0 GB per GPU; addresses pipeline bubble" in shown
@@ -81,6 +72,7 @@ def test_layouts_that_differ_only_in_sequence_parallelism_are_told_apart():
 
 
 def test_a_small_models_memory_step_and_mfu_keep_their_digits():
-    page = page_of([prediction(PIPELINED, step_s=5.283e-4, memory=31.4e6, mfu=2.7e-5)])
-    assert "31.4 MB" in page and "0.5283 ms" in page and "0.0027%" in page
+    tiny = Suggestion("tp 1", "tensor-parallel communication", 2.65e-5, -1e6, Layout(dp=4, tp=1, pp=1))
+    page = page_of([prediction(PIPELINED, step_s=5.283e-4, memory=31.4e6, mfu=2.7e-5, suggestions=[tiny])])
+    assert "31.4 MB" in page and "528.3 µs" in page and "0.0027%" in page and "step -26.5 µs (-5%)" in page
     assert "0.0 GB" not in page and "0.0%" not in page

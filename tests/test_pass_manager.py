@@ -6,7 +6,7 @@ import torch
 
 import picofx
 from picofx.models import zoo
-from picofx.manager import GraphRole, PassInfo, PassManager, Stage
+from picofx.manager import Context, GraphRole, PassInfo, PassManager, Stage, SyncMode
 from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
 aten = torch.ops.aten
@@ -253,3 +253,12 @@ def test_a_pass_that_declares_it_only_tags_is_held_to_it():
     assert all(n.meta.get("tagged") for n in opt.graphs["joint"].graph.nodes if n.op != "output")
     with pytest.raises(picofx.PassError, match=r"declares PassInfo\(tags_only=True\) but changed"):
         picofx.optimize(z.model, z.example_inputs, [Tags(add_node=True)], backend="eager", loss_fn=z.loss_fn)
+
+
+def test_a_context_given_mode_strings_holds_the_enums_passes_compare_with():
+    ctx = Context(model=torch.nn.Linear(1, 1), example_inputs=[], device=torch.device("cpu"),
+                  graph_role="backward", gradient_sync="local")
+    assert ctx.graph_role is GraphRole.BACKWARD and ctx.gradient_sync is SyncMode.LOCAL
+    assert f"{ctx.graph_role} graph" == "backward graph"  # printed as the word it was
+    with pytest.raises(ValueError, match="'sideways' is not a valid GraphRole"):
+        Context(model=None, example_inputs=[], device=torch.device("cpu"), graph_role="sideways")

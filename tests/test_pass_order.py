@@ -115,3 +115,4 @@ def test_reordered_passes_run_as_in_the_declared_order_and_the_report_says_why()
     assert moved.report.sections["pass order"] == ("given precision, fuse; run as fuse, precision\n"
                                                    "  fuse before precision: fuse declares runs_before='precision'")
     assert "pass order:\ngiven precision, fuse; run as fuse, precision" in moved.report.table()
+

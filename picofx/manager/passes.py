@@ -109,6 +109,9 @@ class Context:
     gradient_sync: SyncMode = SyncMode.SYNC
     cache_directory: str | None = None  # the on-disk cache's directory, when it is on
 
+    def __post_init__(self):  # "backward" given for a role is GraphRole.BACKWARD: passes compare with `is`
+        self.graph_role, self.gradient_sync = GraphRole(self.graph_role), SyncMode(self.gradient_sync)
+
 
 @dataclass
 class PassRecord:

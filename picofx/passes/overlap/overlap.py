@@ -16,7 +16,7 @@ codec of picofx.compression writes each bucket's exchange instead (bf16, int8 bl
 PowerSGD, the embedding's gradient as rows): its issue step where the bucket is ready, its finish
 steps before the graph returns; their state between steps lives in a CompressionState the runtime
 resets (`opt.reset_compression()`). Under no_sync
-(`ctx.gradient_sync == "local"`) the pass adds nothing; after a no_sync phase
+(`ctx.gradient_sync is SyncMode.LOCAL`) the pass adds nothing; after a no_sync phase
 ("sync_accumulated") each bucket adds the gradients accumulated so far (an attribute of the
 graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulated `.grad`.
 """
@@ -37,7 +37,7 @@ from picofx.cost.comm import (Gradient, all_reduce_bytes, all_reduce_size_sendin
                               plan_buckets, schedule)
 from picofx.cost.gradients import dtype_runs, gradients_in_order, ready_times
 from picofx.cost.units import parse_budget
-from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, SyncMode, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import resolve_dim
 
@@ -73,18 +73,18 @@ class Overlap:
             raise ValueError(f"Overlap(warmup={self.warmup!r}): a number of steps, 0 or more")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
-        if ctx.graph_role != "backward":
+        if ctx.graph_role is not GraphRole.BACKWARD:
             return PassResult(False, {})
         mode = ctx.gradient_sync
-        if mode == "local":
+        if mode is SyncMode.LOCAL:
             return PassResult(False, {"gradient_sync": "local (no_sync): no all-reduce"})
         dim = resolve_dim(self.group, ctx.mesh, "dp_replicate", "the overlap pass")
         grads = gradients_in_order(gm, ctx.input_names)
         if not grads:
             return PassResult(False, {"buckets": 0})
-        accumulate = mode == "sync_accumulated"
+        accumulate = mode is SyncMode.SYNC_ACCUMULATED
         rows, source, rows_bytes, rows_note = self.sparse_rows(grads, accumulate, dim.size)
-        other = Dense() if mode == "sync_uncompressed" else self.spec.other
+        other = Dense() if mode is SyncMode.SYNC_UNCOMPRESSED else self.spec.other
         plan = self.plan(gm, grads, ctx, dim.size, rows, rows_bytes, other)
         codecs = [SparseRows() if rows is not None and b.first == rows else other for b in plan.buckets]
         state = self.states.setdefault(ctx.model, CompressionState(dim.rank))

@@ -21,7 +21,7 @@ from picofx.compression import (Bucket, Dense, Emitter, Rows, SparseRows, drain,
                                 rows_or_dense)
 from picofx.cost.comm import reduce_scatter_bytes
 from picofx.cost.gradients import gradients_in_order
-from picofx.manager import Context, PassResult
+from picofx.manager import Context, PassResult, SyncMode
 from picofx.parallel.layouts import ShardEntry, ShardLayout
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def compress_scatters(gm: fx.GraphModule, ctx: Context, compress: str, layout: S
     by_name = {e.name: e for e in layout.entries}
     order = {n: i for i, n in enumerate(graph.nodes)}
     report, reasons = [], []
-    other = Dense() if ctx.gradient_sync == "sync_uncompressed" else spec.other  # Shard's warm-up steps
+    other = Dense() if ctx.gradient_sync is SyncMode.SYNC_UNCOMPRESSED else spec.other  # Shard's warm-up steps
     for scatter, names in scattered_sources(gm, ctx.input_names).items():
         index = by_name[names[0]].bucket
         entries = [e for e in layout.entries if e.bucket == index]

@@ -19,8 +19,8 @@ shards and feeds the graph their padded local pieces.
 
 With `compress`, each bucket's reduce-scatter becomes a codec's exchange (compress.py, beside this file).
 
-List `shard` after the passes that rewrite the forward graph (fuse, precision): they see the
-parameters gathered.
+Shard runs after the passes that rewrite the forward graph (fuse, precision; its PassInfo says
+so, and the manager orders the passes by it): they see the parameters whole.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is_view, layer_of_path
 from picofx.cost.units import parse_budget
-from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.parallel.mesh import MeshDim, resolve_dim
 from picofx.compression import CompressionState, Dense
@@ -74,7 +74,7 @@ class Shard:
     torch.bfloat16)): the fp32 shards, the master copy, are gathered in param_dtype and their
     gradients reduce-scattered in reduce_dtype (None: param_dtype, as FSDP2 defaults it; fp32 with
     bf16 parameters casts each bf16 gradient up before the reduce-scatter). The graph computes in
-    the dtype it did (list "precision" before "shard" to compute in bf16); the call's inputs are
+    the dtype it did (add "precision" to compute in bf16); the call's inputs are
     not cast (cast_forward_inputs is moot for token ids); output_dtype is not supported.
     compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
     "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that codec
@@ -109,7 +109,7 @@ class Shard:
             return self.shard_forward(gm, ctx)
         if ctx.stage is Stage.JOINT:
             return self.tag_regather(gm) if self.reshard_after_forward else PassResult(False, {})
-        if ctx.graph_role == "backward":
+        if ctx.graph_role is GraphRole.BACKWARD:
             gather, reduce = precision_policy(self.mixed_precision)
             recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
             compressed = PassResult(False, {})

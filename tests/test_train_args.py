@@ -1,4 +1,4 @@
-"""train_llama.py's options as the script resolves them: the layout under torchrun, and the
+"""picofx train's options as it resolves them: the layout under torchrun, and the
 checkpoint pass built on --memory-budget."""
 import pytest
 
@@ -90,3 +90,12 @@ def test_shard_in_one_process_says_how_to_launch_it(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--shard"], environ={})
     assert exit_.value.code == 2 and "--shard runs one process per rank: launch it with torchrun" in capsys.readouterr().err
+
+
+def test_compress_in_one_process_is_refused_with_how_to_launch_it(capsys):
+    for argv in (["--compress", "int8"], ["--layout", "auto", "--compress", "bf16"]):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv, environ={})
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+        assert "one process has none: it needs --dp or --shard under torchrun" in err

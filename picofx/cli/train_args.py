@@ -178,6 +178,10 @@ def check_layout(args, world: int | None) -> None:
                       if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
     layout = layout.strip()
+    if world is None and args.compress is not None and not layout:
+        raise ValueError(f"--compress compresses the gradients data-parallel ranks exchange, and one process has "
+                         f"none: it needs --dp or --shard under torchrun, e.g. torchrun --nproc-per-node 2 -m picofx "
+                         f"train --dp 2 --compress {args.compress}")
     if getattr(args, "layout", None) == "auto":  # the layout is chosen once the ranks are up (train_layout.py)
         given = (layout + (" --sequence-parallel" if args.sequence_parallel else "")).strip()
         if given:

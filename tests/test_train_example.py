@@ -1,10 +1,11 @@
 import importlib
-import pathlib
+import tempfile
 
 import pytest
 import torch
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "examples" / "train_llama.py"
+PICOFX_TRAIN = ["-m", "picofx", "train"]
+ELSEWHERE = tempfile.gettempdir()  # the command runs from any directory, not only the checkout
 
 
 def test_main_job_trains_with_fuse_and_the_loss_falls(capsys):
@@ -17,6 +18,31 @@ def test_main_job_trains_with_fuse_and_the_loss_falls(capsys):
     assert "over the run" in out and "MFU" in out and "fuse" in out and "rms_norm=" in out
 
 
+def test_the_summary_gives_the_first_and_the_last_steps_loss(capsys):
+    """Fewer steps than --log-every: one interval, whose mean is neither."""
+    train = importlib.import_module("picofx.cli.train")
+    result = train.main(["--backend", "eager", "--steps", "3", "--batch", "2", "--seq", "16", "--passes"])
+    first, last = (f"{loss:.3f}" for loss in (result["losses"][0], result["losses"][-1]))
+    assert first != last
+    assert f"loss {first} -> {last}, first step to last" in capsys.readouterr().out
+
+
+def test_more_threads_than_cores_is_warned_once(capsys):
+    from picofx.cost.device import available_cores
+
+    train = importlib.import_module("picofx.cli.train")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(available_cores() + 1)
+    try:
+        train.main(["--backend", "eager", "--steps", "1", "--batch", "2", "--seq", "16", "--passes"])
+    finally:
+        torch.set_num_threads(threads)
+    captured = capsys.readouterr()
+    assert f"on cpu ({available_cores() + 1} threads)" in captured.out
+    warnings = [line for line in captured.err.splitlines() if line.startswith("picofx train: warning: ")]
+    assert len(warnings) == 1 and f"more than the {available_cores()} cores" in warnings[0], captured.err
+
+
 def test_pipelined_training_under_torchrun_reports_its_cut_and_a_validation_loss():
     import os
     import re
@@ -26,16 +52,16 @@ def test_pipelined_training_under_torchrun_reports_its_cut_and_a_validation_loss
 
     # --standalone: torchrun picks a free port for its own rendezvous
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(SCRIPT), "--pp", "2", "--backend", "eager", "--passes", "--steps", "4", "--batch", "4", "--seq", "32"]
+               *PICOFX_TRAIN, "--pp", "2", "--backend", "eager", "--passes", "--steps", "4", "--batch", "4", "--seq", "32"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True, cwd=ELSEWHERE)
     try:
         out = proc.communicate(timeout=240)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started, nothing else
         raise AssertionError(f"torchrun --pp 2 still running after 240 s; killed:\n{proc.communicate()[0][-3000:]}")
     assert proc.returncode == 0, out[-3000:]
-    validation = re.search(r"loss [\d.]+ -> [\d.]+ \(validation ([\d.]+)\)", out)
+    validation = re.search(r"loss [\d.]+ -> [\d.]+, first step to last \(validation ([\d.]+)\)", out)
     assert validation and 0 < float(validation.group(1)) < 10, out[-3000:]
     assert "pipeline:" in out and "cut 1: before" in out and "bubble" in out
     assert "2 ranks: 2 pipeline stages" in out and "of the measured fp32 peak" in out and "GFLOP/s per rank x 2 ranks" in out, out[-3000:]
@@ -45,7 +71,7 @@ def test_pipelined_training_under_torchrun_reports_its_cut_and_a_validation_loss
 
 
 def run_script(args: list, timeout: float = 120, torchrun_ranks: int | None = None):
-    """The script as a user runs it: (exit status, stdout + stderr). Under torchrun its whole process
+    """`picofx train` as a user runs it: (exit status, stdout + stderr). Under torchrun its whole process
     group (torchrun and the ranks it started, nothing else) is killed at the timeout."""
     import os
     import signal
@@ -54,8 +80,9 @@ def run_script(args: list, timeout: float = 120, torchrun_ranks: int | None = No
 
     launcher = [sys.executable] if torchrun_ranks is None else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun_ranks)]
-    proc = subprocess.Popen([*launcher, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    proc = subprocess.Popen([*launcher, *PICOFX_TRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            cwd=ELSEWHERE)
     try:
         out = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
@@ -85,6 +112,7 @@ BAD_OPTIONS = {  # arguments -> what the one line must say
     "ambiguous budget": (["--passes", "checkpoint", "--memory-budget", "2G"], "write '2GiB'"),
     "missing data": (["--data", "/nonexistent/corpus.txt"], "--data /nonexistent/corpus.txt: no such file"),
     "pass added by the layout": (["--passes", "pipeline"], "adds it from --pp"),
+    "compress without torchrun": (["--compress", "int8"], "it needs --dp or --shard under torchrun"),
 }
 
 

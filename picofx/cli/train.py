@@ -2,23 +2,31 @@
 
 The corpus is the Python standard library's own source (no download), read as bytes: the
 tokenizer is byte-level (256 tokens). Shows a progress bar and per-interval loss and tokens/s,
-then a summary (tokens/s over the run, MFU) and picofx's report. Under torchrun without --dp or --pp
-every rank is a data-parallel replica. --data trains on a text file instead, --save/--resume
-continue a run exactly where it stopped.
+then a summary (the first and last step's loss, tokens/s over the run, MFU) and picofx's report.
+--data trains on a text file instead, --save/--resume continue a run exactly where it stopped.
 
-    picofx train                          # CPU, fuse + Inductor, 200 steps
-    picofx train --backend eager --steps 50 --passes
-    picofx train --data notes.txt --steps 100 --save run1   # later: --steps 200 --resume run1
-    picofx train --passes checkpoint --memory-budget 0.5    # half the peak without it
-    torchrun --nproc-per-node 2 -m picofx train --dp 2                # 2 replicas, pass overlap
-    torchrun --nproc-per-node 2 -m picofx train --dp 2 --compress int8:ef  # their gradients sent as int8
-    torchrun --nproc-per-node 2 -m picofx train --shard --compress int8  # reduce-scattered as int8
-    torchrun --nproc-per-node 2 -m picofx train --pp 2                # 2 pipeline stages
-    torchrun --nproc-per-node 4 -m picofx train --dp 2 --pp 2         # 2 stages x 2 replicas, pass overlap
-    torchrun --nproc-per-node 4 -m picofx train --tp 2 --shard        # dp_shard 2 x tp 2: 1/4 per rank
-    torchrun --nproc-per-node 4 -m picofx train --tp 2 --pp 2         # 2 stages, each 2-way tensor parallel
-    torchrun --nproc-per-node 8 -m picofx train --tp 2 --pp 2 --shard # and each piece sharded over 2 replicas
-    torchrun --nproc-per-node 4 -m picofx train --layout auto         # the layout picofx.plan predicts fastest
+One process:
+
+    picofx train                                             # CPU, fuse + Inductor, 200 steps
+    picofx train --backend eager --steps 50 --passes         # no passes, no code generation
+    picofx train --passes checkpoint --memory-budget 0.7     # 70% of the step's peak without it
+    picofx train --data notes.txt --steps 100 --save run1    # your text, saved at the end
+    picofx train --data notes.txt --steps 200 --resume run1  # and on to step 200
+
+Under torchrun, one process per rank (without --dp or --pp every rank is a data-parallel replica):
+
+    torchrun --nproc-per-node 2 -m picofx train --dp 2                     # 2 replicas, pass overlap
+    torchrun --nproc-per-node 2 -m picofx train --dp 2 --compress int8:ef  # gradients sent as int8
+    torchrun --nproc-per-node 2 -m picofx train --shard --compress int8    # reduce-scattered as int8
+    torchrun --nproc-per-node 2 -m picofx train --pp 2                     # 2 pipeline stages
+    torchrun --nproc-per-node 4 -m picofx train --dp 2 --pp 2              # 2 stages x 2 replicas
+    torchrun --nproc-per-node 4 -m picofx train --tp 2 --shard             # 1/4 of the model per rank
+    torchrun --nproc-per-node 4 -m picofx train --tp 2 --pp 2              # 2 stages, each 2-way tp
+    torchrun --nproc-per-node 8 -m picofx train --tp 2 --pp 2 --shard      # each stage's pieces sharded
+    torchrun --nproc-per-node 4 -m picofx train --layout auto              # the layout predicted fastest
+
+On a CPU each rank runs OMP_NUM_THREADS threads (torchrun sets 1 where it is not set): keep ranks x
+threads within the machine's cores, or every step slows; the run warns when they exceed them.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
 from picofx.cli.train_layout import choose_layout, train_mesh
 from picofx.cli.train_data import Batches, DataError, load_tokens
-from picofx.cli.train_metrics import Layout, throughput
+from picofx.cli.train_metrics import Layout, oversubscribed, throughput
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
 from picofx.parallel.launch import join_launched_group
@@ -202,6 +210,13 @@ def auto_layout(args, ranks: Ranks) -> None:
     ranks.say(why)
 
 
+def threads_note(args) -> str:
+    if torch.device(args.device).type != "cpu":
+        return ""
+    threads = torch.get_num_threads()
+    return f" ({threads} thread{'s' if threads > 1 else ''}{' per rank' if args.world > 1 else ''})"
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv, __doc__)
     ranks = Ranks(args)
@@ -210,7 +225,11 @@ def main(argv=None) -> dict:
     elif args.layout_chosen:
         ranks.say(args.layout_chosen)
     ranks.say(f"picofx train: {layout_line(args)}; {args.size} model, {args.steps} steps of "
-              f"{args.batch} x {args.seq} tokens on {args.device}, backend {args.backend}")
+              f"{args.batch} x {args.seq} tokens on {args.device}{threads_note(args)}, backend {args.backend}")
+    if torch.device(args.device).type == "cpu":
+        warning = oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads())
+        if warning:
+            ranks.say(f"picofx train: warning: {warning}", file=sys.stderr)
     message = None
     try:
         session = setup(args, ranks)
@@ -263,10 +282,10 @@ def main(argv=None) -> dict:
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
-    layout = Layout(dp=args.dp, pp=args.pp)
+    layout = Layout.of(args)
     ranks.say(f"\nsummary: {args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} tokens on "
               f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
-    ranks.say(f"  loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (validation {val_loss:.3f})")
+    ranks.say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}, first step to last (validation {val_loss:.3f})")
     if args.dp > 1:  # replicas step in lockstep on batches of the same size
         ranks.say(f"  tokens/s across {args.dp} data-parallel replicas: {tokens_per_s * args.dp:,.0f}")
     ranks.say(f"  tokens/s{' per replica' if args.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "

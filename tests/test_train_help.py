@@ -86,7 +86,8 @@ def torchrun(ranks: int, options: list[str], timeout: float) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, options", torchrun_examples(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+@pytest.mark.parametrize("ranks, options", torchrun_examples(),
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else f"{v} ranks")
 def test_every_torchrun_example_runs(ranks, options):
     if ranks > 4:
         pytest.skip(EIGHT_RANKS)

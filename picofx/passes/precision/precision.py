@@ -4,7 +4,7 @@
               sensitivity=None, loss_scale=None)
 
 Matmuls, attention and fused ops compute in `dtype`; norm statistics, softmax, RoPE tables and
-losses stay fp32 (the rules in precision_rules.py); everything else follows its inputs.
+losses stay fp32 (the rules in rules.py); everything else follows its inputs.
 `overrides` maps module-path globs to a dtype for the matmul/attention/fused nodes of the
 matching modules and their submodules (a later entry wins over an earlier one).
 `sensitivity` measures, on the example inputs, each low-precision node's own relative error
@@ -14,7 +14,7 @@ Master weights stay fp32: parameters are never converted; the graph casts each w
 step, the backward reuses that cast, and gradients arrive in fp32. Optimizer state is untouched.
 
 fp16 needs loss scaling: pass the `torch.amp.GradScaler` the training loop steps with as
-`loss_scale` (see the README); the pass checks it is enabled. bf16 needs none.
+`loss_scale` (docs/passes/precision.md shows the loop); the pass checks it is enabled. bf16 needs none.
 """
 from __future__ import annotations
 

@@ -191,39 +191,6 @@ def calibrate_link(group, device: torch.device | str = "cpu", large_bytes: int =
             "network_name": f"{backend}, {world} ranks", "link_source": "measured"}
 
 
-def calibrate_parameters(base: Device, mesh=None, tensors: int = 32, numel: int = 64, repeats: int = 5) -> Device:
-    """`base` with what each parameter tensor costs a training step beyond its bytes, measured on
-    `tensors` small fp32 parameters: AdamW's per-tensor step (its loop of small ops, one thread's
-    eager dispatch) and, with a one-dimensional DeviceMesh `mesh` (every rank of it calls), the extra a DTensor
-    parameter costs (to_local in the forward, its gradient back as a DTensor, AdamW's DTensor
-    dispatch), each as the best of `repeats` steps."""
-    plain = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
-    for p in plain:
-        p.grad = torch.randn(numel)  # AdamW skips a parameter without one
-    optimizer = torch.optim.AdamW(plain, lr=1e-4)
-    per_tensor = _best_time(optimizer.step, torch.device("cpu"), repeats) / tensors
-    extra = {"optimizer_tensor_overhead": per_tensor}
-    if mesh is not None:
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        numel_all = numel * mesh.size()
-        sharded = [torch.nn.Parameter(distribute_tensor(torch.randn(numel_all), mesh, [Shard(0)]))
-                   for _ in range(tensors)]
-
-        def step(params, local):
-            loss = sum((p.to_local() if local else p).sum() for p in params)
-            loss.backward()
-            step_optimizer[id(params)].step()
-            step_optimizer[id(params)].zero_grad(set_to_none=True)
-
-        step_optimizer = {id(plain): optimizer, id(sharded): torch.optim.AdamW(sharded, lr=1e-4)}
-        cpu_device = torch.device("cpu")
-        seconds = [_best_time(lambda: step(plain, False), cpu_device, repeats),
-                   _best_time(lambda: step(sharded, True), cpu_device, repeats)]
-        extra["dtensor_parameter_overhead"] = max(0.0, seconds[1] - seconds[0]) / tensors
-    return dataclasses.replace(base, **extra)
-
-
 def _best_time(fn, device: torch.device, repeats: int) -> float:
     fn()  # warm up
     best = float("inf")

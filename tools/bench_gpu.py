@@ -178,13 +178,25 @@ def planner_prediction(config, args, gpu: str | None) -> dict:
 
 
 def gpu_profile(device: torch.device):
-    from picofx.cost.device import devices
-
     if device.type != "cuda":
         return None, None
     name = torch.cuda.get_device_name(device)
     key = next((k for k in ("h200", "h100", "a100") if k in name.lower()), None)
+    try:
+        from picofx.cost.device import devices
+    except ImportError:
+        traceback.print_exc()
+        return key, None
     return key, devices()[key] if key else None
+
+
+def step_peak(c: Contender, batch: dict, device: torch.device) -> int | None:
+    try:
+        from picofx.cost.memory import measure_peak
+    except ImportError:  # picofx itself does not import here: the other contenders' figures still stand
+        traceback.print_exc()
+        return None
+    return measure_peak(c.step, resident=(c.model, c.optimizer, batch), device=device)
 
 
 def run(args) -> dict:
@@ -218,11 +230,8 @@ def run(args) -> dict:
             if index >= args.warmup:
                 c.times.append(seconds)
             print(f"round {index}: {c.name} {seconds * 1e3:.1f} ms, loss {c.losses[-1]:.4f}", flush=True)
-    from picofx.cost.memory import measure_peak
-
     for c in contenders:
-        if not c.error:
-            c.peak = measure_peak(c.step, resident=(c.model, c.optimizer, batch), device=device)
+        c.peak = None if c.error else step_peak(c, batch, device)
     return results(args, contenders, device)
 
 
@@ -265,10 +274,12 @@ def table(r: dict) -> str:
         if "error" in c:
             failed.append(f"{name} failed: {c['error'][:300]}")
             continue
-        ratio = (f"{c['median_step_seconds'] / ref['median_step_seconds']:.2f}x time, "
-                 f"{c['peak_bytes'] / ref['peak_bytes']:.2f}x peak") if "median_step_seconds" in ref else "-"
+        ratio = f"{c['median_step_seconds'] / ref['median_step_seconds']:.2f}x time" if "median_step_seconds" in ref else "-"
+        if ref.get("peak_bytes") and c["peak_bytes"]:
+            ratio += f", {c['peak_bytes'] / ref['peak_bytes']:.2f}x peak"
+        peak = f"{c['peak_bytes'] / 2**30:.2f}" if c["peak_bytes"] else "-"
         rows.append([name, f"{c['median_step_seconds'] * 1e3:.1f}", f"{c['tokens_per_second']:,.0f}",
-                     f"{c['mfu']:.1%}" if c["mfu"] is not None else "-", f"{c['peak_bytes'] / 2**30:.2f}", ratio,
+                     f"{c['mfu']:.1%}" if c["mfu"] is not None else "-", peak, ratio,
                      f"{c['loss_vs_eager']:.1e}" if c["loss_vs_eager"] is not None else "-"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

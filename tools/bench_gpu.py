@@ -6,7 +6,8 @@
 
 Every contender trains the same model, Hugging Face's LlamaForCausalLM (the model Liger-Kernel
 patches), from the same initial weights on the same batch: fp32 parameters and AdamW state,
-matmuls and attention in bf16 (mixed precision, what `picofx plan` predicts for). A step is the
+matmuls and attention in bf16 (mixed precision, what `picofx plan` predicts for; `--precision bf16`:
+parameters and AdamW state in bf16 too, no autocast, picofx without `precision`). A step is the
 forward with the loss, backward, AdamW step and zero_grad(set_to_none=True):
     eager          torch.autocast(bf16) around the model as written
     torch.compile  torch.compile(model), under torch.autocast(bf16)
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8, help="timed rounds after the warm-up")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds; the first compiles")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--precision", choices=("mixed", "bf16"), default="mixed",
+                   help="mixed: fp32 parameters and AdamW state, bf16 compute (autocast; picofx's precision "
+                        "pass); bf16: parameters and AdamW state in bf16 (half the resident memory), no autocast")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                    help="also the planner's prediction for this run (its CPU work takes a minute)")
@@ -100,17 +104,18 @@ class LigerRope:
         self.module.apply_rotary_pos_emb = self.original
 
 
-def make_forward(name: str, model, batch: dict, device: torch.device):
+def make_forward(name: str, model, batch: dict, device: torch.device, mixed: bool):
     """A function running one forward with the loss under the contender's precision; returns the loss."""
     import picofx
 
-    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16) if mixed else nullcontext()  # noqa: E731
     if name == "eager":
         run, scope = model, nullcontext
     elif name == "torch.compile":
         run, scope = torch.compile(model), nullcontext
     elif name == "picofx":
-        opt = picofx.optimize(model, batch, passes=["fuse", "precision"], backend="inductor")
+        opt = picofx.optimize(model, batch, passes=["fuse", "precision"] if mixed else ["fuse"],
+                              backend="inductor")
         return lambda: opt(**batch).loss
     elif name == "liger":
         rope = LigerRope()
@@ -201,7 +206,7 @@ def step_peak(c: Contender, batch: dict, device: torch.device) -> int | None:
 
 def run(args) -> dict:
     device = torch.device(args.device)
-    base = hf_model(args.shape, args.seq).to(device)
+    base = hf_model(args.shape, args.seq).to(device, torch.float32 if args.precision == "mixed" else torch.bfloat16)
     ids = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
     contenders = []
@@ -209,7 +214,7 @@ def run(args) -> dict:
         model = copy.deepcopy(base)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         try:
-            contenders.append(Contender(name, model, make_forward(name, model, batch, device), optimizer))
+            contenders.append(Contender(name, model, make_forward(name, model, batch, device, args.precision == "mixed"), optimizer))
         except Exception as e:
             contenders.append(Contender(name, model, None, optimizer))
             contenders[-1].error = f"{type(e).__name__}: {e}"
@@ -242,7 +247,7 @@ def results(args, contenders, device) -> dict:
     gpu, profile = gpu_profile(device)
     peak_flops = profile.peak_flops[torch.bfloat16] if profile else None
     out = {"model": f"transformers LlamaForCausalLM, {args.shape} shape", "config": config.to_dict(),
-           "params": sum(p.numel() for p in contenders[0].model.parameters()), "batch": args.batch, "seq": args.seq,
+           "params": sum(p.numel() for p in contenders[0].model.parameters()), "batch": args.batch, "seq": args.seq, "precision": args.precision,
            "tokens_per_step": tokens, "training_flops_per_step": flops, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -285,7 +290,7 @@ def table(r: dict) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     matmul = r["measured_matmul_bf16_flops"]
-    head = (f"{r['model']}: {r['params'] / 1e9:.2f}B params; batch {r['batch']} x seq {r['seq']}; {r['device_name']}, "
+    head = (f"{r['model']}: {r['params'] / 1e9:.2f}B params, {r['precision']} precision; batch {r['batch']} x seq {r['seq']}; {r['device_name']}, "
             f"torch {r['torch']}, triton {r['triton']}; {r['date']}; medians of {r['steps']} interleaved rounds\n"
             f"MFU against {r['peak_bf16_flops'] or 0:.3g} FLOP/s dense bf16 "
             f"(an 8192^3 bf16 matmul measured {matmul or 0:.3g}); {r['training_flops_per_step']:.3g} FLOPs per step")

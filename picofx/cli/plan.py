@@ -10,10 +10,10 @@ from picofx.planner.costs import PASSES
 from picofx.planner.measure import calibrated_device, measure
 from picofx.planner.models import MODELS, model_config
 from picofx.planner.recipe import describe_passes, planned_recipe
-from picofx.planner.run import check_run, measured_table, plan_run, table
+from picofx.planner.run import (check_run, gpu_profile, gpus_table, measured_table, plan_layout, plan_run,
+                                suggestions_table, table)
 from picofx.planner.show import show
-
-GPU_KINDS = ("h100", "h200", "a100", "cpu")
+from picofx.planner.spec import FIELDS, parse_layout
 
 
 def add_plan_parser(commands) -> None:
@@ -22,15 +22,23 @@ def add_plan_parser(commands) -> None:
         description="Predict memory per GPU and step time of every layout of MODEL's training over --gpus GPUs, "
                     "rank those that fit, and say what limits each and what to change.",
         epilog="examples:\n  picofx plan llama2-7b --gpus 8 --gpu h100 --seq 4096 --global-batch 256\n"
-               "  picofx plan llama2-70b --gpus 64 --gpu h100 --seq 4096 --global-batch 512 --json plans.json",
+               "  picofx plan llama2-70b --gpus 64 --gpu h100 --seq 4096 --global-batch 512 --json plans.json\n"
+               "  picofx plan llama3-8b --gpu h100-96gb --seq 8192 --global-batch 8 "
+               "--layout dp=8,shard=true,checkpoint=full\n  picofx plan --list-gpus",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help=f"a zoo name ({', '.join(MODELS)}), a Hugging Face config.json or its directory, "
-                                 "or module:function")
-    p.add_argument("--gpus", type=at_least(1), required=True)
-    p.add_argument("--gpu", choices=GPU_KINDS, default="h100")
+    p.add_argument("model", nargs="?", help=f"a zoo name ({', '.join(MODELS)}), a Hugging Face config.json or its "
+                                            "directory, or module:function")
+    p.add_argument("--gpus", type=at_least(1), help="GPUs (ranks) of the run; with --layout, dp x tp x pp by default")
+    p.add_argument("--gpu", default="h100", help="the device profile (--list-gpus), or cpu: this machine's cores")
+    p.add_argument("--list-gpus", action="store_true", help="list the device profiles --gpu takes, with their sources")
+    p.add_argument("--layout", metavar="SPEC",
+                   help="predict this one layout (with its suggestions) instead of ranking them all: the plan's "
+                        f"fields, key=value comma-separated ({', '.join(FIELDS)}), e.g. "
+                        "dp=8,shard=true,tp=1,pp=1,microbatches=1,checkpoint=full; left out: tp and pp 1, dp the "
+                        "rest of --gpus, the others as the plans' defaults")
     p.add_argument("--gpus-per-node", type=at_least(1), default=8)
     p.add_argument("--seq", type=at_least(1), default=4096)
-    p.add_argument("--global-batch", type=at_least(1), required=True, help="sequences per optimizer step, over all GPUs")
+    p.add_argument("--global-batch", type=at_least(1), help="sequences per optimizer step, over all GPUs")
     p.add_argument("--compress", metavar="KINDS",
                    help="gradient compressors to plan for replicated data parallel, comma-separated, as "
                         "Overlap(compress=...) spells them (default: " + ",".join(DEFAULT_KINDS) + "; on --gpu cpu "
@@ -50,21 +58,42 @@ def add_plan_parser(commands) -> None:
 
 
 def plan_command(args) -> dict:
+    if args.list_gpus:
+        print(gpus_table())
+        return {}
+    for given, what in ((args.model, "MODEL"), (args.global_batch, "--global-batch"),
+                        (args.gpus or args.layout, "--gpus (or --layout)")):
+        if not given:
+            raise ValueError(f"{what} is required (picofx plan --help)")
+    if args.gpu != "cpu":
+        gpu_profile(args.gpu)  # an unknown profile is refused before the model is read
+    layout = args.layout and parse_layout(args.layout, args.gpus)
+    if layout and args.gpus and layout.dp * layout.tp * layout.pp != args.gpus:
+        raise ValueError(f"--layout {args.layout!r} is {layout.dp * layout.tp * layout.pp} GPUs (dp x tp x pp), "
+                         f"--gpus {args.gpus}: leave --gpus out or make them agree")
+    gpus = args.gpus or layout.dp * layout.tp * layout.pp
     here = args.measure and args.gpu == "cpu"  # plans run on this machine: predict for it as its ranks share it
     config, compute = model_config(args.model), ("fuse",) if here else PASSES
-    check_run(config, args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,
+    check_run(config, args.model, gpus=gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,
               global_batch=args.global_batch)
-    device = calibrated_device(config, args.gpus) if here else None
-    run, predictions = plan_run(args.model, gpus=args.gpus, gpu=args.gpu, gpus_per_node=args.gpus_per_node,
-                                seq=args.seq, global_batch=args.global_batch, device=device, passes=compute,
-                                compress=args.compress)
+    device = calibrated_device(config, gpus) if here else None
+    common = dict(gpu=args.gpu, gpus_per_node=args.gpus_per_node, seq=args.seq, global_batch=args.global_batch,
+                  device=device, passes=compute, compress=args.compress)
+    if layout:
+        run, one = plan_layout(args.model, layout, **common)
+        predictions = [one]
+    else:
+        run, predictions = plan_run(args.model, gpus=gpus, **common)
     if not predictions:
-        raise ValueError(f"no layout of {args.model} runs on {args.gpus} GPUs with a global batch of "
+        raise ValueError(f"no layout of {args.model} runs on {gpus} GPUs with a global batch of "
                          f"{args.global_batch}: the batch must divide over the data-parallel ranks")
-    print(f"{args.model} on {args.gpus} x {run.device.name} ({run.gpus_per_node} per node), {args.seq} tokens per "
-          f"sequence, {args.global_batch} sequences per step; {len(predictions)} layouts, "
-          f"{sum(p.fits for p in predictions)} fit\n")
+    print(f"{args.model} on {gpus} x {run.device.name} ({run.gpus_per_node} per node), {args.seq} tokens per "
+          f"sequence, {args.global_batch} sequences per step; " + (
+              "the layout given" if layout else f"{len(predictions)} layouts, {sum(p.fits for p in predictions)} fit")
+          + "\n")
     print(table(predictions, args.top))
+    if layout:
+        print("\nwhat to change:\n" + suggestions_table(predictions[0]))
     plain = [p for p in predictions if p.layout.tp == p.layout.pp == 1 and not p.layout.shard
              and not p.layout.checkpoint]
     if plain and not any(p.fits for p in plain):
@@ -89,7 +118,7 @@ def plan_command(args) -> dict:
         from picofx.report_html import write_html
 
         write_html(args.html, plans=out, title=f"picofx plan {args.model}",
-                   subtitle=f"{args.gpus} x {run.device.name}, {args.seq} tokens per sequence, "
+                   subtitle=f"{gpus} x {run.device.name}, {args.seq} tokens per sequence, "
                             f"{args.global_batch} sequences per step")
         print(f"wrote {args.html}")
     return out

@@ -23,7 +23,7 @@ from picofx.cost.device import Device, device_for, devices
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES
-from picofx.planner.layouts import Layout, Prediction, Run
+from picofx.planner.layouts import Checkpointing, Layout, Prediction, Run
 from picofx.planner.measure import calibrated_device
 from picofx.planner.models import HF_KEYS, model_config
 from picofx.planner.recipe import Recipe, planned_recipe
@@ -116,6 +116,9 @@ def _device(gpu, config: LlamaConfig, world: int, link, say):
 def _allowed(layout: Layout, limits: dict) -> bool:
     for name, wanted in limits.items():
         value = getattr(layout, name)
+        if name == "checkpoint" and not callable(wanted):  # True/False and the names, as Layout takes them
+            wanted = [Checkpointing.of(w) for w in wanted] if isinstance(wanted, (list, tuple, set, frozenset)) \
+                else Checkpointing.of(wanted)
         if callable(wanted):
             if not wanted(value):
                 return False

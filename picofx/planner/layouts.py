@@ -27,6 +27,7 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from picofx.cost.comm import all_reduce_seconds, send_seconds
 from picofx.cost.device import Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
-from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange
+from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -50,6 +51,32 @@ BOTTLENECKS = {  # the step's time terms, as the bottleneck each names
 DOES_NOT_FIT = "memory: does not fit"
 
 
+class Checkpointing(enum.StrEnum):
+    """What a layout recomputes in the backward: nothing, the cheap ops of each layer (selective:
+    the matmul outputs kept), or each layer whole from its input (full)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    def __bool__(self) -> bool:  # `if layout.checkpoint:` reads "recomputes anything"
+        return self is not Checkpointing.NONE
+
+    @classmethod
+    def of(cls, value) -> Checkpointing:
+        """From a member, its name ("none", "selective", "full") or a bool (True: full; the old spelling)."""
+        if isinstance(value, bool):
+            return cls.FULL if value else cls.NONE
+        try:
+            return cls(value.lower() if isinstance(value, str) else value)
+        except ValueError:
+            raise ValueError(f"checkpoint {value!r}: one of {', '.join(c.value for c in cls)} "
+                             "(or true/false for full/none)") from None
+
+
+CHECKPOINTS = (Checkpointing.NONE, Checkpointing.FULL)  # what the layouts' predictions model
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int
@@ -58,14 +85,18 @@ class Layout:
     shard: bool = False
     microbatches: int = 1
     schedule: str = "1F1B"
-    checkpoint: bool = False
+    checkpoint: Checkpointing = Checkpointing.NONE  # a bool or a name is converted
     sequence_parallel: bool = False
     compress: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "checkpoint", Checkpointing.of(self.checkpoint))
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}" + (" shard" if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
                                                                                   else ""), f"pp{self.pp}"]
-        return " x ".join(parts) + f", {self.microbatches} mb" + (", ckpt" if self.checkpoint else "") + \
+        ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
+        return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
             (f", {self.compress}" if self.compress else "")
 
 
@@ -111,9 +142,12 @@ def predict(run: Run, layout: Layout) -> Prediction:
     tp, pp = layout.tp, layout.pp
     stage_layers = -(-L // pp)
     overhead = run.device.op_overhead * (stage_layers * c.layer_ops + c.rest_ops)  # per call, whatever b is
-    fw = b * (stage_layers * c.layer_forward_s + c.rest_forward_s) / tp + overhead / 3
-    bw = b * (stage_layers * c.layer_backward_s + c.rest_backward_s) / tp + 2 * overhead / 3
-    recompute = b * stage_layers * c.layer_forward_s / tp + overhead / 3 if layout.checkpoint else 0.0
+    fw = (b * (stage_layers * c.layer_forward_s + c.rest_forward_s)  # per call too: the weights' casts
+          + stage_layers * c.layer_call_forward_s + c.rest_call_forward_s) / tp + overhead / 3
+    bw = (b * (stage_layers * c.layer_backward_s + c.rest_backward_s)
+          + stage_layers * c.layer_call_backward_s + c.rest_call_backward_s) / tp + 2 * overhead / 3
+    full = layout.checkpoint is Checkpointing.FULL
+    recompute = b * stage_layers * c.recompute_s(layout.checkpoint) / tp + (overhead / 3 if full else 0.0)
     activation_bytes = b * c.seq * c.config.hidden_size * 2
     tp_comm = 0.0
     if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
@@ -138,7 +172,10 @@ def predict(run: Run, layout: Layout) -> Prediction:
         layers = [Layer(f"end{i}", ends_params / ends, (fw + recompute) / units, bw / units) for i in range(ends)]
         layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units)
                    for i in range(stage_layers)]
-        sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2)
+        sent = scatter_exchange(c.config, layout, b * c.seq, run.device) if layout.compress else None
+        sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2,
+                                  reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
+        compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         # ranks sharing cores: as for the all-reduce below, nothing hides
         exposed = sharded.communication_s if run.device.cpu_share < 1 else sharded.exposed_s
         dp_exposed, dp_what = layout.microbatches * exposed, "parameter all-gathers and gradient reduce-scatters"
@@ -157,11 +194,11 @@ def predict(run: Run, layout: Layout) -> Prediction:
     states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)
     in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
     split = 1 / tp if layout.sequence_parallel else (1 - TP_SPLIT_FRACTION) + TP_SPLIT_FRACTION / tp
-    if layout.checkpoint:
-        per_layer = b * c.seq * c.config.hidden_size * 4  # each layer's input
-        activations = in_flight * stage_layers * per_layer + b * c.layer_saved * split
+    if full:  # each layer's input (split by sequence parallelism), and one layer recomputed at a time
+        kept = c.saved_bytes(layout.checkpoint) / (tp if layout.sequence_parallel else 1)
+        activations = in_flight * stage_layers * b * kept + b * c.layer_saved * split
     else:
-        activations = in_flight * stage_layers * b * c.layer_saved * split
+        activations = in_flight * stage_layers * b * c.saved_bytes(layout.checkpoint) * split
     activations += b * (c.rest_saved + c.transient) / tp
     gathered = 3 * c.layer_parameters / tp * 2 + c.layer_parameters / tp * 4 if layout.shard else 0
     memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
@@ -170,7 +207,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     fits = total <= capacity
     tokens_per_s = run.global_batch * c.seq / step
     peak = run.device.flops_per_second(torch.bfloat16)
-    time = {"compute": compute_step - bubble - slots * (tp_comm + sends), "recompute": slots * recompute,
+    time = {"compute": compute_step - bubble - slots * (recompute + tp_comm + sends), "recompute": slots * recompute,
             "tensor_parallel_comm": slots * tp_comm, "pipeline_sends": slots * sends, "bubble": bubble,
             "data_parallel_exposed": dp_exposed,
             "compression": compression, "optimizer": optimizer}
@@ -213,6 +250,8 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
     if layout.pp > 1 and layout.microbatches < layout.pp:
         return "fewer micro-batches than pipeline stages"
+    if layout.checkpoint not in CHECKPOINTS:
+        return f"{layout.checkpoint.value} checkpointing is not predicted (checkpoint: {', '.join(CHECKPOINTS)})"
     return None
 
 
@@ -230,7 +269,7 @@ def enumerate_layouts(run: Run, compress: tuple = ()) -> list[Layout]:
             per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
             for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
                 for shard in ((False, True) if dp > 1 else (False,)):
-                    for checkpoint in (False, True):
+                    for checkpoint in CHECKPOINTS:
                         for sp in ((False, True) if tp > 1 else (False,)):
                             layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp)
                             if valid(run, layout) is None:
@@ -240,16 +279,18 @@ def enumerate_layouts(run: Run, compress: tuple = ()) -> list[Layout]:
 
 
 def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
-    """`layout` with each compressor of `kinds` that applies: replicated dp > 1 (the sharded
-    prediction has no compressed reduce-scatter), sparse_rows where the embedding goes as rows."""
-    if layout.dp == 1 or layout.shard or layout.compress:
+    """`layout` with each compressor of `kinds` that applies: dp > 1, replicated or sharded,
+    sparse_rows where the embedding goes as rows."""
+    if layout.dp == 1 or layout.compress:
         return []
     out = []
     for kind in kinds:
         other = dataclasses.replace(layout, compress=kind)
         if kind.startswith("sparse_rows"):
-            b = run.global_batch // (layout.dp * layout.microbatches)
-            if embedding_as_rows(run.costs.config, other, b * run.costs.seq)[0] != "rows":
+            tokens = run.global_batch // (layout.dp * layout.microbatches) * run.costs.seq
+            rows = scatter_exchange(run.costs.config, other, tokens, run.device).rows if layout.shard else \
+                embedding_as_rows(run.costs.config, other, tokens)[0]
+            if rows != "rows":
                 continue
         out.append(other)
     return out

@@ -2,14 +2,16 @@
 them: what `picofx plan`, `picofx.plan(...)` and `picofx train --layout auto` plan with."""
 from __future__ import annotations
 
+import torch
+
 from picofx.cost.device import devices
 from picofx.cost.model import CostModel
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES, model_costs
-from picofx.planner.layouts import Prediction, Run, plan_layouts
+from picofx.planner.layouts import Layout, Prediction, Run, plan_layouts, predict, valid
 from picofx.planner.models import model_config
-from picofx.planner.suggest import Planned, suggest
+from picofx.planner.suggest import with_suggestions
 
 
 def check_run(config: LlamaConfig, name: str, *, gpus: int, gpus_per_node: int, seq: int, global_batch: int) -> None:
@@ -25,25 +27,55 @@ def check_run(config: LlamaConfig, name: str, *, gpus: int, gpus_per_node: int, 
                          "configured for longer ones")
 
 
-def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
-             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list[Prediction]]:
-    """Every layout of `model` (a name or path as `picofx plan` takes it, or a LlamaConfig) over `gpus`,
-    predicted and ranked (those that fit first, fastest first), each with its suggestions. `device`: a
-    picofx.cost.device.Device instead of the `gpu` kind's entry. `compress`: the compressors replicated
-    layouts are also planned with (picofx.planner.compress.kinds_to_consider; None: the device's defaults)."""
-    on_cpu = gpu == "cpu" if device is None else "cpu" in device.name.lower()
-    kinds = kinds_to_consider(compress, on_cpu=on_cpu)
+def make_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096, global_batch: int,
+             device=None, passes=PASSES) -> Run:
+    """The Run of `model` (a name or path as `picofx plan` takes it, or a LlamaConfig) over `gpus`: its
+    costs captured once. `device`: a picofx.cost.device.Device instead of the `gpu` kind's entry."""
     config = model if isinstance(model, LlamaConfig) else model_config(model)
     check_run(config, model if isinstance(model, str) else "the model", gpus=gpus, gpus_per_node=gpus_per_node,
               seq=seq, global_batch=global_batch)
-    device = device or devices()[gpu]
-    run = Run(model_costs(config, seq, CostModel(device), passes), device, gpus, min(gpus_per_node, gpus),
-              global_batch)
-    predictions = plan_layouts(run, kinds)
-    planned = Planned(predictions)
-    for p in predictions:
-        p.suggestions = suggest(p, planned)
-    return run, predictions
+    device = device or gpu_profile(gpu)
+    return Run(model_costs(config, seq, CostModel(device), passes), device, gpus, min(gpus_per_node, gpus),
+               global_batch)
+
+
+def gpu_profile(name: str):
+    """The device profile `name` (picofx plan --list-gpus), or ValueError naming them."""
+    known = devices()
+    if name not in known:
+        raise ValueError(f"--gpu {name!r}: one of {', '.join(known)} (picofx plan --list-gpus)")
+    return known[name]
+
+
+def compressors(gpu: str, device, compress) -> tuple:
+    """The compressors replicated layouts are planned with (picofx.planner.compress.kinds_to_consider)."""
+    on_cpu = gpu == "cpu" if device is None else "cpu" in device.name.lower()
+    return kinds_to_consider(compress, on_cpu=on_cpu)
+
+
+def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
+             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list[Prediction]]:
+    """Every layout of `model` over `gpus`, predicted and ranked (those that fit first, fastest first),
+    each with its suggestions. `compress`: the compressors replicated layouts are also planned with
+    (picofx.planner.compress.kinds_to_consider; None: the device's defaults)."""
+    kinds = compressors(gpu, device, compress)
+    run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
+                   device=device, passes=passes)
+    return run, with_suggestions(run, plan_layouts(run, kinds), kinds)
+
+
+def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
+                global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, Prediction]:
+    """`layout` of `model` predicted as `plan_run` predicts it among the others, with its suggestions
+    (its neighbours compared with the compressors `compress`); ValueError where the run cannot have it."""
+    gpus = layout.dp * layout.tp * layout.pp
+    run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
+                   device=device, passes=passes)
+    why = valid(run, layout)
+    if why is not None:
+        raise ValueError(f"--layout {layout.describe()} cannot run {global_batch} sequences on {gpus} GPUs "
+                         f"({run.gpus_per_node} per node): {why}")
+    return run, with_suggestions(run, [predict(run, layout)], compressors(gpu, device, compress))[0]
 
 
 def table(predictions: list[Prediction], top: int) -> str:
@@ -56,6 +88,21 @@ def table(predictions: list[Prediction], top: int) -> str:
                     f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
         if p.suggestions:
             rows.append(f"{'':>4}  -> {p.suggestions[0].describe(p)}")
+    return "\n".join(rows)
+
+
+def suggestions_table(p: Prediction) -> str:
+    """Every suggestion of plan `p`, best first, a line each."""
+    return "\n".join(f"  -> {s.describe(p)}" for s in p.suggestions)
+
+
+def gpus_table() -> str:
+    """The device profiles --gpu takes, with what each holds and where its figures come from."""
+    rows = [f"{'--gpu':11s} {'device':34s} {'memory':>7s} {'bf16 TFLOP/s':>12s} {'HBM TB/s':>8s}  links; sources"]
+    for key, d in devices().items():
+        rows.append(f"{key:11s} {d.name:34s} {d.memory_capacity / 1e9:5.0f}GB "
+                    f"{d.flops_per_second(torch.bfloat16) / 1e12:12.1f} {d.memory_bandwidth / 1e12:8.2f}  "
+                    f"{d.link_name}, {d.network_name}; compute and memory: {d.source}; links: {d.link_source}")
     return "\n".join(rows)
 
 

@@ -2,20 +2,24 @@
 planner's own model, kept where it is faster (or, where the plan does not fit, where it fits), best
 first, each naming the bottleneck it addresses: the time term it shrinks most, or memory.
 
-Neighbours: twice or half the micro-batches, sequence parallelism on or off, checkpointing on or off,
-sharded or replicated data parallelism, each other compressor planned, and another tp or pp (twice
-or half, the data-parallel ranks making up the GPUs; micro-batches re-chosen, as they must divide the
-replicas' batch)."""
+Neighbours: twice or half the micro-batches, sequence parallelism on or off, each other checkpointing
+(none, selective, full), sharded or replicated data parallelism, each other compressor planned, and
+another tp or pp (twice or half, the data-parallel ranks making up the GPUs; the micro-batches the
+fastest of those that divide the replicas' batch). A neighbour the run cannot have (its batch does
+not divide, tp past a node) is left out. Every neighbour is predicted as it would be planned on its
+own, so a suggestion's gains are those of `picofx plan --layout` of the two layouts."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from dataclasses import dataclass
 
-from picofx.planner.layouts import BOTTLENECKS, DOES_NOT_FIT, Layout, Prediction
+from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, Checkpointing, Layout, Prediction, Run,
+                                    compressed, divisors, predict, valid)
 
 MIN_GAIN = 0.01  # a faster neighbour is suggested when it saves at least this share of the step
 NONE_HELPS = "no neighbouring change helps"
+CHECKPOINT_CHANGES = {Checkpointing.NONE: "no checkpointing", Checkpointing.SELECTIVE: "selective checkpointing",
+                      Checkpointing.FULL: "full checkpointing (every layer)"}
 
 
 @dataclass(frozen=True)
@@ -38,45 +42,83 @@ class Suggestion:
                 f"addresses {self.addresses}")
 
 
-class Planned:
-    """The predictions of a run, found by layout, and by layout whatever its compressor or its micro-batches."""
+class Neighbourhood:
+    """The predictions of a run's layouts, each made once: the plans' own and their neighbours'.
+    `kinds`: the compressors planned for replicated layouts."""
 
-    def __init__(self, predictions: list[Prediction]):
-        self.by_layout = {p.layout: p for p in predictions}
-        self.compressed, self.by_microbatches = defaultdict(list), defaultdict(list)
-        for p in predictions:
-            self.compressed[dataclasses.replace(p.layout, compress=None)].append(p)
-            self.by_microbatches[dataclasses.replace(p.layout, microbatches=0)].append(p)
+    def __init__(self, run: Run, kinds: tuple = (), predictions: list[Prediction] = ()):
+        self.run, self.kinds = run, tuple(kinds)
+        self.predicted: dict[Layout, Prediction | None] = {p.layout: p for p in predictions}
+
+    def prediction(self, layout: Layout) -> Prediction | None:
+        """`layout` predicted, or None where the run cannot have it."""
+        if layout not in self.predicted:
+            self.predicted[layout] = predict(self.run, layout) if valid(self.run, layout) is None else None
+        return self.predicted[layout]
+
+    def neighbours(self, layout: Layout) -> list[tuple[str, Prediction]]:
+        """The layouts one change away from `layout` the run can have, predicted, each with what the change is."""
+        m, replace = layout.microbatches, dataclasses.replace
+        changes = [(micro_batches(2 * m), replace(layout, microbatches=2 * m))]
+        if m > 1:
+            changes.append((micro_batches(m // 2), replace(layout, microbatches=m // 2)))
+        if layout.tp > 1:
+            changes.append(("no sequence parallelism" if layout.sequence_parallel else "sequence parallelism",
+                            replace(layout, sequence_parallel=not layout.sequence_parallel)))
+        changes += [(CHECKPOINT_CHANGES[c], replace(layout, checkpoint=c)) for c in CHECKPOINTS
+                    if c is not layout.checkpoint]
+        if layout.dp > 1:
+            changes.append(("replicated data parallel" if layout.shard else "sharded data parallel",
+                            replace(layout, shard=not layout.shard, compress=None)))
+        plain = replace(layout, compress=None)
+        if layout.compress:
+            changes.append(("uncompressed gradients", plain))
+        changes += [(f"{other.compress} gradient exchange", other) for other in compressed(self.run, plain, self.kinds)
+                    if other != layout]
+        out = [(what, p) for what, other in changes if (p := self.prediction(other)) is not None]
+        for tp, pp in ((2 * layout.tp, layout.pp), (layout.tp // 2, layout.pp),
+                       (layout.tp, 2 * layout.pp), (layout.tp, layout.pp // 2)):
+            p = self.best_with(layout, tp, pp)
+            if p is not None:
+                what = f"tp {tp}" if tp != layout.tp else f"pp {pp}"
+                if p.layout.microbatches != m:
+                    what += f", {micro_batches(p.layout.microbatches)}"
+                out.append((what, p))
+        return out
+
+    def best_with(self, layout: Layout, tp: int, pp: int) -> Prediction | None:
+        """`layout` over `tp` x `pp` (the data-parallel ranks making up the GPUs) with the micro-batches
+        that make it fastest (fit first), or None where the run cannot have it."""
+        gpus = layout.dp * layout.tp * layout.pp
+        if tp < 1 or pp < 1 or gpus % (tp * pp):
+            return None
+        dp = gpus // (tp * pp)
+        if self.run.global_batch % dp:
+            return None
+        same = dataclasses.replace(layout, dp=dp, tp=tp, pp=pp, shard=layout.shard and dp > 1,
+                                   sequence_parallel=layout.sequence_parallel and tp > 1,
+                                   compress=layout.compress if dp > 1 else None)
+        found = [self.prediction(dataclasses.replace(same, microbatches=m))
+                 for m in divisors(self.run.global_batch // dp) if m >= pp]
+        return best_of([p for p in found if p is not None])
+
+    def suggest(self, plan: Prediction) -> list[Suggestion]:
+        """`plan`'s neighbours that help, best first: faster ones by the time they save, or, where `plan`
+        does not fit, those that fit, fastest first; else NONE_HELPS."""
+        helping = []
+        for what, other in self.neighbours(plan.layout):
+            if not other.fits or (plan.fits and other.step_s > plan.step_s * (1 - MIN_GAIN)):
+                continue
+            helping.append(Suggestion(what, addresses(plan, other), plan.step_s - other.step_s,
+                                      plan.memory_per_gpu - other.memory_per_gpu, other.layout))
+        helping.sort(key=lambda s: -s.step_seconds_gain)
+        if not helping:
+            return [Suggestion(NONE_HELPS, plan.bottleneck, 0.0, 0.0)]
+        return helping
 
 
-def neighbours(layout: Layout, planned: Planned) -> list[tuple[str, Prediction]]:
-    """The planned layouts one change away from `layout`, each with what the change is."""
-    m, replace = layout.microbatches, dataclasses.replace
-    exact = [(f"{2 * m} micro-batches", replace(layout, microbatches=2 * m)),
-             (f"{m // 2} micro-batch{'es' if m // 2 > 1 else ''}", replace(layout, microbatches=m // 2)),
-             ("no sequence parallelism" if layout.sequence_parallel else "sequence parallelism",
-              replace(layout, sequence_parallel=not layout.sequence_parallel)),
-             ("no checkpointing" if layout.checkpoint else "checkpointing every layer",
-              replace(layout, checkpoint=not layout.checkpoint)),
-             ("replicated data parallel" if layout.shard else "sharded data parallel",
-              replace(layout, shard=not layout.shard, compress=None))]
-    out = [(what, planned.by_layout[other]) for what, other in exact if other != layout and other in planned.by_layout]
-    for p in planned.compressed[replace(layout, compress=None)]:  # the other compressors planned for this layout
-        if p.layout != layout:
-            out.append((f"{p.layout.compress} gradient exchange" if p.layout.compress else "uncompressed gradients", p))
-    for tp, pp in ((2 * layout.tp, layout.pp), (layout.tp // 2, layout.pp),
-                   (layout.tp, 2 * layout.pp), (layout.tp, layout.pp // 2)):
-        if tp < 1 or pp < 1 or (layout.dp * layout.tp * layout.pp) % (tp * pp):
-            continue
-        dp = layout.dp * layout.tp * layout.pp // (tp * pp)
-        same = replace(layout, dp=dp, tp=tp, pp=pp, microbatches=0, shard=layout.shard and dp > 1,
-                       sequence_parallel=layout.sequence_parallel and tp > 1,
-                       compress=layout.compress if dp > 1 else None)
-        p = best_of(planned.by_microbatches[same])
-        if p is not None:
-            what = f"tp {tp}" if tp != layout.tp else f"pp {pp}"
-            out.append((what + (f", {p.layout.microbatches} micro-batches" if p.layout.microbatches != m else ""), p))
-    return out
+def micro_batches(m: int) -> str:
+    return f"{m} micro-batch{'es' if m > 1 else ''}"
 
 
 def best_of(predictions: list[Prediction]) -> Prediction | None:
@@ -94,16 +136,9 @@ def addresses(plan: Prediction, other: Prediction) -> str:
     return BOTTLENECKS[term]
 
 
-def suggest(plan: Prediction, planned: Planned) -> list[Suggestion]:
-    """`plan`'s neighbours among the `planned` predictions that help, best first: faster ones by the
-    time they save, or, where `plan` does not fit, those that fit, fastest first; else NONE_HELPS."""
-    helping = []
-    for what, other in neighbours(plan.layout, planned):
-        if not other.fits or (plan.fits and other.step_s > plan.step_s * (1 - MIN_GAIN)):
-            continue
-        helping.append(Suggestion(what, addresses(plan, other), plan.step_s - other.step_s,
-                                  plan.memory_per_gpu - other.memory_per_gpu, other.layout))
-    helping.sort(key=lambda s: -s.step_seconds_gain)
-    if not helping:
-        return [Suggestion(NONE_HELPS, plan.bottleneck, 0.0, 0.0)]
-    return helping
+def with_suggestions(run: Run, predictions: list[Prediction], kinds: tuple = ()) -> list[Prediction]:
+    """`predictions` (of `run`), each given its suggestions; returned."""
+    neighbourhood = Neighbourhood(run, kinds, predictions)
+    for p in predictions:
+        p.suggestions = neighbourhood.suggest(p)
+    return predictions

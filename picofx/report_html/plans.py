@@ -33,7 +33,9 @@ def percent(share: float) -> str:
 def plan_label(p: dict) -> str:
     text = (f"dp{p['dp']}{' shard' if p.get('shard') else ''} x tp{p['tp']}"
             f"{' sp' if p.get('sequence_parallel') else ''} x pp{p['pp']}, {p['microbatches']} mb")
-    return text + (", ckpt" if p.get("checkpoint") else "") + (f", {p['compress']}" if p.get("compress") else "")
+    checkpoint = {True: "full", False: "none", None: "none"}.get(p.get("checkpoint"), p.get("checkpoint"))  # old JSON: a bool
+    checkpoint = {"none": "", "full": ", ckpt"}.get(checkpoint, f", {checkpoint} ckpt")
+    return text + checkpoint + (f", {p['compress']}" if p.get("compress") else "")
 
 
 def _field(item, name: str):

@@ -9,23 +9,19 @@ import pytest
 from picofx.cost.device import devices
 from picofx.planner import plan_run
 from picofx.planner.costs import ModelCosts
-from picofx.planner.layouts import BOTTLENECKS, DOES_NOT_FIT, Layout, Run, plan_layouts, predict
+from picofx.planner.layouts import BOTTLENECKS, DOES_NOT_FIT, Checkpointing, Layout, Run, plan_layouts, predict
 from picofx.planner.models import model_config, parameter_count
-from picofx.planner.suggest import NONE_HELPS, Planned, Suggestion, suggest
+from picofx.planner.suggest import NONE_HELPS, Neighbourhood, Suggestion, with_suggestions
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return plan_run("llama-tiny", gpus=4, gpu="h100", seq=32, global_batch=8)
+def tiny_on_cpu():
+    return plan_run("llama-tiny", gpus=4, gpu="cpu", seq=32, global_batch=8)
 
 
 def suggested(run: Run) -> list:
     """plan_run's ranking and suggestions, for a Run made here."""
-    predictions = plan_layouts(run)
-    planned = Planned(predictions)
-    for p in predictions:
-        p.suggestions = suggest(p, planned)
-    return predictions
+    return with_suggestions(run, plan_layouts(run))
 
 
 def compute_bound(gpus: int = 4, global_batch: int = 16, memory: int | None = None) -> Run:
@@ -36,29 +32,58 @@ def compute_bound(gpus: int = 4, global_batch: int = 16, memory: int | None = No
     return Run(costs, gpu, gpus, gpus, global_batch)
 
 
-def test_every_plan_has_a_suggestion_or_says_none_helps(tiny):
-    _, predictions = tiny
+def every_row_is_told_what_helps(run, predictions) -> None:
+    """Each plan has suggestions, best first, each gain that of predicting its neighbour directly, or
+    the one NONE_HELPS; some plan is told a change."""
     for p in predictions:
+        assert sum(p.time.values()) == pytest.approx(p.step_s)  # the terms a suggestion's bottleneck is read from
         assert p.suggestions and all(isinstance(s, Suggestion) for s in p.suggestions), p.layout
         if p.suggestions[0].change == NONE_HELPS:
             assert len(p.suggestions) == 1 and p.suggestions[0].layout is None
-        else:
-            assert all(s.addresses in {*BOTTLENECKS.values(), DOES_NOT_FIT} for s in p.suggestions)
-    assert any(p.suggestions[0].layout is not None for p in predictions)
-
-
-def test_a_suggestions_gains_are_the_difference_of_the_two_predictions_best_first(tiny):
-    run, predictions = tiny
-    for p in predictions:
+            continue
         for s in p.suggestions:
-            if s.layout is None:
-                continue
+            assert s.addresses in {*BOTTLENECKS.values(), DOES_NOT_FIT}
             other = predict(run, s.layout)
             assert s.step_seconds_gain == pytest.approx(p.step_s - other.step_s)
             assert s.memory_bytes_gain == p.memory_per_gpu - other.memory_per_gpu
-            assert other.fits and other.step_s < p.step_s
+            assert other.fits and (other.step_s < p.step_s or not p.fits)
         gains = [s.step_seconds_gain for s in p.suggestions]
         assert gains == sorted(gains, reverse=True)
+    assert any(p.suggestions[0].layout is not None for p in predictions)
+
+
+def test_every_plan_of_a_tiny_model_on_cpu_ranks_is_told_what_helps(tiny_on_cpu):
+    every_row_is_told_what_helps(*tiny_on_cpu)
+
+
+def test_every_plan_of_llama2_7b_on_8_h100_is_told_what_helps(llama2_7b_on_8_h100):
+    every_row_is_told_what_helps(*llama2_7b_on_8_h100)
+
+
+@pytest.mark.slow
+def test_every_plan_of_llama2_70b_on_64_h100_is_told_what_helps(llama2_70b_on_64_h100):
+    every_row_is_told_what_helps(*llama2_70b_on_64_h100)
+
+
+def test_a_neighbour_is_one_option_away_and_predicted_even_where_the_ranking_left_it_out():
+    run = compute_bound()
+    lone = predict(run, Layout(2, 1, 2, microbatches=2))
+    found = dict(Neighbourhood(run).neighbours(lone.layout))
+    assert found["4 micro-batches"].layout == Layout(2, 1, 2, microbatches=4)
+    assert found["full checkpointing (every layer)"].layout == Layout(2, 1, 2, microbatches=2, checkpoint="full")
+    assert found["sharded data parallel"].layout == Layout(2, 1, 2, shard=True, microbatches=2)
+    pp1 = next(p for what, p in found.items() if what.startswith("pp 1"))
+    tp2 = next(p for what, p in found.items() if what.startswith("tp 2"))
+    assert (pp1.layout.dp, pp1.layout.pp) == (4, 1) and (tp2.layout.dp, tp2.layout.tp, tp2.layout.pp) == (1, 2, 2)
+    assert "1 micro-batch" not in found  # fewer micro-batches than stages: not a layout the run can have
+    assert all(p.layout != lone.layout for p in found.values())
+
+
+def test_a_checkpointed_plan_is_told_what_dropping_it_gains():
+    predictions = suggested(compute_bound())
+    p = next(p for p in predictions if p.layout == Layout(4, 1, 1, checkpoint=Checkpointing.FULL) and p.fits)
+    drop = next(s for s in p.suggestions if s.change == "no checkpointing")
+    assert drop.addresses == "recompute" and drop.memory_bytes_gain < 0 < drop.step_seconds_gain
 
 
 def test_more_micro_batches_address_the_pipeline_bubble():

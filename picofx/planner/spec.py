@@ -1,0 +1,64 @@
+"""A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
+as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective".
+
+Left out, tp and pp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
+from __future__ import annotations
+
+import dataclasses
+
+from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
+from picofx.planner.compress import kinds_to_consider
+from picofx.planner.layouts import Checkpointing, Layout
+
+WHOLE = ("dp", "tp", "pp", "microbatches")
+YES_NO = ("shard", "sequence_parallel")
+TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+FIELDS = [f.name for f in dataclasses.fields(Layout)]
+
+
+def parse_value(key: str, text: str):
+    """The value of field `key`, or ValueError naming the values it takes."""
+    text = text.strip()
+    if key in WHOLE:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{key}={text!r}: a whole number of at least 1")
+        return int(text)
+    if key in YES_NO:
+        if text.lower() not in TRUE + FALSE:
+            raise ValueError(f"{key}={text!r}: true or false")
+        return text.lower() in TRUE
+    if key == "checkpoint":
+        lowered = text.lower()
+        return Checkpointing.of(lowered in TRUE if lowered in TRUE + FALSE else lowered)
+    if key == "schedule":
+        if text not in SINGLE_STAGE_SCHEDULES:
+            raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)}")
+        return text
+    kinds = kinds_to_consider(text)  # compress: the spelling Overlap(compress=...) takes, or none
+    if len(kinds) > 1:
+        raise ValueError(f"compress={text!r}: one compressor per layout")
+    return kinds[0] if kinds else None
+
+
+def parse_layout(spec: str, gpus: int | None = None) -> Layout:
+    """The Layout `spec` spells; `gpus`: what dp makes up where the spec leaves it out (else 1).
+    ValueError names the fields and values it takes."""
+    given = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        key, eq, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq:
+            raise ValueError(f"--layout: {item!r} is not key=value (e.g. \"dp=8,shard=true,tp=1,pp=1\")")
+        if key not in FIELDS:
+            raise ValueError(f"--layout: unknown field {key!r}; the fields are {', '.join(FIELDS)}")
+        if key in given:
+            raise ValueError(f"--layout: {key} given twice")
+        try:
+            given[key] = parse_value(key, text)
+        except ValueError as e:
+            raise ValueError(f"--layout: {e}") from None
+    tp, pp = given.setdefault("tp", 1), given.setdefault("pp", 1)
+    given.setdefault("dp", max(1, (gpus or 1) // (tp * pp)))
+    return Layout(**given)

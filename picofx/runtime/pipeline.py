@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from picofx.manager import Context, pass_info
@@ -257,8 +258,9 @@ def check_same_cuts(layout, group: dist.ProcessGroup) -> None:
 
 def average_gradients(parameters, group: dist.ProcessGroup) -> None:
     """Average gradients across a data-parallel group: one flat all-reduce (sum, then divide:
-    gloo has no average)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    gloo has no average). A tensor-parallel parameter's gradient is a DTensor: its local piece is
+    averaged with the same piece of the other replicas."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

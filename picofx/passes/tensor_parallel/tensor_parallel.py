@@ -35,6 +35,7 @@ from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.async_overlap import overlap_sequence_parallel
 from picofx.passes.tensor_parallel.loss import fused_losses, vocabulary_parallel_loss
 
@@ -85,8 +86,10 @@ class TensorParallel:
         heads = fuse_heads(gm, plan, ctx)
         check_plan(plan, gm, heads)
         exchange = Exchange(dim, SEQUENCE_DIM if self.sequence_parallel else None)
-        if self.sequence_parallel:
-            check_sequence_parallel(gm, plan, dim.size)
+        if self.sequence_parallel:  # a later pipeline stage receives its residual stream as sequence shards
+            received = received_sequence_shards(gm, SEQUENCE_DIM, dim.size)
+            check_sequence_parallel(gm, plan, dim.size, received)
+            exchange.leaving += received
         rewrite(gm, plan, exchange)
         for fused in heads:
             vocabulary_parallel_loss(gm.graph, fused, dim.rank, exchange.join, vocabulary(fused))
@@ -199,11 +202,11 @@ class Exchange:
                         user.replace_input_with(node, summed)
 
 
-def check_sequence_parallel(gm: fx.GraphModule, plan, tp: int) -> None:
-    """The residual stream starts at a vocabulary-parallel lookup (its partial rows reduce-scattered)
-    and its sequence divides over the ranks."""
+def check_sequence_parallel(gm: fx.GraphModule, plan, tp: int, received=()) -> None:
+    """The residual stream starts at a vocabulary-parallel lookup (its partial rows reduce-scattered),
+    or arrives in shards from the pipeline stage before, and its sequence divides over the ranks."""
     lookups = [n for n in gm.graph.nodes if n.target is aten.embedding.default and weight_name(n, 0)]
-    if not lookups or any(plan.style(weight_name(n, 0)) != "vocab" for n in lookups):
+    if not (lookups or received) or any(plan.style(weight_name(n, 0)) != "vocab" for n in lookups):
         raise ValueError("TensorParallel(sequence_parallel=True): the token embedding must be split over the "
                          "vocabulary (plan 'vocab'), where the residual stream's sequence shards begin.")
     for lookup in lookups:

@@ -128,6 +128,19 @@ def test_cost_balance_is_no_slower_than_layers_and_says_why():
     assert "bubble" in table and "cut 1: before" in table and "slowest stage" in table
 
 
+def test_a_later_stage_receives_its_residual_stream_as_sequence_shards_under_sequence_parallelism():
+    from picofx.passes.pipeline.pipeline import received_sequence_shards
+
+    first, later = _split("layers").graphs
+    assert received_sequence_shards(first, 1, 2) == []  # the first stage looks its tokens up itself
+    whole = [n for n in later.graph.nodes if n.op == "placeholder" and n.meta["val"].is_floating_point()
+             and n.meta["val"].dim() == 3]
+    assert [tuple(n.meta["val"].shape) for n in whole] == [(4, 16, 64)]  # the captured batch, 16 tokens
+    assert [tuple(n.meta["val"].shape) for n in received_sequence_shards(later, 1, 2)] == [(4, 8, 64)]
+    with pytest.raises(ValueError, match=r"\(4, 8, 64\).*3 sequence-parallel ranks do not divide"):
+        received_sequence_shards(later, 1, 3)
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(schedule="Looped"), "unknown schedule 'Looped'"),
     (dict(schedule="ZBVZeroBubble", virtual=2), "ZBVZeroBubble.*compiled picofx stage"),

@@ -22,7 +22,7 @@ allocates, gradients and AdamW's temporaries included), forward peak (the most t
 allocates, its loss and what it saves kept alive: temporaries included) and, for picofx, stored
 activations (what the compiled forward keeps for the backward that depends on the batch), in all
 and without the loss head's vocabulary-wide values (Megatron's activation memory of the layers).
-Targets (issue 27): step <= 0.9x parallelize_module, peak <= 1.0x, stored layer activations of
+Targets: step <= 0.7x parallelize_module, peak <= 1.0x, stored layer activations of
 sequence parallel <= 0.6x those of TP without it. Megatron's count bounds that last ratio: of a layer's 34
 bytes per token and hidden unit, TP splits 24 and sequence parallelism the other 10, so the best
 ratio is 34/t / (24/t + 10): 0.77 at --world 2, 0.53 at --world 4. The CPU is shared: read the
@@ -47,7 +47,7 @@ from results import write_json  # tools/results.py
 
 TP, SP, ASYNC, DTENSOR = ("picofx TP + fuse + Inductor", "picofx TP+SP + fuse + Inductor",
                           "picofx TP+SP async + fuse + Inductor", "parallelize_module + compile")
-TARGETS = {"step": 0.9, "peak": 1.0, "sp_activations": 0.6}
+TARGETS = {"step": 0.7, "peak": 1.0, "sp_activations": 0.6}
 
 
 def parse_args(argv=None):

@@ -10,7 +10,35 @@ from picofx.models import real_models, zoo
 from picofx.capture.vocabulary import layer_of_path, traced_module_path, viewed_source
 from picofx.passes import TensorParallel
 
-SP_GATHER = torch.ops.picofx.sp_gather.default
+c10d = torch.ops._c10d_functional
+ISSUES = (c10d.all_reduce.default, c10d.all_reduce_.default,  # Inductor's graphs: in place where it may
+          c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+OPERATORS = ("tp_reduce", "tp_copy", "tp_max", "sp_gather", "sp_scatter")  # picofx.parallel.collectives'
+
+
+def is_gather(node: torch.fx.Node) -> bool:
+    """The wait of a sequence-parallel all-gather."""
+    return node.target is c10d.wait_tensor.default and node.args[0].target is c10d.all_gather_into_tensor.default
+
+
+def collectives(graph: torch.fx.Graph) -> dict:
+    """What a graph that runs holds of communication: the picofx operators left in it (by name),
+    its functional collectives, those without a wait, the waits with a node other than waits
+    between them and their first reader, and the collectives with a matmul between their issue
+    and their wait."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    issues = [n for n in nodes if n.target in ISSUES]
+    waits = {i: [u for u in i.users if u.target is c10d.wait_tensor.default] for i in issues}
+    return {"picofx": sorted({n.target.__name__ for n in nodes if getattr(n.target, "namespace", None) == "picofx"
+                              and n.target.__name__.split(".")[0] in OPERATORS}),
+            "issues": len(issues), "unwaited": sum(1 for w in waits.values() if not w),
+            "early waits": sum(1 for w in waits.values() for wait in w if any(  # another node before its reader
+                n.target is not c10d.wait_tensor.default
+                for n in nodes[order[wait] + 1:order[min(wait.users, key=order.get)]])),
+            "under a matmul": sum(1 for i, w in waits.items() if w and any(
+                n.target in MATMULS for n in nodes[order[i] + 1:order[min(w, key=order.get)]]))}
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -27,13 +55,14 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", **options) -> dict:
     local = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in z.model.named_parameters()}
     widest = max((n.meta["val"].shape[-1] for n in opt.graph_module.graph.nodes
                   if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 1), default=0)
-    gathers = {role: sum(1 for n in opt.graphs[role].graph.nodes if n.target is SP_GATHER)
-               for role in ("forward", "backward")}
+    gathers = {role: sum(1 for n in opt.graphs[role].graph.nodes if is_gather(n)) for role in ("forward", "backward")}
     saved = [viewed_source(n, through_copies=True) for n in opt.graphs["forward"].graph.output_node().args[0]
              if isinstance(n, torch.fx.Node)]
     return {"loss": loss.detach(), "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
             "gathers": gathers, "regathered": sum(r.notes.get("regathered", 0) for r in opt.report.records
-                                                  if r.name == "tensor_parallel"), "saved_gathers": sum(1 for n in saved if n.target is SP_GATHER and layer_of_path(traced_module_path(n))),
+                                                  if r.name == "tensor_parallel"),
+            "saved_gathers": sum(1 for n in saved if is_gather(n) and layer_of_path(traced_module_path(n))),
+            "collectives": {role: collectives(opt.graphs[role].graph) for role in ("forward", "backward")},
             "placements": placements, "local_shapes": local, "widest": widest, "notes": next(
                 r.notes for r in opt.report.records if r.name == "tensor_parallel"),
             "plan": opt.report.sections["tensor_parallel"]}
@@ -203,3 +232,16 @@ def awkward_shapes(rank: int, world: int) -> dict:
 
 AWKWARD_HEADS = {"heads": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
                  "kv groups": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)}
+
+
+def inductor(rank: int, world: int) -> dict:
+    """Under Inductor: tensor parallel, sequence parallel without and with async_overlap, and the
+    code Inductor generated for the first."""
+    from torch._inductor.utils import run_and_get_code
+
+    out = {}
+    out["tp"], code = run_and_get_code(lambda: one_step(zoo.build("llama-tiny"), "inductor"))
+    out["code"] = "\n".join(code)
+    out["sequence"] = one_step(zoo.build("llama-tiny"), "inductor", sequence_parallel=True, async_overlap=False)
+    out["async"] = one_step(zoo.build("llama-tiny"), "inductor", sequence_parallel=True)
+    return out

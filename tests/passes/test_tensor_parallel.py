@@ -2,6 +2,8 @@
 the single-process run: loss rtol 1e-5, gathered gradients rtol 1e-4 (DESIGN §9)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -98,6 +100,46 @@ def test_sequence_parallel_gathers_again_in_the_backward_instead_of_saving_gathe
     assert result["saved_gathers"] == 0  # in the decoder layers
     assert result["regathered"] == 4  # 2 layers x (attention, MLP)
     assert result["gathers"]["backward"] >= 4
+
+
+@pytest.mark.parametrize("case, overlapped", [("reference", 5), ("tied", 5), ("sequence", 5), ("hf sequence", 5)])
+def test_the_graphs_that_run_hold_functional_collectives_some_waited_after_matmuls(llama_ranks, case, overlapped):
+    """No picofx operator is left in the forward and backward graphs: each collective is torch's
+    functional one, its wait just before the first node that reads it; in the backward, each
+    column-parallel block's input-gradient all-reduce (or reduce-scatter) has the block's
+    weight-gradient matmuls under it: 2 layers x (attention, MLP) and the LM head."""
+    graphs = llama_ranks[0][case]["collectives"]
+    for role, found in graphs.items():
+        assert found["picofx"] == [], role
+        assert found["issues"] > 0 and found["unwaited"] == 0 and found["early waits"] == 0, (role, found)
+    assert graphs["backward"]["under a matmul"] >= overlapped
+
+
+def issued_then_a_matmul_then_waited(code: str) -> int:
+    """How many of the collectives in Inductor's generated `code` have an extern matmul between
+    their issue and the wait for their buffer."""
+    lines, count = code.splitlines(), 0
+    for i, line in enumerate(lines):
+        issued = re.search(r"_c10d_functional\.(?:all_reduce_?|all_gather_into_tensor\w*|reduce_scatter_tensor\w*)"
+                           r"\.default\((\w+)", line)
+        if issued:
+            wait = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({issued.group(1)})" in lines[j])
+            count += any("extern_kernels.mm(" in x or "extern_kernels.addmm(" in x for x in lines[i + 1:wait])
+    return count
+
+
+@pytest.mark.slow
+def test_inductor_runs_the_functional_collectives_under_matmuls_and_equals_one_process():
+    ranks = run_ranks(tensor_parallel_ranks.inductor, 2, timeout=1800, collective_timeout=900)
+    loss, grads = single(zoo.build("llama-tiny"))
+    for rank in ranks:
+        for case in ("tp", "sequence", "async"):
+            torch.testing.assert_close(rank[case]["loss"], loss, **LOSS)
+            assert_gradients_equal(rank[case]["grads"], grads)
+            for role, found in rank[case]["collectives"].items():
+                assert found["picofx"] == [] and found["issues"] > 0 and found["unwaited"] == 0, (case, role)
+            assert rank[case]["collectives"]["backward"]["under a matmul"] >= 5, case
+    assert issued_then_a_matmul_then_waited(ranks[0]["code"]) >= 5  # the backward's, as the graph placed them
 
 
 def test_tied_embedding_and_head_share_one_row_split(llama_ranks):

@@ -266,3 +266,22 @@ def replicated_kv(plan: TensorParallelPlan, linears: list[fx.Node]) -> None:
         if any(plan.style(weight_name(n, 1)) == "colwise" for n in siblings):
             plan.kv_replicated.append(name)
             mine.why = f"key/value heads not divisible by tp={plan.tp}: whole on every rank ({mine.why})"
+
+
+def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
+    """Refuse what the rewrite cannot do, naming the parameters and what to do; keep whole an LM
+    head whose loss is none the vocabulary-parallel cross-entropy computes (and its tied table)."""
+    split_heads = {weight_name(h, 1) for h in heads}
+    for head in heads:
+        if weight_name(head, 2):
+            plan.parameters[weight_name(head, 2)] = ParameterPlan("colwise", f"bias of the LM head {weight_name(head, 1)}")
+    for name, p in list(plan.parameters.items()):
+        if "LM head" in p.why and name not in split_heads:
+            plan.parameters[name] = ParameterPlan("replicate", "LM head kept whole: its loss is not a "
+                                                  "cross-entropy the vocabulary-parallel loss computes")
+    for node in gm.graph.nodes:  # a table read by the embedding and by a whole head (tied) stays whole
+        if node.target is aten.embedding.default and plan.style(weight_name(node, 0) or "") == "vocab":
+            table = viewed_source(node.args[0], through_copies=True)
+            if any(u.target in LINEARS for u in table.users):
+                plan.parameters[weight_name(node, 0)] = ParameterPlan(
+                    "replicate", "tied with the LM head, which is kept whole")

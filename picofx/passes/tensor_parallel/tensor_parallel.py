@@ -11,9 +11,13 @@ rewritten so that every rank computes on its pieces:
     o = tp_reduce(linear(a, w_o_local)) (+ bias)   # the row-parallel partial sums, summed
     e = tp_reduce(where(in_shard, embedding(w_local, ids - start), 0))   # vocabulary-parallel lookup
 
-`picofx.parallel.collectives` holds the two operators. The decision is recorded as a
-TensorParallelLayout on the graph; the runtime (picofx.runtime.tensor_parallel) makes the model's
-parameters DTensors with those placements and feeds the graph their local pieces.
+`picofx.parallel.collectives` holds the operators: at capture they are the autograd boundary
+(tp_copy's backward is the all-reduce of the input gradient). Partitioned stage: in the forward
+and backward graphs that run, each becomes torch's functional collective, issued and waited in
+separate nodes, and is scheduled as Megatron does (picofx.passes.tensor_parallel.lower). The
+decision is recorded as a TensorParallelLayout on the graph; the runtime
+(picofx.runtime.tensor_parallel) makes the model's parameters DTensors with those placements and
+feeds the graph their local pieces.
 """
 from __future__ import annotations
 
@@ -30,14 +34,16 @@ from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import (COPY_PACKETS, input_slot, is_parameter, is_view, layer_of_path,
                                        traced_module_path, viewed_source)
 from picofx.cost.partition import forward_region
-from picofx.passes.tensor_parallel.plan import LINEARS, ParameterPlan, infer_plan, walk_column, weight_name
-from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.passes.tensor_parallel.plan import (LINEARS, ParameterPlan, check_plan, infer_plan, walk_column,
+                                                weight_name)
+from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.fuse.fuse import Fuse
 from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.async_overlap import overlap_sequence_parallel
 from picofx.passes.tensor_parallel.loss import fused_losses, vocabulary_parallel_loss
+from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -73,10 +79,7 @@ class TensorParallel:
         if ctx.stage is Stage.JOINT:
             return regather_in_backward(gm) if self.sequence_parallel else PassResult(False, {})
         if ctx.stage is Stage.PARTITIONED:
-            if not (self.async_overlap and self.sequence_parallel):
-                return PassResult(False, {})
-            chunked = overlap_sequence_parallel(gm)
-            return PassResult(any(chunked.values()), {"chunked": chunked})
+            return self.lower(gm, ctx)
         dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
         plan = infer_plan(gm, dim.size)
         for pattern, style in (self.plan.items() if isinstance(self.plan, dict) else ()):
@@ -112,6 +115,14 @@ class TensorParallel:
         layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
         return PassResult(True, {"ranks": dim.size, **counts, **notes})
+
+    def lower(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        """The graphs that run: sequence parallelism's collectives chunked (async_overlap), then
+        every collective torch's functional one, issue and wait apart, scheduled (lower.py)."""
+        notes = {"chunked": overlap_sequence_parallel(gm)} if self.async_overlap and self.sequence_parallel else {}
+        dim = resolve_dim(self.mesh, ctx.mesh, "tp", "the tensor_parallel pass")
+        notes.update(lower_collectives(gm, dim.group_name, backward=ctx.graph_role is GraphRole.BACKWARD))
+        return PassResult(bool(notes["lowered"]) or any(notes.get("chunked", {}).values()), notes)
 
 
 def regather_in_backward(joint: fx.GraphModule) -> PassResult:
@@ -222,25 +233,6 @@ def fuse_heads(gm: fx.GraphModule, plan, ctx: Context) -> list[fx.Node]:
         return []
     Fuse(rules=("linear_cross_entropy",))(gm, ctx)
     return fused_losses(gm.graph)
-
-
-def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
-    """Refuse what the rewrite cannot do, naming the parameters and what to do; keep whole an LM
-    head whose loss is none the vocabulary-parallel cross-entropy computes (and its tied table)."""
-    split_heads = {weight_name(h, 1) for h in heads}
-    for head in heads:
-        if weight_name(head, 2):
-            plan.parameters[weight_name(head, 2)] = ParameterPlan("colwise", f"bias of the LM head {weight_name(head, 1)}")
-    for name, p in list(plan.parameters.items()):
-        if "LM head" in p.why and name not in split_heads:
-            plan.parameters[name] = ParameterPlan("replicate", "LM head kept whole: its loss is not a "
-                                                  "cross-entropy the vocabulary-parallel loss computes")
-    for node in gm.graph.nodes:  # a table read by the embedding and by a whole head (tied) stays whole
-        if node.target is aten.embedding.default and plan.style(weight_name(node, 0) or "") == "vocab":
-            table = viewed_source(node.args[0], through_copies=True)
-            if any(u.target in LINEARS for u in table.users):
-                plan.parameters[weight_name(node, 0)] = ParameterPlan(
-                    "replicate", "tied with the LM head, which is kept whole")
 
 
 def rewrite(gm: fx.GraphModule, plan, exchange: Exchange) -> None:

@@ -22,6 +22,13 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+HOLD_INPUT_UNTIL_WAIT = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                         torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                         torch.ops._c10d_functional_autograd.all_gather_into_tensor.default,
+                         torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default)
+
+
 def storage_key(t: torch.Tensor):
     return StorageWeakRef(t.untyped_storage())
 
@@ -197,6 +204,11 @@ def timeline(graph: fx.GraphModule | Schedule, resident: set, frees_inputs: bool
             st.last_use[i] = max(st.last_use[i], st.runs_at[k])
     for i, k in copy_read_by.items():
         st.last_use[i] = st.runs_at[k]
+    step_of = {node: k for k, node in enumerate(s.steps)}
+    for k, node in enumerate(s.steps):  # c10d's work holds a gather's or reduce-scatter's input until its wait
+        if node.target is WAIT and node.args[0] in step_of and node.args[0].target in HOLD_INPUT_UNTIL_WAIT:
+            for i in st.reads[step_of[node.args[0]]]:
+                st.last_use[i] = max(st.last_use[i], st.runs_at[k])
     returned = {i for n in s.outputs if n is not None for i in owner.get(n, ())}
     st.kept = returned | {i for n in held for i in owner[n]} | (st.inputs if not frees_inputs else set())
     input_bytes = sum(st.size[i] for i in st.inputs if st.counted[i])

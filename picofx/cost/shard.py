@@ -4,7 +4,12 @@ parameter all-gathers and gradient reduce-scatters overlapped layer by layer.
 Memory per rank = the sharded training state (parameters, gradients, AdamW's two moments: 16
 bytes per parameter in fp32, over the ranks) + the step's activations (as one rank of the
 replicated step predicts them) + the full parameters of the layers gathered at once (the one
-computing and `prefetch` ahead) + one layer's full gradient before its reduce-scatter.
+computing and `prefetch` ahead) + two layers' full gradients: the one before its reduce-scatter
+and the previous one's, whose reduce-scatter is still in flight behind this layer's backward (c10d
+holds a collective's input until its wait; the shard pass waits it after the next bucket's matmuls).
+
+HSDP (`replicas` > 1: shards replicated over as many groups of `world` ranks): each layer's
+reduce-scattered shard is then all-reduced across the replicas, on `replica_link`.
 
 Time: each layer's gather is issued `prefetch` layers ahead, its compute waits for it; in the
 backward each layer is gathered again (`reshard_after_forward`) and its gradient reduce-scattered
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picofx.cost.comm import all_gather_seconds, reduce_scatter_seconds
+from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds
 from picofx.cost.device import Link
 from picofx.cost.units import format_bytes
 
@@ -60,7 +65,7 @@ class ShardPrediction:
     parameters: int
     state_bytes: int           # sharded parameters, gradients and moments on one rank
     activation_bytes: int      # the step's activation peak on one rank
-    gathered_bytes: int        # full parameters gathered at once, and one layer's full gradient
+    gathered_bytes: int        # full parameters gathered at once, and two layers' full gradients
     compute_s: float
     step_s: float
     communication_s: float     # every collective's time, end to end
@@ -78,7 +83,7 @@ class ShardPrediction:
             f"state: {self.parameters / 1e9:.2f}B parameters x {ADAMW_STATE_BYTES} bytes / {self.world} ranks = "
             f"{format_bytes(self.state_bytes)}",
             f"activations (one rank's micro-batch, predicted): {format_bytes(self.activation_bytes)}",
-            f"gathered layers and one layer's full gradient: {format_bytes(self.gathered_bytes)}",
+            f"gathered layers and two layers' full gradients: {format_bytes(self.gathered_bytes)}",
             f"memory per rank: {format_bytes(self.memory_per_rank)}",
             f"compute {self.compute_s * 1e3:.1f} ms + exposed communication {self.exposed_s * 1e3:.1f} ms "
             f"(of {self.communication_s * 1e3:.1f} ms on the link) = step {self.step_s * 1e3:.1f} ms"]
@@ -86,17 +91,21 @@ class ShardPrediction:
 
 def predict_sharded(layers: list[Layer], activation_bytes: int, world: int, link: Link, *, prefetch: int = 1,
                     reshard_after_forward: bool = True, gather_bytes_per_parameter: int = 4,
-                    reduce_bytes_per_parameter: int = 4) -> ShardPrediction:
-    """Memory and step time of one rank when `layers` (in forward order) are sharded over `world`."""
+                    reduce_bytes_per_parameter: int = 4, replicas: int = 1,
+                    replica_link: Link | None = None) -> ShardPrediction:
+    """Memory and step time of one rank when `layers` (in forward order) are sharded over `world`
+    (and, HSDP, replicated over `replicas` such groups)."""
     gather = [all_gather_seconds(layer.parameters * gather_bytes_per_parameter, world, link) for layer in layers]
     reduce = [reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link)
+              + (all_reduce_seconds(layer.parameters * reduce_bytes_per_parameter / world, replicas,
+                                    replica_link or link) if replicas > 1 else 0.0)
               for layer in layers]
     forward = overlapped([layer.forward_s for layer in layers], gather, [0.0] * len(layers), prefetch)
     backward_gathers = gather[::-1] if reshard_after_forward else [0.0] * len(layers)
     backward = overlapped([layer.backward_s for layer in reversed(layers)], backward_gathers, reduce[::-1], prefetch)
     parameters = sum(layer.parameters for layer in layers)
     largest = sorted((layer.parameters for layer in layers), reverse=True)
-    gathered = sum(largest[:1 + prefetch]) * gather_bytes_per_parameter + largest[0] * reduce_bytes_per_parameter
+    gathered = sum(largest[:1 + prefetch]) * gather_bytes_per_parameter + sum(largest[:2]) * reduce_bytes_per_parameter
     communication = sum(gather) * (2 if reshard_after_forward else 1) + sum(reduce)
     return ShardPrediction(world, parameters, -(-parameters * ADAMW_STATE_BYTES // world), activation_bytes, gathered,
                            sum(layer.forward_s + layer.backward_s for layer in layers), forward + backward,

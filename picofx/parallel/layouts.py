@@ -96,6 +96,8 @@ class ShardLayout:
     compress: str | None = None  # how gradients are reduce-scattered (Shard's compress)
     state: Any = field(default=None, compare=False)  # picofx.compression.CompressionState the backward updates
     warmup: int = 0  # Shard's warmup: the first steps run a variant without lossy compression
+    replicas: Any = field(default=None, compare=False)  # HSDP: the MeshDim the shards are replicated over
+    mesh: Any = field(default=None, compare=False)  # HSDP: the 2-D (dp_replicate, dp_shard) DeviceMesh
 
     @property
     def world(self) -> int:
@@ -103,8 +105,8 @@ class ShardLayout:
 
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
-        text = repr((self.world, self.reshard_after_forward, self.gather_dtype, self.compress, self.warmup,
-                     shared))  # local_rows differ by rank
+        text = repr((self.world, self.replicas.size if self.replicas else 1, self.reshard_after_forward,
+                     self.gather_dtype, self.compress, self.warmup, shared))  # local_rows differ by rank
         return hashlib.sha256(text.encode()).hexdigest()
 
     def first_difference(self, theirs: "ShardLayout", rank: int) -> str:

@@ -43,12 +43,17 @@ def check_layout(layout: BucketLayout | ShardLayout | TensorParallelLayout) -> N
     every rank raises, naming the first differing parameter (e.g. one frozen on one rank only, or
     different passes)."""
     mine = layout.digest()
-    gathered: list = [None] * layout.world
     # the MeshDim holds process groups, which do not pickle; first_difference reads neither it nor the state
     plain = dataclasses.replace(layout, dim=None, **({"state": None} if isinstance(layout, (BucketLayout, ShardLayout))
-                                                     else {}))
-    dist.all_gather_object(gathered, (mine, plain), group=layout.dim.group)
-    me = layout.dim.rank
+                                                     else {}), **({"replicas": None, "mesh": None}
+                                                                  if isinstance(layout, ShardLayout) else {}))
+    for dim in (layout.dim, *([layout.replicas] if getattr(layout, "replicas", None) else [])):
+        gathered: list = [None] * dim.size
+        dist.all_gather_object(gathered, (mine, plain), group=dim.group)
+        compare_layouts(layout, mine, gathered, dim.rank)
+
+
+def compare_layouts(layout, mine: str, gathered: list, me: int) -> None:
     what, collectives = (("gradient bucket", "all-reduces") if isinstance(layout, BucketLayout)
                          else ("tensor-parallel", "all-reduces") if isinstance(layout, TensorParallelLayout)
                          else ("parameter shard", "all-gathers and reduce-scatters"))

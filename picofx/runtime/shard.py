@@ -2,8 +2,9 @@
 
 After the forward passes recorded a ShardLayout, `apply_shard_layout` replaces every parameter it
 names by an nn.Parameter holding a DTensor with Shard(0) placement on the shard dimension's
-DeviceMesh, under the same name, holding this rank's chunk of the same values (DTensor's own
-uneven chunks: the first ranks hold ceil(rows / N) rows). Each call feeds the graph
+DeviceMesh (HSDP: (Replicate(), Shard(0)) on the 2-D (dp_replicate, dp_shard) mesh), under the
+same name, holding this rank's chunk of the same values (DTensor's own uneven chunks: the first
+ranks hold ceil(rows / N) rows). Each call feeds the graph
 `param.to_local()` padded with zero rows to the layout's common row count, so autograd brings the
 graph's shard gradient back to the parameter as a Shard(0) DTensor `.grad`: optimizers, gradient
 clipping and torch.distributed.checkpoint then work on the model as after FSDP2's `fully_shard`.
@@ -14,7 +15,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from picofx.parallel.layouts import ShardLayout
 
@@ -28,9 +29,10 @@ def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
         param = model.get_parameter(entry.name)
         if isinstance(param, DTensor) or id(param) in replaced:
             continue
-        mesh = layout.dim.as_device_mesh(param.device.type)
+        mesh = layout.mesh if layout.mesh is not None else layout.dim.as_device_mesh(param.device.type)
+        placements = [Shard(0)] if layout.mesh is None else [Replicate(), Shard(0)]  # HSDP: replicas of the shards
         # src_data_rank=None: every rank takes its chunk of its own copy (no broadcast), as fully_shard does
-        local = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
+        local = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
         replaced[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
     if not replaced:
         return

@@ -22,9 +22,11 @@ def test_sharded_state_is_sixteen_bytes_per_parameter_over_the_ranks():
     layers = [Layer("embedding", 1000, 0.0, 0.0)] + [Layer(f"layers.{i}", 4000, 1.0, 2.0) for i in range(4)]
     p = predict_sharded(layers, activation_bytes=10_000, world=4, link=LINK)
     assert p.parameters == 17_000 and p.state_bytes == 17_000 * ADAMW_STATE_BYTES // 4
-    assert p.gathered_bytes == (4000 + 4000) * 4 + 4000 * 4  # two layers gathered, one full gradient
+    assert p.gathered_bytes == (4000 + 4000) * 4 + (4000 + 4000) * 4  # two layers gathered, two full gradients
     assert p.memory_per_rank == p.state_bytes + 10_000 + p.gathered_bytes
     assert p.compute_s == pytest.approx(12.0) and p.step_s >= p.compute_s
     kept = predict_sharded(layers, 10_000, 4, LINK, reshard_after_forward=False)
     assert kept.communication_s < p.communication_s
     assert any("16 bytes / 4 ranks" in line for line in p.arithmetic())
+    hsdp = predict_sharded(layers, 10_000, 4, LINK, replicas=2)  # each shard also all-reduced across 2 replicas
+    assert hsdp.state_bytes == p.state_bytes and hsdp.communication_s > p.communication_s

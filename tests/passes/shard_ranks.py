@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 import picofx
 from picofx.models import real_models, zoo
 from picofx.passes import Checkpoint, Shard
-from picofx.runtime.shard import local_bytes
+from picofx.runtime.shard import local_bytes, memory_per_rank
 from picofx.capture.vocabulary import viewed_source
 from picofx.testing import op_counts
 
@@ -74,6 +74,7 @@ def reference_llama_checks(rank: int, world: int, batch: int, checkpoint_dir: st
     out["accumulated"] = gathered_grads(z.model)
     out.update(adamw_steps(opt, z, rank, world))
     out["state_dict"] = round_trip(opt, checkpoint_dir, rank)
+    out["memory"] = memory_per_rank(opt, **shard(z.example_inputs, rank, world))
     out["kept"] = kept_gathers_checks(rank, world, batch)
     out["composed"] = composed_checks(rank, world, batch)
     out["mixed"] = composed_checks(rank, world, batch, Shard(mixed_precision="bf16"))
@@ -106,8 +107,31 @@ def collective_order(gm) -> list[str]:
             if n.op == "call_function" and ("all_gather" in str(n.target) or n.target == WAIT)]
 
 
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def collective_namespaces(opt) -> list[str]:
+    """The operator namespaces of every collective and wait in the graphs the step runs (the
+    partitioned forward and backward; the joint graph, as captured, holds autograd's)."""
+    return sorted({n.target.namespace for gm in (opt.graphs["forward"], opt.graphs["backward"]) for n in gm.graph.nodes
+                   if n.op == "call_function" and "c10d" in getattr(n.target, "namespace", "")})
+
+
+def scatters_overlapped(backward) -> list[int]:
+    """Per reduce-scatter of the backward graph, the matmuls issued after it and before its wait."""
+    nodes = list(backward.graph.nodes)
+    out = []
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and "reduce_scatter" in str(node.target):
+            wait = nodes.index(next(u for u in node.users if u.target == WAIT))
+            out.append(sum(n.target in MATMULS for n in nodes[i + 1:wait]))
+    return out
+
+
 def graph_facts(opt) -> dict:
-    return {"forward_order": collective_order(opt.graphs["forward"]),"forward_ops": op_counts(opt.graphs["forward"]), "backward_ops": op_counts(opt.graphs["backward"]),
+    return {"forward_order": collective_order(opt.graphs["forward"]), "forward_ops": op_counts(opt.graphs["forward"]),
+            "backward_ops": op_counts(opt.graphs["backward"]), "namespaces": collective_namespaces(opt),
+            "scatters_overlapped": scatters_overlapped(opt.graphs["backward"]),
             "saved_gathers": saved_gathers(opt.graphs["forward"]),
             "notes": {f"{r.stage.value}.{r.graph_role}": r.notes for r in opt.report.records if r.name == "shard"}}
 
@@ -194,7 +218,35 @@ def inductor_checks(rank: int, world: int, batch: int) -> dict:
     local = shard(z.example_inputs, rank, world)
     opt, code = run_and_get_code(lambda: picofx.optimize(z.model, local, ["fuse", Shard()], backend="inductor",
                                                          loss_fn=z.loss_fn))
-    return {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model), "code": code}
+    return {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model), "code": code,
+            **graph_facts(opt)}
+
+
+def hsdp_checks(rank: int, world: int, batch: int, checkpoint_dir: str) -> dict:
+    """HSDP on 4 ranks, dp_replicate 2 x dp_shard 2 (the run's mesh): one step's loss and gathered
+    gradients, the graphs' collectives, where the parameters live, AdamW steps with clipping, the
+    DCP round trip; the same through Shard(mesh=<the 2-D DeviceMesh>); what it refuses."""
+    from picofx.parallel import ParallelMesh
+
+    mesh = ParallelMesh.build(dp_replicate=2, dp_shard=2)
+    z = zoo.build("llama-tiny", batch=batch)
+    local = shard(z.example_inputs, rank, world)
+    opt = picofx.optimize(z.model, local, [Shard()], backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+    out = {"loss": opt.forward_backward(**local), "grads": gathered_grads(z.model), **graph_facts(opt), **facts(z.model),
+           "mesh_dims": sorted({p.device_mesh.mesh_dim_names for p in z.model.parameters()}),
+           "full_bytes": local_bytes(zoo.build("llama-tiny").model)}
+    out.update(adamw_steps(opt, z, rank, world, steps=2))
+    out["state_dict"] = round_trip(opt, checkpoint_dir, rank)
+    given = zoo.build("llama-tiny", batch=batch)
+    opt = picofx.optimize(given.model, local, [Shard(mesh=mesh.sub_mesh("dp_replicate", "dp_shard"))],
+                          backend="eager", loss_fn=given.loss_fn)
+    out["given_loss"], out["given_grads"] = opt.forward_backward(**local), gathered_grads(given.model)
+    try:
+        picofx.optimize(zoo.build("llama-tiny").model, local, [Shard(compress="bf16")], backend="eager",
+                        loss_fn=z.loss_fn, mesh=mesh)
+    except Exception as e:  # noqa: BLE001 (its message is what the test reads)
+        out["compress_refused"] = str(e)
+    return out
 
 
 def with_pipeline(rank: int, world: int) -> dict:

@@ -22,7 +22,7 @@ from spawn_ranks import run_ranks
 LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
 BATCH = 4  # two ranks of 2
-GATHER = "_c10d_functional_autograd.all_gather_into_tensor.default"
+GATHER = "_c10d_functional.all_gather_into_tensor.default"
 SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
 
 
@@ -99,6 +99,21 @@ def test_graphs_gather_a_bucket_per_layer_and_prefetch(llama_ranks):
     assert order[:3] == ["gather", "gather", "wait"] and order.count("gather") == layers + 2
     # reshard_after_forward: nothing gathered is saved; the backward gathers again (not the embedding)
     assert r["saved_gathers"] == 0 and r["backward_ops"][GATHER] == layers + 1
+
+
+def test_collectives_are_functional_and_reduce_scatters_wait_behind_the_next_buckets_matmuls(llama_ranks):
+    """The graphs the step runs (eager: as they are) show each collective as a functional one, the
+    backward's reduce-scatters waited after matmuls issued behind them, without the cost model's
+    predicted backward peak rising, and this rank's measured peak within its predicted peak."""
+    for r in llama_ranks:
+        assert r["namespaces"] == ["_c10d_functional"]
+        assert len(r["scatters_overlapped"]) == 4 and max(r["scatters_overlapped"]) > 0, r["scatters_overlapped"]
+        schedule = r["notes"]["partitioned.backward"]["schedule"]
+        assert schedule["waited_after_next_bucket"] >= 1
+        peaks = schedule["predicted_backward_peak"]
+        assert peaks["after"] <= peaks["before"], peaks
+        memory = r["memory"]
+        assert memory["measured_peak"] <= memory["predicted_peak"] * 1.05, memory
 
 
 def test_parameters_gradients_and_optimizer_state_are_sharded(llama_ranks):
@@ -221,6 +236,47 @@ def test_inductor_matches_full_batch_and_keeps_collectives():
         assert_grads(r["grads"], grads(z.model), **GRAD)
     code = "\n".join(ranks[0]["code"])
     assert re.search(r"all_gather_into_tensor", code) and re.search(r"reduce_scatter_tensor", code)
+    assert ranks[0]["namespaces"] == ["_c10d_functional"] and max(ranks[0]["scatters_overlapped"]) > 0
+
+
+@pytest.mark.slow  # 4 ranks, three optimized models, a DCP round trip: minutes on a shared CPU
+def test_hsdp_shards_within_dp_shard_and_replicates_across_dp_replicate_on_four_ranks(tmp_path):
+    """dp_replicate 2 x dp_shard 2: gradients reduce-scattered within dp_shard, then all-reduced
+    across dp_replicate, as FSDP2's HSDP; parameters (Replicate(), Shard(0)) DTensors on the 2-D mesh."""
+    ranks = run_ranks(shard_ranks.hsdp_checks, 4, BATCH, str(tmp_path), timeout=600, collective_timeout=300)
+    z = zoo.build("llama-tiny", batch=BATCH)
+    loss = full_batch(z, z.example_inputs)
+    expected = grads(z.model)
+    assert_mean_loss(ranks, loss)
+    assert_mean_loss(ranks, loss, "given_loss")
+    params, norms = reference_adamw(steps=2)
+    for r in ranks:
+        assert_grads(r["grads"], expected, **GRAD)
+        assert_grads(r["given_grads"], expected, **GRAD)
+        assert r["namespaces"] == ["_c10d_functional"]
+        assert r["backward_ops"]["_c10d_functional.all_reduce.default"] == r["backward_ops"][SCATTER] == 4
+        assert r["dtensor_params"] and r["dtensor_grads"]
+        assert r["placements"] == ["(Replicate(), Shard(dim=0))"] and r["mesh_dims"] == [("dp_replicate", "dp_shard")]
+        torch.testing.assert_close(r["norms"], norms, rtol=1e-4, atol=1e-6)
+        for name, p in params.items():
+            torch.testing.assert_close(r["params"][name], p, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        assert "HSDP" in r["compress_refused"] and "compress" in r["compress_refused"]
+    assert ranks[0]["local_bytes"] + ranks[1]["local_bytes"] == ranks[0]["full_bytes"]  # a replica: ranks 0, 1
+    loaded = ranks[0]["state_dict"]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_hsdp_refuses_what_it_cannot_run_before_any_rank_waits():
+    from picofx.parallel import ParallelMesh
+    from picofx.passes.shard.shard import shard_dims
+
+    with_tp = ParallelMesh((("pp", 1), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2)))
+    with pytest.raises(NotImplementedError, match=r"HSDP \(dp_replicate 2 x dp_shard 2\) with tp"):
+        shard_dims(Shard(), with_tp)
+    hsdp = ParallelMesh((("pp", 1), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 1)))
+    with pytest.raises(NotImplementedError, match="compress='int8'.*HSDP"):
+        shard_dims(Shard(compress="int8"), hsdp)
 
 
 def test_shard_times_pipeline_on_four_ranks():

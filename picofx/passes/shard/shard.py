@@ -38,9 +38,13 @@ from picofx.capture.vocabulary import COPY_PACKETS, input_slot, is_parameter, is
 from picofx.cost.units import parse_budget
 from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
-from picofx.parallel.mesh import MeshDim, resolve_dim
+from picofx.cost.liveness import schedule_of
+from picofx.errors import DistributedError
+from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
 from picofx.compression import CompressionState, Dense
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
+from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
+from picofx.passes.shard.schedule import plain_collectives, schedule_backward
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -48,7 +52,6 @@ GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
 CAST = aten._to_copy.default
 CASTS = (CAST, torch.ops.prims.convert_element_type.default)  # a dtype cast, before and after decomposition
 WIRE_DTYPES = (torch.bfloat16, torch.float32)  # what parameters can be gathered and gradients reduced in
-SCATTER = (c10d.reduce_scatter_tensor.default, torch.ops._c10d_functional_autograd.reduce_scatter_tensor.default)
 
 
 def padded_rows(rows: int, world: int) -> int:
@@ -96,6 +99,7 @@ class Shard:
 
     def __post_init__(self):
         precision_policy(self.mixed_precision)
+        check_hsdp_mesh(self)
         object.__setattr__(self, "spec", parse_shard_compress(self.compress))
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"Shard(warmup={self.warmup!r}): a number of steps, 0 or more")
@@ -110,20 +114,29 @@ class Shard:
         if ctx.stage is Stage.JOINT:
             return self.tag_regather(gm) if self.reshard_after_forward else PassResult(False, {})
         if ctx.graph_role is GraphRole.BACKWARD:
-            gather, reduce = precision_policy(self.mixed_precision)
-            recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
-            compressed = PassResult(False, {})
-            if self.compress is not None and ctx.model in self.layouts:
-                layout = self.layouts[ctx.model]
-                compressed = compress_scatters(gm, ctx, self.compress, layout, layout.state)
-            averaged = average_gradients(gm)  # what compress_scatters wrote is averaged already
-            return PassResult(recast.changed or averaged.changed or compressed.changed,
-                              {**averaged.notes, **recast.notes, **compressed.notes,
-                               "reductions": describe_reductions(gm)})
-        return PassResult(False, {})
+            return self.exchange_gradients(gm, ctx)
+        return PassResult(plain_collectives(gm) > 0, {})  # the forward graph's gathers
+
+    def exchange_gradients(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        """The backward graph: reduce in reduce_dtype, compress, sum across replicas (HSDP), average,
+        then the order the exchange runs in (schedule.py)."""
+        layout = self.layouts.get(ctx.model)
+        gather, reduce = precision_policy(self.mixed_precision)
+        recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
+        compressed = PassResult(False, {})
+        if self.compress is not None and layout is not None:
+            compressed = compress_scatters(gm, ctx, self.compress, layout, layout.state)
+        replicas = layout.replicas if layout is not None else None
+        summed = all_reduce_across(gm, replicas) if replicas is not None else PassResult(False, {})
+        averaged = average_gradients(gm, replicas.size if replicas else 1)  # compress_scatters' are averaged
+        plain_collectives(gm)
+        scheduled = schedule_backward(gm, self.prefetch if self.reshard_after_forward else 0, backward_timeline(ctx))
+        gm.graph.lint()
+        return PassResult(True, {**averaged.notes, **recast.notes, **compressed.notes, **summed.notes,
+                                 "schedule": scheduled, "reductions": describe_reductions(gm)})
 
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
-        dim = resolve_dim(self.mesh, ctx.mesh, "dp_shard", "the shard pass")
+        dim, replicas, placed_on = shard_dims(self, ctx.mesh)
         mode = fake_mode_of(gm)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         params = []  # (first use, placeholder, whole shape) in the order the forward first reads them
@@ -151,11 +164,13 @@ class Shard:
         wire_text = None if wire is None and reduce is None else (
             str(wire) if reduce in (None, wire) else f"{wire}, reduced in {reduce}")  # the ranks must agree on both
         kept = self.layouts.get(ctx.model)  # the compressor state outlives recompiles of the model's steps
-        state = None if self.compress is None else kept.state if kept is not None else CompressionState(dim.rank)
+        state = None if self.compress is None else kept.state if kept is not None else CompressionState.for_dim(dim)
         layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text,
-                                            self.compress, state, self.warmup if self.spec.other != Dense() else 0)
+                                            self.compress, state, self.warmup if self.spec.other != Dense() else 0,
+                                            replicas, placed_on)
         self.layouts[ctx.model] = layouts_of(gm).shards
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
+                                 "replicas": replicas.size if replicas else 1,
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
                                  "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
                                  "reshard_after_forward": self.reshard_after_forward,
@@ -228,45 +243,55 @@ def precision_policy(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
     return gather, None if reduce is None or (gather is None and reduce == torch.float32) else reduce
 
 
-def reduce_in(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
-    """Reduce-scatter each gradient in `dtype` instead of the dtype it was
-    gathered in: the reduce-scatter reads the gradient before its cast down to the wire dtype (or a
-    cast of it to `dtype`), and what waits for it is cast back to the dtype its readers expect."""
-    recast = 0
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCATTER]:
-        grad = node.args[0]
-        before = grad.meta["val"].dtype
-        source = grad.args[0] if grad.target in CASTS else None
-        want = dtype
-        if want == before:
-            continue
-        mode = fake_mode_of(gm)
-        if source is not None and source.meta["val"].dtype == want:
-            node.replace_input_with(grad, source)
-        else:
-            with gm.graph.inserting_before(node):
-                up = gm.graph.call_function(CAST, (grad,), {"dtype": want})
-            with mode:
-                up.meta["val"] = grad.meta["val"].to(want)
-            node.replace_input_with(grad, up)
-        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
-        for n in [node, *waits]:
-            with mode:
-                n.meta["val"] = n.meta["val"].to(want)
-        for wait in waits:  # a cast reading it casts the reduced gradient itself (to the parameter's dtype)
-            readers = [u for u in wait.users if u.target not in CASTS]
-            if not readers:
-                continue
-            with gm.graph.inserting_after(wait):
-                back = gm.graph.call_function(CAST, (wait,), {"dtype": before})
-            for reader in readers:
-                reader.replace_input_with(wait, back)
-            with mode:
-                back.meta["val"] = wait.meta["val"].to(before)
-        recast += 1
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return PassResult(recast > 0, {"recast_reductions": recast})
+def backward_timeline(ctx: Context):
+    """The cost model's live bytes of a backward graph (what the reordering may not raise), or None."""
+    model = ctx.cost_model
+    if model is None:
+        return None
+    return lambda gm: model.memory.timeline(schedule_of(gm), set(), frees_inputs=model.backward_frees_inputs)
+
+
+def shard_dims(shard: "Shard", mesh: ParallelMesh | None) -> tuple[MeshDim, MeshDim | None, Any]:
+    """The dimension the parameters are sharded over and, for HSDP, the one their shards are
+    replicated over with the 2-D (dp_replicate, dp_shard) DeviceMesh they are placed on: from a 2-D
+    DeviceMesh given to the pass, or, given none, from a run mesh whose dp_replicate and dp_shard are
+    both above 1. Anything else shards over one dimension (resolve_dim)."""
+    spec = shard.mesh
+    if hasattr(spec, "mesh_dim_names") and spec.ndim == 2:
+        outer, inner = (spec[name] for name in spec.mesh_dim_names)
+        replicas = resolve_dim(outer, mesh, "dp_replicate", "the shard pass (HSDP)")
+        dim = resolve_dim(inner, mesh, "dp_shard", "the shard pass (HSDP)")
+    elif spec is None and mesh is not None and mesh.size("dp_replicate") > 1 and mesh.size("dp_shard") > 1:
+        dim, replicas = mesh.dim("dp_shard"), mesh.dim("dp_replicate")
+    else:
+        return resolve_dim(spec, mesh, "dp_shard", "the shard pass"), None, None
+    if shard.compress is not None:
+        raise NotImplementedError(f"Shard(compress={shard.compress!r}) with HSDP (dp_replicate {replicas.size} x "
+                                  f"dp_shard {dim.size}) is not supported: the replicas' all-reduce is not "
+                                  "compressed; shard over one dimension to compress.")
+    others = [name for name in ("pp", "tp") if mesh is not None and mesh.size(name) > 1]
+    if others:
+        raise NotImplementedError(f"Shard: HSDP (dp_replicate {replicas.size} x dp_shard {dim.size}) with "
+                                  f"{' and '.join(others)} is not supported; shard without replicas "
+                                  "(ParallelMesh.build(dp_shard=..., " + ", ".join(f"{n}=..." for n in others) +
+                                  ")) or drop " + " and ".join(others) + ".")
+    return dim, replicas, spec if spec is not None else mesh.sub_mesh("dp_replicate", "dp_shard")
+
+
+def check_hsdp_mesh(shard: "Shard") -> None:
+    """A 2-D DeviceMesh given to the pass is HSDP's (dp_replicate, dp_shard), and HSDP reduce-scatters
+    uncompressed."""
+    spec = shard.mesh
+    if not hasattr(spec, "mesh_dim_names") or spec.ndim == 1:
+        return
+    names = tuple(ALIASES.get(n, n) for n in (spec.mesh_dim_names or ()))
+    if spec.ndim != 2 or names != ("dp_replicate", "dp_shard"):
+        raise DistributedError(f"Shard(mesh=...): a {spec.ndim}-D DeviceMesh named {spec.mesh_dim_names}; give a "
+                               "1-D one to shard over, or a 2-D one named ('dp_replicate', 'dp_shard') for HSDP "
+                               "(shard within dp_shard, replicate across dp_replicate).")
+    if shard.compress is not None:
+        raise NotImplementedError(f"Shard(compress={shard.compress!r}) with HSDP (a 2-D mesh) is not supported: "
+                                  "the replicas' all-reduce is not compressed; shard over one dimension to compress.")
 
 
 def is_copy(node: fx.Node) -> bool:
@@ -344,42 +369,3 @@ def describe_bucket(bucket: list, issued: fx.Node, world: int, wire, reduce, tra
             "gathered_bytes": numel * (wire.itemsize if wire else own),
             "reduced_bytes": numel * (reduce.itemsize if reduce else own) if trainable & set(names) else 0,
             "issued_before": issued.name, "awaited_before": bucket[0][0].name}
-
-
-def describe_reductions(gm: fx.GraphModule) -> list[dict]:
-    """Each gradient reduce-scatter of the backward: bytes it reduces over all ranks (its input),
-    their dtype, the node it is issued after and the one that first reads its result."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in SCATTER:
-            continue
-        grad = node.args[0].meta["val"]
-        waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
-        readers = [r for w in waits for r in w.users]
-        first = min(readers, key=order.__getitem__).name if readers else "output"
-        out.append({"reduced_bytes": grad.numel() * grad.element_size(), "dtype": str(grad.dtype),
-                    "issued_after": node.prev.name, "awaited_before": first})
-    return out
-
-
-def average_gradients(gm: fx.GraphModule) -> PassResult:
-    """Divide each reduce-scattered gradient output by its group's size: DDP's average."""
-    graph = gm.graph
-    output = graph.output_node()
-    outputs = list(output.args[0])
-    averaged = 0
-    for pos, node in enumerate(outputs):
-        if not isinstance(node, fx.Node):
-            continue
-        waited = node
-        while waited.op == "call_function" and (is_view(waited) or waited.target in CASTS):
-            waited = waited.args[0]  # through views and mixed precision's cast back to the parameter's dtype
-        if waited.target is not c10d.wait_tensor.default or getattr(waited.args[0], "target", None) not in SCATTER:
-            continue
-        group_size = waited.args[0].args[2]
-        with graph.inserting_before(output):
-            outputs[pos] = graph.call_function(aten.div.Tensor, (node, group_size))
-        averaged += 1
-    output.args = (outputs,)
-    return PassResult(averaged > 0, {"averaged_gradients": averaged})

@@ -59,7 +59,7 @@ def test_calibration_turns_times_into_rates(monkeypatch):
     assert measured.flops_per_second(torch.float32) == measured.flops_per_second(torch.bfloat16) == 2 * 64**3 / 0.5
     assert measured.flops_per_second(torch.float16) == H100.flops_per_second(torch.float16)  # not measured: kept
     assert measured.memory_bandwidth == 2 * MiB / 0.5 and measured.op_overhead == 0.5 / 100
-    assert measured.memory_capacity == H100.memory_capacity and measured.name == "NVIDIA H100 SXM, calibrated"
+    assert measured.memory_capacity == H100.memory_capacity and measured.name == f"{H100.name}, calibrated"
 
 
 def test_measure_peak_counts_allocations_in_time_order():

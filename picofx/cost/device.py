@@ -1,9 +1,9 @@
 """What a device can do, for the cost model: peak FLOP/s per dtype, memory, links.
 
-The GPU entries are datasheet figures (dense, no structured sparsity), cited beside each
-value. Datasheet peaks are upper bounds that real kernels reach only in part; `calibrate`
-replaces the compute and bandwidth figures with what a short matmul and copy benchmark
-measures on the machine at hand, which is what the CPU entry needs before it is trusted.
+The GPU entries are profiles (`picofx.cost.gpus`): datasheet peaks and what kernels and
+collectives reach of them. `calibrate` replaces the compute and bandwidth figures with what a
+short matmul and copy benchmark measures on the machine at hand, which is what the nominal CPU
+entry needs before it is trusted.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ class Device:
     optimizer_tensor_overhead: float = 0.0  # s per parameter tensor per AdamW step beyond its bytes (calibrated)
     dtensor_parameter_overhead: float = 0.0  # s per DTensor parameter per step beyond a plain one's (calibrated)
     cpu_share: float = 1.0  # of a core each rank gets (ranks sharing cores: calibrated)
+    tensor_parallel_layer_overhead: float = 0.0  # s a layer's call costs a tp rank beyond its ops and link (calibrated)
+    shard_layer_overhead: float = 0.0  # s a layer's call costs a sharded rank beyond its ops and link (calibrated)
     source: str = "datasheet"
     link_name: str = "NVLink 4"
     network_name: str = "InfiniBand NDR 400 Gb/s"
@@ -59,37 +61,15 @@ class Device:
         """Peak for `dtype`; a dtype the entry does not list runs at the fp32 rate."""
         return self.peak_flops.get(dtype, self.peak_flops[torch.float32])
 
+    # What kernels reach: the peaks here; a GPU profile (picofx.cost.gpus) says less.
+    def matmul_rate(self, dtype: torch.dtype, smallest_dim: int) -> float:
+        return self.flops_per_second(dtype)
 
-# NVLink 4 (H100/H200): 900 GB/s bidirectional per GPU -> 450e9 one way; NVLink 3 (A100): 600 GB/s -> 300e9.
-# Across nodes: one 400 Gb/s NDR InfiniBand port per GPU -> 50e9 bytes/s one way.
-# Latencies are typical small-message NCCL figures (a few microseconds in a node, ~10 us across
-# nodes), not datasheet values: calibrate with a collective benchmark when a pass depends on them.
-H100 = Device(
-    name="NVIDIA H100 SXM",
-    peak_flops={torch.float64: 67e12,  # H100 SXM FP64 Tensor Core, datasheet
-                torch.float32: 494.5e12,  # H100 SXM TF32 Tensor Core dense (989 sparse), datasheet
-                torch.bfloat16: 989e12,  # H100 SXM dense bf16, datasheet
-                torch.float16: 989e12,  # H100 SXM dense fp16, datasheet
-                torch.float8_e4m3fn: 1979e12},  # H100 SXM dense fp8, datasheet
-    memory_bandwidth=3.35e12,  # HBM3, H100 SXM datasheet
-    memory_capacity=80 * GB,  # H100 SXM datasheet
-    link_bandwidth=450e9, link_latency=3e-6, network_bandwidth=50e9, network_latency=10e-6)
+    def attention_rate(self, dtype: torch.dtype, backward: bool, causal: bool) -> float:
+        return self.flops_per_second(dtype)
 
-H200 = dataclasses.replace(
-    H100, name="NVIDIA H200 SXM",  # same compute as H100 SXM, H200 datasheet
-    memory_bandwidth=4.8e12,  # HBM3e, H200 datasheet
-    memory_capacity=141 * GB)  # H200 datasheet
-
-A100 = Device(
-    name="NVIDIA A100 SXM 80GB",
-    peak_flops={torch.float64: 19.5e12,  # A100 FP64 Tensor Core, datasheet
-                torch.float32: 156e12,  # A100 TF32 Tensor Core dense (312 sparse), datasheet
-                torch.bfloat16: 312e12,  # A100 dense bf16, datasheet
-                torch.float16: 312e12},  # A100 dense fp16, datasheet
-    memory_bandwidth=2.039e12,  # HBM2e, A100 80GB SXM datasheet
-    memory_capacity=80 * GB,
-    link_bandwidth=300e9, link_latency=3e-6, network_bandwidth=25e9, network_latency=10e-6,
-    link_name="NVLink 3", network_name="InfiniBand HDR 200 Gb/s")
+    def pointwise_bandwidth(self) -> float:
+        return self.memory_bandwidth
 
 
 def cpu(cores: int | None = None) -> Device:
@@ -113,10 +93,6 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-# GPU entries by a word of the name CUDA reports ("NVIDIA H100 80GB HBM3" -> "h100"); add your own.
-DEVICES = {"h100": H100, "h200": H200, "a100": A100}
-
-
 def devices() -> dict[str, Device]:
     """Every entry as of now: DEVICES and the nominal CPU with the threads torch uses at this call."""
     return {**DEVICES, "cpu": cpu()}
@@ -124,12 +100,12 @@ def devices() -> dict[str, Device]:
 
 def device_for(device: torch.device | str) -> Device:
     """The entry for a torch device, read at this call: a CUDA device by its name (the longest
-    DEVICES key in it) with its real memory capacity, anything else as the nominal CPU."""
+    DEVICES key whose words are all in it) with its real memory capacity, anything else as the nominal CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return cpu()
     name = torch.cuda.get_device_name(device).lower()
-    keys = sorted((key for key in DEVICES if key in name), key=len, reverse=True)
+    keys = sorted((key for key in DEVICES if all(word in name for word in key.split("-"))), key=len, reverse=True)
     if not keys:
         raise KeyError(f"no description for {name!r}; add one to picofx.cost.device.DEVICES "
                        f"(known: {', '.join(DEVICES)}) or use calibrate()")
@@ -203,3 +179,7 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+# The GPU profiles need Device above; a key's words in the name CUDA reports pick the entry.
+from picofx.cost.gpus import A100_80GB as A100, GPUS as DEVICES, H100, H200  # noqa: E402

@@ -1,7 +1,9 @@
 """The cost model every pass reads: time per node and the memory of a training step.
 
-Time: a node takes max(FLOPs / peak FLOP/s for its dtype, bytes it reads and writes / memory
-bandwidth) + the device's per-op overhead (`picofx.cost.device`); views and other aliases take no time.
+Time: a node takes max(FLOPs / the FLOP/s its kind of kernel reaches, bytes it reads and writes /
+the bandwidth memory-bound kernels reach) + the device's per-op overhead; views and other aliases
+take no time. A matmul's rate depends on its smallest dimension, attention's on the direction and
+the causal mask (`picofx.cost.gpus`; the nominal CPU entry and calibrated devices: the peaks).
 
 Memory: a step holds its parameters, buffers and inputs (resident), plus optimizer state when
 one is named. On top of that the forward graph's live storages grow and shrink until it returns
@@ -62,6 +64,60 @@ def compute_dtype(node: fx.Node) -> torch.dtype:
             if t.is_floating_point():
                 return t.dtype
     return torch.float32
+
+
+def is_attention(node: fx.Node) -> bool:
+    return "scaled_dot_product" in str(node.target) or "attention" in str(node.target)
+
+
+def is_causal(node: fx.Node) -> bool:
+    """The attention node's causal flag: a keyword, or the one True among its arguments (the other
+    flags of the aten attention kernels are False in training)."""
+    if "is_causal" in node.kwargs:
+        return bool(node.kwargs["is_causal"])
+    return any(arg is True for arg in node.args)
+
+
+def smallest_matmul_dim(node: fx.Node) -> int:
+    """The smallest of the last two dimensions of the node's floating-point inputs (M, N or K of a GEMM)."""
+    dims = [d for arg in node.all_input_nodes for t in tensor_values(arg.meta.get("val"))
+            if t.is_floating_point() and t.dim() >= 2 for d in t.shape[-2:]]
+    return int(min(dims)) if dims else 1
+
+
+def compute_rate(device: Device, node: fx.Node) -> float:
+    """FLOP/s the node's kernel reaches on `device`: attention's or a matmul's."""
+    return kernel_of(node).rate(device)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What times a node on any device: its FLOPs, the bytes it moves and the kind of its kernel."""
+
+    flops: int
+    moved: int
+    dtype: torch.dtype
+    attention: bool = False
+    backward: bool = False
+    causal: bool = False
+    smallest_dim: int = 1
+
+    def rate(self, device: Device) -> float:
+        if self.attention:
+            return device.attention_rate(self.dtype, self.backward, self.causal)
+        return device.matmul_rate(self.dtype, self.smallest_dim)
+
+    def seconds(self, device: Device) -> float:
+        """Compute- or memory-bound, whichever is slower; without the per-op overhead."""
+        compute = self.flops / self.rate(device) if self.flops else 0.0
+        return max(compute, self.moved / device.pointwise_bandwidth())
+
+
+def kernel_of(node: fx.Node) -> Kernel:
+    flops, attention = node_flops(node), is_attention(node)
+    backward = attention and "backward" in str(node.target)
+    return Kernel(flops, bytes_moved(node), compute_dtype(node), attention, backward,
+                  attention and is_causal(node), 1 if attention or not flops else smallest_matmul_dim(node))
 
 
 @dataclass
@@ -139,8 +195,7 @@ class CostModel:
         """Seconds: the node is bound by compute or by memory traffic, whichever is slower."""
         if node.op != "call_function" or is_alias(node):
             return 0.0
-        compute = node_flops(node) / self.device.flops_per_second(compute_dtype(node))
-        return max(compute, bytes_moved(node) / self.device.memory_bandwidth) + self.device.op_overhead
+        return kernel_of(node).seconds(self.device) + self.device.op_overhead
 
     def training_time(self, node: fx.Node, needs_grad: set) -> float:
         """Seconds of a forward node and, where its output is in `needs_grad` (it carries a

@@ -3,7 +3,15 @@
 The planner never captures the whole model: it predicts (`picofx.planner.predict.predict`, fake tensors, the
 passes fuse + precision) the step of the model with one decoder layer and with two, one sequence
 each, and takes the difference as a layer and the rest as the embedding, final norm, head and loss.
-Everything then scales: time and activations with the tokens of a micro-batch, compute with 1/tp.
+What a call costs whatever its batch (the weights' casts and concatenations: `*_call_*_s`) is
+what the forward runs off the tokens' path; the backward's (the gradients' casts) is taken to be
+the same. Everything then scales: time and activations with the
+tokens of a micro-batch, compute with 1/tp.
+
+Checkpointing (`recompute_s`, `saved_bytes`): full keeps each layer's input and runs its forward
+again; selective keeps what the matmuls and attention produce and runs the rest of the forward
+again (norms, rotary embedding, activation, casts: memory-bound kernels), as torchtitan's op-level
+selective checkpointing and Megatron's selective recomputation keep the expensive outputs.
 """
 from __future__ import annotations
 
@@ -11,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from picofx.capture.annotate import tensor_bytes
 from picofx.planner import predict as plan
-from picofx.cost.model import CostModel, is_alias
+from picofx.cost.model import CostModel, is_alias, kernel_of, node_flops
 from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.planner.models import parameter_count, with_layers
 
@@ -39,6 +48,26 @@ class ModelCosts:
     rest_ops: int = 0         # once per call, whatever the batch (the times above leave it out)
     layer_tensors: int = 0    # parameter tensors of a layer: each costs the optimizer's per-tensor overhead
     rest_tensors: int = 0
+    layer_call_forward_s: float = 0.0   # per call, whatever its batch: the weights' casts and concatenations
+    layer_call_backward_s: float = 0.0
+    rest_call_forward_s: float = 0.0
+    rest_call_backward_s: float = 0.0
+    layer_cheap_forward_s: float = 0.0  # of layer_forward_s, the memory-bound kernels (selective recomputes them)
+    layer_cheap_saved: int = 0          # of layer_saved, what those kernels produce
+    layer_matmul_forward_s: float = 0.0  # of layer_forward_s, the matmuls'
+
+    def recompute_s(self, checkpoint) -> float:
+        """Seconds per sequence a layer's backward runs again of its forward under `checkpoint`
+        ("none", "selective", "full"; True is full)."""
+        mode = _mode(checkpoint)
+        return {"none": 0.0, "selective": self.layer_cheap_forward_s, "full": self.layer_forward_s}[mode]
+
+    def saved_bytes(self, checkpoint) -> int:
+        """Bytes per sequence a layer keeps for its backward under `checkpoint`."""
+        mode = _mode(checkpoint)
+        layer_input = self.seq * self.config.hidden_size * 2  # bf16
+        return {"none": self.layer_saved, "selective": max(self.layer_saved - self.layer_cheap_saved, layer_input),
+                "full": layer_input}[mode]
 
     @property
     def layers(self) -> int:
@@ -53,36 +82,109 @@ class ModelCosts:
         return 2 * self.config.vocab_size * self.config.hidden_size + self.config.hidden_size
 
 
+def _mode(checkpoint) -> str:
+    if isinstance(checkpoint, bool):
+        return "full" if checkpoint else "none"
+    return str(getattr(checkpoint, "value", checkpoint)).lower()
+
+
 def count_ops(gm) -> int:
     """The ops of a graph that dispatch work (views and other aliases left out)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_alias(n))
 
 
-def _step(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes):
-    """The predicted step of `config` with `layers` layers on one sequence: its forward and backward
-    seconds without the per-op overhead, its op count and its parameter tensors."""
+@dataclass(frozen=True)
+class Captured:
+    """A captured step, all a device needs to time it: its kernels, forward and backward."""
+
+    forward: tuple        # picofx.cost.model.Kernel per op that dispatches work
+    backward: tuple
+    cheap: tuple          # the forward's memory-bound kernels on the tokens' path (selective recomputes them)
+    per_call: tuple       # the forward's kernels off the tokens' path (the weights' casts)
+    matmuls: tuple        # the forward's matmuls on the tokens' path
+    tensors: int          # parameter tensors
+    saved: int            # saved activations on the tokens' path, bytes (the weights' casts the backward
+                          # reads are the weights, counted with them)
+    cheap_saved: int      # of those, what the cheap kernels produce
+    memory: object        # picofx.cost.model.StepMemory
+
+    @property
+    def ops(self) -> int:
+        return len(self.forward) + len(self.backward)
+
+    def seconds(self, device, kernels) -> float:
+        return sum(k.seconds(device) for k in kernels)
+
+
+def _token_path(gm) -> set:
+    """The forward's nodes that depend on the token ids (integer inputs): the rest is per call."""
+    seen = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and not val.is_floating_point():
+            seen.add(node)
+        elif any(arg in seen for arg in node.all_input_nodes):
+            seen.add(node)
+    return seen
+
+
+def _producer(node):
+    while node.op == "call_function" and is_alias(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _works(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and not is_alias(n)]
+
+
+CAPTURED: dict = {}  # captured steps by what they depend on (not the device): timing on another needs no capture
+
+
+def capture(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes, batch: int = 1) -> Captured:
+    """The step of `config` with `layers` layers on `batch` sequences, captured on fake tensors."""
+    key = (repr(config), layers, seq, batch, tuple(map(str, passes)), cost_model.fuses_pointwise,
+           cost_model.backward_frees_inputs, cost_model.holds_outputs)
+    if key in CAPTURED:
+        return CAPTURED[key]
     with plan.fake_mode():
         model = Llama(with_layers(config, layers, seq))
-        ids = torch.zeros(1, seq, dtype=torch.long)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
     step = plan.predict(model, {"input_ids": ids, "labels": ids}, loss_fn=causal_lm_loss, passes=passes,
                         cost_model=cost_model)
-    overhead = cost_model.device.op_overhead
-    fw_ops, bw_ops = count_ops(step.forward), count_ops(step.backward)
-    return (step, cost_model.graph_time(step.forward) - fw_ops * overhead,
-            cost_model.graph_time(step.backward) - bw_ops * overhead, fw_ops + bw_ops,
-            len(list(model.parameters())))
+    on_path = _token_path(step.forward)
+    tokens = [n for n in _works(step.forward) if n in on_path]
+    cheap = [n for n in tokens if not node_flops(n)]
+    per_call = [kernel_of(n) for n in _works(step.forward) if n not in set(tokens)]
+    matmuls = [kernel_of(n) for n in tokens if node_flops(n)]
+    taken = {n.name for n in step.backward.graph.nodes if n.op == "placeholder"}
+    saved = {_producer(a) for a in step.forward.graph.output_node().all_input_nodes if a.name in taken}
+    captured = Captured(tuple(map(kernel_of, _works(step.forward))), tuple(map(kernel_of, _works(step.backward))),
+                        tuple(map(kernel_of, cheap)), tuple(per_call), tuple(k for k in matmuls if not k.attention),
+                        len(list(model.parameters())),
+                        sum(tensor_bytes(n.meta.get("val")) for n in saved if n in on_path),
+                        sum(tensor_bytes(n.meta.get("val")) for n in saved if n in set(cheap)), step.memory)
+    CAPTURED[key] = captured
+    return captured
 
 
 def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PASSES) -> ModelCosts:
-    one, fw1, bw1, ops1, tensors1 = _step(config, 1, seq, cost_model, passes)
-    two, fw2, bw2, ops2, tensors2 = _step(config, 2, seq, cost_model, passes)
-    layer_saved = two.memory.saved_activations - one.memory.saved_activations
-    transient = max(one.memory.forward_peak, one.memory.backward_peak - one.memory.gradients) \
-        - one.memory.saved_activations
+    one, two = (capture(config, layers, seq, cost_model, passes) for layers in (1, 2))
+    device = cost_model.device
+    time = [{part: step.seconds(device, getattr(step, part))
+             for part in ("forward", "backward", "cheap", "per_call", "matmuls")} for step in (one, two)]
+    layer = {part: time[1][part] - time[0][part] for part in time[0]}
+    rest = {part: 2 * time[0][part] - time[1][part] for part in time[0]}
     params = parameter_count(config)
     h, layers = config.hidden_size, config.num_hidden_layers
+    memory = one.memory
+    transient = max(memory.forward_peak, memory.backward_peak - memory.gradients) - memory.saved_activations
     matmul_params = params - config.vocab_size * h  # the embedding lookup does no matmul
-    return ModelCosts(config, seq, fw2 - fw1, bw2 - bw1, layer_saved, 2 * fw1 - fw2, 2 * bw1 - bw2,
-                      max(0, 2 * one.memory.saved_activations - two.memory.saved_activations), max(transient, 0),
-                      params, 6 * matmul_params + 12 * layers * h * seq, ops2 - ops1, 2 * ops1 - ops2,
-                      tensors2 - tensors1, 2 * tensors1 - tensors2)
+    return ModelCosts(config, seq, layer["forward"] - layer["per_call"], layer["backward"] - layer["per_call"],
+                      two.saved - one.saved, rest["forward"] - rest["per_call"],
+                      max(0.0, rest["backward"] - rest["per_call"]),
+                      max(0, 2 * one.saved - two.saved), max(transient, 0),
+                      params, 6 * matmul_params + 12 * layers * h * seq, two.ops - one.ops, 2 * one.ops - two.ops,
+                      two.tensors - one.tensors, 2 * one.tensors - two.tensors, layer["per_call"], layer["per_call"],
+                      rest["per_call"], rest["per_call"], layer["cheap"], two.cheap_saved - one.cheap_saved,
+                      layer["matmuls"])

@@ -24,6 +24,9 @@ MODELS = {
     "llama3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                               num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
                               rope_theta=500000.0),
+    "llama3-405b": LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                               num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=8192,
+                               rope_theta=500000.0),
     "smollm-1.7b": LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048),
 }

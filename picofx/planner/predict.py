@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from picofx.cost.model import CostModel, StepMemory, bytes_moved, compute_dtype, node_flops, optimizer_state_bytes
+from picofx.cost.model import CostModel, StepMemory, bytes_moved, compute_rate, node_flops, optimizer_state_bytes
 from picofx.cost.partition import inductor_recomputes, num_forward_outputs
 from picofx.cost.symbolic import CHECK_BT, SIZES_BT, SymbolicStep, fit_samples
 from picofx.cost.units import parse_budget
@@ -146,7 +146,7 @@ def fit_step(model, make_inputs: Callable[[int, int], object], *, sizes=None, ch
         samples.append({"shape": [str(n.target) for n in [*fw_t.nodes, *bw_t.nodes]],
                         "live": [*fw_t.live, *bw_t.live], "memory": p.memory,
                         "flops": [node_flops(n) for n in nodes], "moved": [bytes_moved(n) for n in nodes],
-                        "peak_flops": [cost_model.device.flops_per_second(compute_dtype(n)) for n in nodes]})
+                        "peak_flops": [compute_rate(cost_model.device, n) for n in nodes]})
     return fit_samples(samples, sizes, check, vary_seq, cost_model)
 
 

@@ -1,0 +1,109 @@
+"""GPU profiles: what each GPU delivers to a training step, not only what its datasheet promises.
+
+A profile keeps the datasheet peaks (MFU is reported against them) and adds what kernels reach:
+- matmuls: the largest bf16 GEMM's share of the peak (the maximum achievable matmul FLOP/s,
+  measured), less where a GEMM's smallest dimension is small (`matmul_half_dim`);
+- attention: the FlashAttention-2 kernel (PyTorch's SDPA flash backend) forward and backward
+  share of the peak at head dimension 128, causal, long sequences;
+- pointwise and norm kernels: their share of the memory bandwidth;
+- collectives: NCCL's bus bandwidth in a node (NVLink) and per network port, the latency of each
+  ring step (small messages are latency-bound: the alpha-beta model NCCL's own tuning uses);
+- a gap between kernels, the power-limited clock (`clock`: the share of the datasheet's boost
+  clock the tensor cores sustain), and `sustained`: the share of the kernels' own rates a whole
+  training step keeps up (clocks under a long full load, communication kernels taking SMs and
+  memory bandwidth beside the compute, the host), the same for every GPU.
+Every figure and its source is listed in docs/planner.md ("GPU profiles"). `FITTED` names the
+figures fitted to published runs (tools/plan_published.py --fit) and the runs they were fitted on.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from picofx.cost.device import GB, GiB, Device, Link
+
+
+@dataclass(frozen=True)
+class GpuProfile(Device):
+    matmul_efficiency: float = 1.0    # largest bf16 GEMM / peak
+    matmul_half_dim: int = 0          # a GEMM whose smallest dimension is this runs at half that rate
+    attention_efficiency: tuple = (1.0, 1.0)  # FlashAttention forward, backward / peak (causal FLOPs)
+    pointwise_efficiency: float = 1.0  # memory-bound kernels / memory bandwidth
+    network_ports: int = 8            # network ports per node, one per GPU
+    clock: float = 1.0                # sustained tensor-core clock / datasheet boost clock
+    sustained: float = 1.0            # of the kernels' rates, what a whole training step keeps up (fitted)
+    sources: str = ""
+
+    def matmul_rate(self, dtype: torch.dtype, smallest_dim: int) -> float:
+        """FLOP/s of a GEMM whose smallest of M, N, K is `smallest_dim`."""
+        size = smallest_dim / (smallest_dim + self.matmul_half_dim) if self.matmul_half_dim else 1.0
+        return self.flops_per_second(dtype) * self.clock * self.sustained * self.matmul_efficiency * size
+
+    def attention_rate(self, dtype: torch.dtype, backward: bool, causal: bool) -> float:
+        """FLOP/s over the FLOPs the graph counts (all of the score matrix): a causal kernel skips
+        the masked half of them."""
+        rate = self.flops_per_second(dtype) * self.clock * self.sustained * self.attention_efficiency[backward]
+        return 2 * rate if causal else rate
+
+    def pointwise_bandwidth(self) -> float:
+        return self.memory_bandwidth * self.sustained * self.pointwise_efficiency
+
+    @property
+    def inter_node_link(self) -> Link:
+        """The network as a ring across nodes sees it when each node's GPUs are in it (data parallel
+        with tp 1): one ring per port, all the node's ports."""
+        return Link(self.network_name, self.network_bandwidth_for(self.network_ports), self.network_latency,
+                    self.link_source)
+
+    def network_bandwidth_for(self, ranks_per_node: int) -> float:
+        """Bus bandwidth of a ring across nodes with `ranks_per_node` of its ranks in each node: NCCL
+        runs one ring per port, so a group uses as many ports as it has ranks in a node."""
+        return self.network_bandwidth * max(1, min(ranks_per_node, self.network_ports))
+
+
+# Fitted to published runs (tools/plan_published.py --fit): the runs named in FIT_RUNS, no others.
+FITTED = {"sustained": 0.80, "h100-96gb clock": 0.80}
+FIT_RUNS = ("Llama 3 8B, selective op checkpointing", "GPT 175B, TP 8 x PP 8, sequence parallel + selective",
+            "Llama 3.1 8B, FSDP + compile, 8 GPUs")
+
+_BF16 = (torch.bfloat16, torch.float16)
+
+H100 = GpuProfile(
+    name="NVIDIA H100 SXM 80GB (700 W)",
+    peak_flops={torch.float64: 67e12, torch.float32: 494.5e12, torch.bfloat16: 989e12, torch.float16: 989e12,
+                torch.float8_e4m3fn: 1979e12},
+    memory_bandwidth=3.35e12, memory_capacity=80 * GB,
+    link_bandwidth=460e9, link_latency=3e-6, network_bandwidth=45e9, network_latency=8e-6,
+    op_overhead=2e-6, matmul_efficiency=0.80, matmul_half_dim=128, attention_efficiency=(0.37, 0.30),
+    pointwise_efficiency=0.85, sustained=FITTED["sustained"], source="profile",
+    link_name="NVLink 4 (NCCL bus bandwidth)",
+    network_name="InfiniBand NDR 400 Gb/s per GPU", link_source="nccl-tests bus bandwidth",
+    sources="docs/planner.md#gpu-profiles")
+
+H100_96GB = dataclasses.replace(
+    H100, name="NVIDIA H100 SXM 96GB HBM2e (500 W)", memory_bandwidth=2.4e12, memory_capacity=95 * GiB,
+    clock=FITTED["h100-96gb clock"], network_name="RDMA 400 Gb/s per GPU")
+
+H200 = dataclasses.replace(H100, name="NVIDIA H200 SXM 141GB (700 W)", memory_bandwidth=4.8e12,
+                           memory_capacity=141 * GB)
+
+A100_80GB = GpuProfile(
+    name="NVIDIA A100 SXM 80GB",
+    peak_flops={torch.float64: 19.5e12, torch.float32: 156e12, torch.bfloat16: 312e12, torch.float16: 312e12},
+    memory_bandwidth=2.039e12, memory_capacity=80 * GB,
+    link_bandwidth=235e9, link_latency=3e-6, network_bandwidth=22.5e9, network_latency=8e-6,
+    op_overhead=2e-6, matmul_efficiency=0.859, matmul_half_dim=128, attention_efficiency=(0.70, 0.55),
+    pointwise_efficiency=0.85, sustained=FITTED["sustained"], source="profile",
+    link_name="NVLink 3 (NCCL bus bandwidth)",
+    network_name="InfiniBand HDR 200 Gb/s per GPU", link_source="nccl-tests bus bandwidth",
+    sources="docs/planner.md#gpu-profiles")
+
+A100_40GB = dataclasses.replace(A100_80GB, name="NVIDIA A100 SXM 40GB", memory_bandwidth=1.555e12,
+                                memory_capacity=40 * GB)
+
+# By name for --gpu; a CUDA device is matched by the words of a key in the name CUDA reports
+# ("NVIDIA A100-SXM4-40GB" -> "a100-40gb", "NVIDIA H100 80GB HBM3" -> "h100"). "a100" is the 80 GB part.
+GPUS = {"h100": H100, "h200": H200, "a100": A100_80GB, "h100-96gb": H100_96GB, "a100-40gb": A100_40GB,
+        "a100-80gb": A100_80GB}

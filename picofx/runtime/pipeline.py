@@ -193,7 +193,7 @@ class PipelineStep:
             param = self.module.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, group=group)
         if self.dims.dp is not None and not self.averages_in_graph:
             average_gradients(self.module.parameters(), self.dims.dp.group)
         return loss

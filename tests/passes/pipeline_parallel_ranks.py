@@ -45,7 +45,8 @@ def received_shapes(opt) -> dict:
 
 def sequence_parallel(rank: int, world: int, directory: str) -> dict:
     """4 ranks as pp 2 x tp 2 with sequence parallelism (async TP's chunks, the default), every rank
-    on the whole batch, and a DCP checkpoint of the trained stages; then one step without the chunks."""
+    on the whole batch, and a DCP checkpoint of the trained stages; then one step without the chunks,
+    and one of a tied embedding and head (without sequence parallelism)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -65,7 +66,20 @@ def sequence_parallel(rank: int, world: int, directory: str) -> dict:
     opt = pipelined(z, async_overlap=False)
     loss = opt.forward_backward(**dict(z.example_inputs))
     out["unchunked"] = {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in opt.named_parameters()}}
+    out["tied"] = tied_step(mesh)
     return out
+
+
+def tied_step(mesh) -> dict:
+    """One step of HF Llama with its embedding tied to its head over pp 2 x tp 2: the two stages'
+    vocabulary-split pieces of the one parameter summed after the schedule."""
+    from picofx.models import real_models
+
+    z = real_models.hf_model("llama", tie_word_embeddings=True)
+    opt = picofx.optimize(z.model, z.example_inputs, [Pipeline(stages=2, microbatches=2), TensorParallel()],
+                          backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+    loss = opt.forward_backward(**dict(z.example_inputs))
+    return {"loss": loss.detach(), "grads": {n: full(p.grad) for n, p in opt.named_parameters()}}
 
 
 def replicated(rank: int, world: int, overlap: bool) -> dict:

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from picofx.models import zoo
+from picofx.models import real_models, zoo
 
 import pipeline_parallel_ranks
 from spawn_ranks import run_ranks
@@ -73,6 +73,12 @@ def test_sequence_parallel_stages_send_sequence_shards_and_equal_one_process(tmp
         torch.testing.assert_close(rank["unchunked"]["loss"], expected["losses"][0], **LOSS)
         for name, grad in rank["unchunked"]["grads"].items():
             torch.testing.assert_close(grad, expected["grads"][name], **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+    tied = real_models.hf_model("llama", tie_word_embeddings=True)
+    tied.model(**tied.example_inputs).loss.backward()
+    for rank in ranks:  # the tied parameter's gradient: its stages' vocabulary pieces summed
+        assert "model.embed_tokens.weight" in rank["tied"]["grads"]
+        for name, grad in rank["tied"]["grads"].items():
+            torch.testing.assert_close(grad, tied.model.get_parameter(name).grad, **GRAD, msg=name)
     # the later stage receives each tp rank's half of the sequence: (micro-batch 2, 16 / 2, hidden)
     hidden = expected["parameters"]["embedding.weight"].shape[1]
     received = [shapes for rank in ranks for index, shapes in rank["received"].items() if index == 1]

@@ -15,6 +15,7 @@ from picofx.capture.export import Signature, capture_call, input_changes, input_
 from picofx.cost.model import CostModel
 from picofx.errors import InputShapeError
 from picofx.manager import Context, PassManager, Stage, SyncMode, pass_info, resolve_passes
+from picofx.manager.combinations import check_combination
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
@@ -351,6 +352,7 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
                    *([Progress(progress)] if progress else [])]
     module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
     passes = resolve_passes(passes)
+    check_combination(passes, mesh)  # a combination the table refuses: before capture and before any rank waits
     return module_class(model, example_inputs, recapture, passes=passes, loss_fn=loss_fn, backend=backend,
                         verify=verify, instruments=instruments, options=options or {}, cost_model=cost_model,
                         cache=cache, mesh=run_mesh(mesh, passes, model))

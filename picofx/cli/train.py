@@ -69,8 +69,7 @@ class Ranks:
         if args.world > 1:  # torchrun's rendezvous; a caller may have made the group already
             self.rank, self.agreement, self.owns_group = join_launched_group(
                 args.device, datetime.timedelta(minutes=5), datetime.timedelta(seconds=AGREEMENT_SECONDS))
-        # the mesh is (pp, dp, tp), outermost first: the ranks of one replica (its stages, its tp ranks) share its batches
-        self.replica = (self.rank // args.tp) % args.dp
+        self.replica = replica_of(self.rank, args)
         self.speaks = self.rank == 0
 
     def say(self, *args, **kwargs) -> None:
@@ -108,6 +107,12 @@ class Ranks:
     def close(self) -> None:
         if self.owns_group:
             torch.distributed.destroy_process_group()
+
+
+def replica_of(rank: int, args) -> int:
+    """The mesh is (pp, dp_replicate, dp_shard, tp), outermost first: the ranks of one replica (its
+    stages, its tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
+    return (rank // args.tp) % (args.dp * args.dp_replicate)
 
 
 def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
@@ -151,6 +156,11 @@ class Session(typing.NamedTuple):
 def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
+    if args.dp_replicate > 1:
+        parts = [f"{args.pp} pipeline stages" if args.pp > 1 else "", f"{args.dp_replicate} replicas",
+                 f"each sharded over {args.dp} ranks", f"{args.tp}-way tensor parallel" if args.tp > 1 else ""]
+        compressed = f", replicas' gradients all-reduced as {args.compress}" if args.compress else ""
+        return f"{args.world} ranks: HSDP, {' x '.join(p for p in parts if p)}{compressed}"
     if args.tp > 1 and (args.shard or args.pp > 1):
         if args.shard and args.pp > 1:
             return (f"{args.world} ranks: {args.pp} pipeline stages x {args.dp} sharded data-parallel x {args.tp}-way "
@@ -206,7 +216,7 @@ def auto_layout(args, ranks: Ranks) -> None:
     except ValueError as e:
         message = str(e)
     ranks.stop_if_failed(message)
-    ranks.replica = (ranks.rank // args.tp) % args.dp
+    ranks.replica = replica_of(ranks.rank, args)
     ranks.say(why)
 
 
@@ -247,7 +257,7 @@ def main(argv=None) -> dict:
     for step in progress:
         batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
         loss = s.opt_model.forward_backward(**batch)
-        clip_gradients(s.opt_model.parameters(), 1.0, (1 if args.shard else args.dp) if args.pp > 1 else None)
+        clip_gradients(s.opt_model.parameters(), 1.0, (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None)
         s.optimizer.step()
         s.schedule.step()
         s.optimizer.zero_grad(set_to_none=True)
@@ -282,13 +292,13 @@ def main(argv=None) -> dict:
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
-    layout = Layout.of(args)
+    layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
     ranks.say(f"\nsummary: {args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} tokens on "
               f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
     ranks.say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}, first step to last (validation {val_loss:.3f})")
-    if args.dp > 1:  # replicas step in lockstep on batches of the same size
-        ranks.say(f"  tokens/s across {args.dp} data-parallel replicas: {tokens_per_s * args.dp:,.0f}")
-    ranks.say(f"  tokens/s{' per replica' if args.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "
+    if layout.dp > 1:  # replicas step in lockstep on batches of the same size
+        ranks.say(f"  tokens/s across {layout.dp} data-parallel replicas: {tokens_per_s * layout.dp:,.0f}")
+    ranks.say(f"  tokens/s{' per replica' if layout.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "
               f"({run_tokens:,} tokens in {run_seconds:.1f}s), {history[-1]['tokens_per_s']:,.0f} in the last interval")
     tokens_per_call = (args.batch // args.microbatches if args.pp > 1 else args.batch) * args.seq
     measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,

@@ -10,21 +10,22 @@ import sys
 
 import torch
 
-from picofx.cli.train_layout import train_recipe
+from picofx.cli.train_layout import layout_features, train_recipe
 from picofx.cost.device import device_for
 from picofx.cost.units import check_budget, format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
 from picofx.cli.train_state import saved_run
 from picofx.manager import resolve_pass
+from picofx.manager.combinations import refused
 from picofx.compression import parse_compress
 from picofx.runtime.distributed import launched_world
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
-RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "pp", "microbatches", "shard", "tp",
-               "sequence_parallel", "compress")
+RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp", "microbatches",
+               "shard", "tp", "sequence_parallel", "async_tp", "compress")
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -129,9 +130,18 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                    help="tensor-parallel ranks (pass tensor_parallel, plan read from the graph; run under torchrun)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="under --tp, norms and residual adds on sequence shards (Megatron's sequence parallelism)")
+    p.add_argument("--async-tp", action=argparse.BooleanOptionalAction,
+                   help="under --sequence-parallel, split its gathers and reduce-scatters into chunks overlapped "
+                        "with the linears they feed or follow (async TP); default: on with --sequence-parallel")
     p.add_argument("--shard", action="store_true",
                    help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
                         "as FSDP) instead of each holding a replica (pass overlap)")
+    p.add_argument("--dp-replicate", type=at_least(1), default=1, metavar="R",
+                   help="with --shard, HSDP: R replicas, each sharded over --dp ranks (pass overlap all-reduces the "
+                        "shards' gradients across the replicas); torchtitan's data_parallel_replicate_degree")
+    p.add_argument("--cp", type=at_least(1), default=1,
+                   help="context-parallel ranks, each attending over a slice of the sequence (not built yet: "
+                        "refused with why)")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
                         "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
@@ -174,16 +184,19 @@ def parse_args(argv=None, doc: str = "", environ=None):
 
 def check_layout(args, world: int | None) -> None:
     """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
-    layout = " ".join(f"--{k} {v}" for k, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
-                      if v not in (None, 1)) + \
+    layout = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("dp", args.dp), ("dp_replicate", args.dp_replicate),
+                      ("tp", args.tp), ("pp", args.pp), ("cp", args.cp)) if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
     layout = layout.strip()
+    if args.cp > 1:  # the composability table's refusal, whatever else is given
+        raise ValueError(f"--cp {args.cp}: {refused({'context_parallel'}).reason}")
     if world is None and args.compress is not None and not layout:
         raise ValueError(f"--compress compresses the gradients data-parallel ranks exchange, and one process has "
                          f"none: it needs --dp or --shard under torchrun, e.g. torchrun --nproc-per-node 2 -m picofx "
                          f"train --dp 2 --compress {args.compress}")
     if getattr(args, "layout", None) == "auto":  # the layout is chosen once the ranks are up (train_layout.py)
-        given = (layout + (" --sequence-parallel" if args.sequence_parallel else "")).strip()
+        given = (layout + (" --sequence-parallel" if args.sequence_parallel else "") +
+                 (" --async-tp" if args.async_tp is not None else "")).strip()
         if given:
             raise ValueError(f"--layout auto chooses {given} itself: leave them out, or drop --layout auto")
         args.dp_default, args.world, args.dp = False, world or 1, 1
@@ -191,34 +204,38 @@ def check_layout(args, world: int | None) -> None:
     args.dp_default = world is not None and args.dp is None
     if world is None:  # one process, not launched by torchrun
         if layout:
-            ranks = (args.dp or 1) * args.pp * args.tp
+            ranks = (args.dp or 1) * args.dp_replicate * args.pp * args.tp * args.cp
             raise ValueError(f"{layout} runs one process per rank: launch it with torchrun, e.g. torchrun "
                              f"--nproc-per-node {ranks} -m picofx train {layout}")
         args.dp, args.world = 1, 1
         return
     args.world = world
-    model_ranks = args.pp * args.tp  # the ranks one replica of the model spans
+    if args.dp_replicate > 1 and not args.shard:
+        raise ValueError(f"--dp-replicate {args.dp_replicate} is HSDP's replicas of a sharded group: add --shard "
+                         f"(replicas alone are --dp {args.dp_replicate})")
+    model_ranks = args.pp * args.tp * args.cp * args.dp_replicate  # the ranks outside one dp (or dp_shard) group
+    named = " x ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("dp_replicate", args.dp_replicate), ("tp", args.tp),
+                                                                   ("pp", args.pp), ("cp", args.cp)) if v > 1)
     if args.dp is None:
         if world % model_ranks:
-            raise ValueError(f"--pp {args.pp} x --tp {args.tp} does not divide the {world} ranks torchrun started: "
-                             f"use --nproc-per-node {model_ranks * max(1, world // model_ranks)}, or another layout")
+            raise ValueError(f"{named or '--pp 1 x --tp 1'} does not divide the {world} ranks torchrun started: use "
+                             f"--nproc-per-node {model_ranks * max(1, world // model_ranks)}, or another layout")
         args.dp = world // model_ranks
     elif args.dp * model_ranks != world:
-        raise ValueError(f"the layout --dp {args.dp} x --tp {args.tp} x --pp {args.pp} is {args.dp * model_ranks} "
-                         f"ranks, but torchrun started {world}: launch with --nproc-per-node {args.dp * model_ranks}, "
-                         "or change --dp/--tp/--pp")
-    if args.tp > 1 and args.pp > 1 and args.dp > 1 and not args.shard:
-        raise ValueError("--tp with --pp takes data parallelism as --shard (pp x dp_shard x tp); replicated "
-                         "--dp over tensor-parallel stages is not supported: add --shard")
-    if args.sequence_parallel and args.pp > 1:
-        raise ValueError("--sequence-parallel with --pp is not supported yet: a later stage has no token "
-                         "embedding where the sequence shards begin")
+        raise ValueError(f"the layout --dp {args.dp} x --tp {args.tp} x --pp {args.pp}"
+                         f"{f' x --dp-replicate {args.dp_replicate}' if args.dp_replicate > 1 else ''} is "
+                         f"{args.dp * model_ranks} ranks, but torchrun started {world}: launch with --nproc-per-node "
+                         f"{args.dp * model_ranks}, or change --dp/--tp/--pp")
     if args.compress is not None:
         parse_compress(args.compress)
-        if args.dp < 2 or args.pp > 1 or args.tp > 1:
+        if args.dp * args.dp_replicate < 2:
             raise ValueError("--compress compresses the data-parallel ranks' gradient all-reduce (--dp) or "
-                             "reduce-scatter (--shard): run it with --dp 2 or more, without --pp or --tp "
-                             "(pipelined and tensor-parallel exchanges are not compressed)")
+                             "reduce-scatter (--shard): run it with --dp 2 or more")
+    if args.async_tp is not None and not args.sequence_parallel:
+        raise ValueError("--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel: add it")
+    found = refused(layout_features(args))
+    if found is not None:  # the composability table's refusal (picofx/manager/combinations.py)
+        raise ValueError(f"{layout_options(args, every=True)}: {found.reason}")
     if args.compress_warmup and args.compress is None:
         raise ValueError("--compress-warmup counts steps before --compress's compressor starts: give --compress KIND")
     if args.sequence_parallel and args.tp == 1:
@@ -323,11 +340,16 @@ def adopt_saved_layout(args, saved: dict) -> None:
     args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"
 
 
-def layout_options(args) -> str:
-    """The layout as the options that give it."""
-    given = [f"--{name} {value}" for name, value in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if value > 1]
-    flags = [flag for flag, on in (("--shard", args.shard), ("--sequence-parallel", args.sequence_parallel)) if on]
-    return " ".join(given + flags + ([f"--microbatches {args.microbatches}"] if args.pp > 1 else []))
+def layout_options(args, every: bool = False) -> str:
+    """The layout as the options that give it (`every`: --compress and --passes too)."""
+    given = [f"--{name.replace('_', '-')} {value}" for name, value in (
+        ("dp", args.dp), ("dp_replicate", args.dp_replicate), ("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
+        if value > 1]
+    flags = [flag for flag, on in (("--shard", args.shard), ("--sequence-parallel", args.sequence_parallel),
+                                   ("--no-async-tp", args.async_tp is False)) if on]
+    extra = [f"--compress {args.compress}"] if every and args.compress else []
+    extra += [f"--passes {' '.join(args.passes)}"] if every and args.passes else []
+    return " ".join(given + flags + ([f"--microbatches {args.microbatches}"] if args.pp > 1 else []) + extra)
 
 
 def run_options(args) -> dict:

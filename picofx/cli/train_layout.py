@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.models.llama import CONFIGS
+from picofx.passes import TensorParallel
 from picofx.planner.layouts import Layout
-from picofx.planner.recipe import Recipe, recipe, unsupported
+from picofx.planner.recipe import Recipe, recipe
 
 
 def args_layout(args) -> Layout:
@@ -26,11 +28,37 @@ def args_layout(args) -> Layout:
                   compress=args.compress)
 
 
+def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
+    """The run's features as the composability table names them (picofx/manager/combinations.py):
+    from picofx train's options, or from a planner Layout."""
+    layout = layout or args_layout(args)
+    replicate = getattr(args, "dp_replicate", 1)
+    found = {name for name in getattr(args, "passes", ()) if name in ("fuse", "precision", "checkpoint")}
+    found |= {"shard"} if layout.shard else set()
+    found |= {"overlap"} if replicate > 1 or (layout.dp > 1 and not layout.shard) else set()
+    found |= {"tensor_parallel"} if layout.tp > 1 else set()
+    if layout.sequence_parallel:
+        found.add("sequence_parallel" if getattr(args, "async_tp", None) is False else "async_tp")
+    found |= {"pipeline"} if layout.pp > 1 else set()
+    found |= {"context_parallel"} if getattr(args, "cp", 1) > 1 else set()
+    kinds = (layout.compress or "").split("+")
+    found |= {k for k in COMPRESSION if any(kind.split(":")[0] == k for kind in kinds)}
+    return closed(found)
+
+
 def train_recipe(args) -> Recipe:
-    """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe."""
-    return recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
+    """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe; with
+    --dp-replicate, HSDP (the shard pass over dp_replicate x dp_shard); --no-async-tp: sequence
+    parallelism without its chunked overlap."""
+    made = recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
                   checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
                   measure_cuts=args.measure_cuts)
+    passes, shape = list(made.passes), dict(made.mesh_shape)
+    if args.async_tp is False:
+        passes = [dataclasses.replace(p, async_overlap=False) if isinstance(p, TensorParallel) else p for p in passes]
+    if args.dp_replicate > 1:  # HSDP: the shard pass on (dp_replicate, dp_shard), averaging across replicas too
+        shape["dp_replicate"] = args.dp_replicate
+    return Recipe(passes, shape)
 
 
 def train_mesh(args):
@@ -42,11 +70,12 @@ def unrunnable(layout: Layout) -> str | None:
     """Why picofx train cannot run `layout` (None: it can); see train_args.check_layout."""
     if layout.checkpoint:
         return "checkpointing the planned way (every layer) is not one of its options"
-    if layout.compress and (layout.dp < 2 or layout.shard or layout.tp > 1 or layout.pp > 1):
-        return "--compress with anything but replicated --dp"
+    if layout.compress and layout.dp < 2:
+        return "--compress without data-parallel ranks"
     if layout.pp == 1 and layout.microbatches > 1:
         return "micro-batches without a pipeline (gradient accumulation)"
-    return unsupported(layout)
+    found = refused(layout_features(layout=layout))
+    return None if found is None else found.reason
 
 
 def explain(plans, index: int) -> str:

@@ -4,6 +4,7 @@ import pytest
 
 import picofx
 from picofx.cli.train_args import parse_args, picofx_passes
+from picofx.cli.train_layout import train_recipe
 
 TORCHRUN_4 = {"RANK": "0", "WORLD_SIZE": "4"}
 
@@ -29,6 +30,22 @@ def test_pipeline_times_shard_times_tensor_parallel_on_eight_ranks():
         parse_args(["--tp", "2", "--pp", "2", "--dp", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
 
 
+def test_hsdp_is_replicas_of_a_sharded_group():
+    args = parse_args(["--shard", "--dp-replicate", "2", "--passes"], environ=TORCHRUN_4)
+    assert (args.dp, args.dp_replicate, args.world) == (2, 2, 4)
+    made = train_recipe(args)
+    assert made.mesh_shape == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    assert [type(p).__name__ for p in made.passes] == ["Shard"]
+
+
+@pytest.mark.parametrize("argv, chunked", [(["--sequence-parallel"], True), (["--sequence-parallel", "--async-tp"], True),
+                                           (["--sequence-parallel", "--no-async-tp"], False)])
+def test_async_tp_chunks_the_sequence_parallel_exchanges(argv, chunked):
+    args = parse_args(["--tp", "2", "--passes", *argv], environ={"RANK": "0", "WORLD_SIZE": "2"})
+    (tp,) = train_recipe(args).passes
+    assert tp.sequence_parallel and tp.async_overlap == chunked
+
+
 def test_compress_names_overlap_s_compressor_for_the_replicas():
     args = parse_args(["--compress", "topk:0.01"], environ=TORCHRUN_4)
     assert (args.dp, args.compress) == (4, "topk:0.01")
@@ -51,13 +68,16 @@ def test_one_process_is_one_replica():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "3"], "--pp 3 x --tp 1 does not divide the 4 ranks"),
+    (["--pp", "3"], "--pp 3 does not divide the 4 ranks"),
     (["--dp", "3"], "the layout --dp 3 x --tp 1 x --pp 1 is 3 ranks, but torchrun started 4"),
     (["--tp", "2", "--pp", "2", "--dp", "2"],
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
-    (["--tp", "2", "--pp", "2", "--sequence-parallel"], "--sequence-parallel with --pp is not supported yet"),
+    (["--tp", "2", "--pp", "2", "--sequence-parallel"], "a later pipeline stage has no token embedding"),
+    (["--cp", "2"], "context parallelism is not built yet"),
+    (["--dp-replicate", "2"], "--dp-replicate 2 is HSDP's replicas of a sharded group: add --shard"),
+    (["--tp", "2", "--no-async-tp"], "--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
-    (["--tp", "2", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
+    (["--tp", "4", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
     (["--compress", "int9"], "'int9' is not a compressor"),
     (["--compress-warmup", "5"], "--compress-warmup counts steps before --compress's compressor starts"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),

@@ -1,0 +1,182 @@
+"""The composability table (picofx/manager/combinations.py) is the truth: every cell it says works
+trains one step with the loss and gathered gradients equal to one process on the full batch, and
+every cell it refuses is refused before capture, with the table's reason.
+
+One spawned group per world size runs all its cells in turn (tests/composability_ranks.py); the
+comparisons happen here. Tolerances: fp32 loss rtol 1e-5, gradients rtol 1e-4. Where a cell
+rounds on purpose, per gradient tensor normwise (||error|| <= rtol ||expected||): precision (bf16
+matmuls) against one process with precision, 2e-2 as in test_overlap; bf16 on the wire 1e-2; int8
+(blocks of 256, quantized twice) 3e-2; topk:0.5 and powersgd:8, lossy by design, 0.9 over the
+whole model (they keep most of the gradient's norm; their quality is tools/bench_compress.py's),
+and every replica must hold the same gradient."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import picofx
+from picofx.manager import combinations
+from picofx.manager.combinations import Cell, CombinationError
+from picofx.parallel import ParallelMesh
+
+import composability_ranks
+from composability_ranks import cell_passes, tiny
+from picofx.parallel.launch import run_ranks
+
+WORKING = [c for c in combinations.cells() if c.works]
+REFUSED = [c for c in combinations.cells() if not c.works]
+CODEC_RTOL = {"bf16": 1e-2, "int8": 3e-2}
+WHOLE_MODEL_RTOL = {"topk": 0.9, "powersgd": 0.9}
+INDUCTOR_CELLS = (frozenset({"overlap", "fuse"}), frozenset({"shard", "tensor_parallel"}))
+
+
+def one_process(passes: list) -> dict:
+    """Loss and gradients of the full batch in one process (with `passes`, else the plain model)."""
+    z = tiny()
+    if passes:
+        opt = picofx.optimize(z.model, z.example_inputs, passes, backend="eager", loss_fn=z.loss_fn)
+        loss = opt.forward_backward(**z.example_inputs)
+    else:
+        inputs = {k: v for k, v in z.example_inputs.items() if k != "labels"}
+        loss = z.loss_fn(z.model(**inputs), z.example_inputs["labels"])
+        loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in z.model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {"fp32": one_process([]), "precision": one_process(["precision"])}
+
+
+GROUPS: dict = {}
+
+
+def group(world: int, slow: bool, backend: str = "eager") -> dict:
+    """The results of every working cell of this world (CI's or the slow ones), from one spawn."""
+    key = (world, slow, backend)
+    if key not in GROUPS:
+        cells = [c for c in WORKING if c.world == world and c.slow == slow
+                 and (backend == "eager" or c.features in INDUCTOR_CELLS)]
+        results = run_ranks(composability_ranks.run_cells, world, cells, backend, timeout=240 + 60 * len(cells),
+                            collective_timeout=90)
+        GROUPS[key] = {cell: [r[cell] for r in results] for cell in cells}
+    return GROUPS[key]
+
+
+def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).double().norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_one_process(cell: Cell, ranks: list, references: dict) -> None:
+    errors = [r["error"] for r in ranks if "error" in r]
+    assert not errors, f"{cell.describe()} ({cell.mesh_text()}) failed: {errors[0]}"
+    reference = references["precision" if "precision" in cell.features else "fp32"]
+    by_replica = {}
+    for r in ranks:  # ranks of one replica (its tp and pp ranks) see the same batch and loss
+        by_replica.setdefault(r["replica"], r["loss"])
+        torch.testing.assert_close(r["loss"], by_replica[r["replica"]], rtol=1e-6, atol=0)
+    assert len(by_replica) == ranks[0]["replicas"]
+    loss = torch.stack(list(by_replica.values())).mean()
+    precise = "precision" not in cell.features
+    torch.testing.assert_close(loss, reference["loss"], rtol=1e-5 if precise else 1e-2, atol=1e-6 if precise else 1e-3)
+    held = {name for r in ranks for name in r["grads"]}
+    assert held == set(reference["grads"]), f"gradients held: {sorted(held ^ set(reference['grads']))}"
+    codec = [k for k in combinations.COMPRESSION if k in cell.features and k != "sparse_rows"]
+    rtol = max([CODEC_RTOL.get(k, 0.0) for k in codec] + [0.0 if precise else 2e-2])
+    for r in ranks:
+        for name, g in r["grads"].items():
+            expected = reference["grads"][name]
+            if codec and codec[0] in WHOLE_MODEL_RTOL:
+                continue
+            if rtol:
+                assert normwise_error(g, expected) <= rtol, (cell.describe(), name, normwise_error(g, expected))
+            else:
+                torch.testing.assert_close(g, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    if codec and codec[0] in WHOLE_MODEL_RTOL:
+        for r in ranks:
+            names = sorted(r["grads"])
+            error = normwise_error(torch.cat([r["grads"][n].flatten() for n in names]),
+                                   torch.cat([reference["grads"][n].flatten() for n in names]))
+            assert error <= WHOLE_MODEL_RTOL[codec[0]], (cell.describe(), error)
+    if codec:  # a lossy exchange still leaves every replica with the same gradient
+        first = {}
+        for r in ranks:
+            for name, g in r["grads"].items():
+                assert torch.equal(first.setdefault(name, g), g), f"{name} differs between replicas"
+
+
+def cell_id(cell: Cell) -> str:
+    return cell.describe().replace(" + ", "+")
+
+
+def marked(cells: list) -> list:
+    return [pytest.param(c, id=cell_id(c), marks=[pytest.mark.slow] if c.slow else []) for c in cells]
+
+
+@pytest.mark.parametrize("cell", marked([c for c in WORKING if c.world == 1]))
+def test_one_process_cell_trains_like_the_model(cell, references):
+    assert_matches_one_process(cell, [{**one_process(cell_passes(cell)), "replica": 0, "replicas": 1}], references)
+
+
+@pytest.mark.parametrize("cell", marked([c for c in WORKING if c.world > 1]))
+def test_working_cell_trains_like_one_process(cell, references):
+    assert_matches_one_process(cell, group(cell.world, cell.slow)[cell], references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", INDUCTOR_CELLS, ids=lambda f: "+".join(sorted(f)))
+def test_cell_under_inductor(features, references):
+    cell = Cell(features)
+    assert_matches_one_process(cell, group(cell.world, cell.slow, "inductor")[cell], references)
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=cell_id(c)) for c in REFUSED
+                                  if "context_parallel" not in c.features])
+def test_refused_cell_says_why_before_capture(cell):
+    """In this process, with no process group: a refusal comes before capture and any collective.
+    Context parallelism has no pass to give: picofx train's --cp is refused by the table
+    (tests/cli/test_train_combinations.py)."""
+    z = tiny()
+    calls = []
+    z.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    refusal = cell.refusal
+    with pytest.raises((CombinationError, ValueError)) as raised:
+        picofx.optimize(z.model, z.example_inputs, cell_passes(cell), backend="eager", loss_fn=z.loss_fn,
+                        mesh=ParallelMesh(tuple(cell.mesh.items())))
+    assert (refusal.raised or refusal.reason) in str(raised.value), str(raised.value)
+    assert not calls, "the model ran (capture) before the refusal"
+
+
+def test_the_table_covers_every_pair_and_names_each_refusal():
+    cells = combinations.cells()
+    for a, b in __import__("itertools").combinations(combinations.FEATURES, 2):
+        assert Cell(combinations.closed({a, b})) in cells, (a, b)
+    assert all(c.refusal.reason for c in REFUSED)
+    assert {c.world for c in WORKING} <= {1, 2, 4, 8}
+    assert not any(c.works for c in cells if "context_parallel" in c.features)
+
+
+def test_check_combination_reads_pass_objects():
+    from picofx.passes import Overlap, Pipeline, TensorParallel
+
+    with pytest.raises(CombinationError, match="sequence_parallel"):
+        combinations.check_combination([TensorParallel(sequence_parallel=True), Pipeline(stages=2)])
+    with pytest.raises(CombinationError, match="shard the data-parallel ranks"):
+        combinations.check_combination([Overlap(), TensorParallel(), Pipeline(stages=2)])
+    combinations.check_combination([TensorParallel(sequence_parallel=True), copy.copy(Overlap())])
+
+
+def test_the_docs_show_the_table():
+    """docs/parallelism.md holds combinations.render_markdown() between its markers; regenerate with
+    `python -c "from picofx.manager.combinations import write_into; write_into('docs/parallelism.md')"`."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "parallelism.md").read_text()
+    begin, end = combinations.MARKERS
+    assert begin in text and end in text, f"docs/parallelism.md has no {begin} ... {end} block"
+    shown = text.split(begin, 1)[1].split(end, 1)[0]
+    assert shown.strip() == combinations.render_markdown().strip(), (
+        "docs/parallelism.md's table differs from the table: run python -c \"from picofx.manager.combinations "
+        "import write_into; write_into('docs/parallelism.md')\"")

@@ -7,8 +7,11 @@ were two families):
                                           top-k and PowerSGD under Shard: they run on whole gradients)
     "rank<r>/residual/shard_bucket<k>"    error feedback of Shard's int8 bucket k, in its padded layout
     "powersgd<R>/<parameter>"             PowerSGD's Q at rank R, the same on every rank
+    "ranks<a>_<b>.../powersgd<R>/<parameter>"  the same, where the exchange's ranks (a, b, ...) are
+                                          not the whole world (beside tensor or pipeline parallelism,
+                                          whose ranks hold other pieces under the same names)
     "rank<r>/error/<first parameter>"     the bucket's last relative error (for the report)
-Each rank's own tensors carry its rank, so loading needs the same world.
+Each rank's own tensors carry its global rank, so loading needs the same world and layout.
 """
 from __future__ import annotations
 
@@ -82,11 +85,22 @@ class CompressionState:
     """The codecs' state for one optimized model on one rank. A DCP `Stateful`:
     `dcp.save({"model": ..., "compression": state})` saves it, `dcp.load` restores it in place."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, replicas: str = ""):
+        self.rank, self.replicas = rank, replicas
         self.residuals = Residuals()
         self.powersgd = PowerSGDFactors()
         self.relative_errors = RelativeErrors()
+
+    @classmethod
+    def for_dim(cls, dim) -> "CompressionState":
+        """The state of this rank's exchange over the mesh dimension `dim` (a MeshDim)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return cls(dim.rank)
+        ranks = dim.ranks()
+        shared = "" if len(ranks) == dist.get_world_size() else "ranks" + "_".join(map(str, ranks))
+        return cls(dist.get_rank(), shared)
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -107,7 +121,9 @@ class CompressionState:
         return {k: v.item() for k, v in self.relative_errors.tensors.items()}
 
     def saved_name(self, key: str) -> str:
-        return f"rank{self.rank}/{key}" if key.startswith(("residual/", "error/")) else key
+        if key.startswith(("residual/", "error/")):
+            return f"rank{self.rank}/{key}"
+        return f"{self.replicas}/{key}" if self.replicas else key
 
     def state_dict(self) -> dict:
         return {self.saved_name(k): v for k, v in self.tensors.items()}

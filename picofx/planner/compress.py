@@ -10,8 +10,13 @@ is that of an all-reduce taking as long as the bytes sent, as the pass times its
 compute: quantizing, casting and scattering are memory-bound passes over the gradient, charged at
 the device's memory bandwidth.
 
+Sharded data parallel (`scatter_exchange`): the compressor replaces each bucket's gradient
+reduce-scatter as Shard(compress=...) runs it: bf16 and int8 in their reduce-scatter form, top-k and
+PowerSGD on the whole gradients (each rank keeps its slice), the embedding as rows where they are
+fewer bytes than its reduce-scatter; the shard prediction takes the bytes as bytes per parameter of
+its per-layer reduce-scatters.
+
 Lossy kinds ("topk:F", "powersgd:R") change what the model learns: they are planned only when asked.
-Sharded data parallel is left out: the planner's shard prediction has no compressed reduce-scatter.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from picofx.compression import Dense, SparseRows, parse_compress
-from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending
+from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending, reduce_scatter_bytes
 
 DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
 LOSSY = ("topk", "powersgd")
@@ -95,6 +100,42 @@ def exchange(config, layout, tokens: int, device, link) -> Exchange:
     if rows == "rows":  # a zero table, every rank's rows added into it
         traffic += table_numel * FP32 + world * tokens * (2 * table[1] * FP32 + 4)
     return Exchange(layout.compress, int(wire), fp32, link_s, traffic / device.memory_bandwidth, rows)
+
+
+@dataclass(frozen=True)
+class ScatterExchange:
+    """One backward's gradient reduce-scatter of a sharded layout, with `kind`: what each rank sends."""
+
+    kind: str | None
+    wire_bytes: int                  # each rank sends per backward
+    fp32_reduce_scatter_bytes: int   # an fp32 reduce-scatter of the same gradients
+    compute_s: float                 # the compressor's passes over the gradient
+    rows: str                        # how the embedding goes: "rows", "dense (...)" or "" (not asked)
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        """The fp32 reduce-scatter's 4 bytes per parameter, scaled by what the compressor sends."""
+        return FP32 * self.wire_bytes / self.fp32_reduce_scatter_bytes if self.fp32_reduce_scatter_bytes else FP32
+
+
+def scatter_exchange(config, layout, tokens: int, device) -> ScatterExchange:
+    """The gradient reduce-scatter of sharded `layout` (dp > 1) with `layout.compress`; `tokens`: each
+    rank's tokens per micro-batch (the embedding's rows)."""
+    spec, world = parse_compress(layout.compress), layout.dp
+    table, others = gradient_shapes(config, layout.tp, layout.pp)
+    fp32 = Dense().wire_bytes([table, *others], FP32, world, scatter=True)
+    rows = ""
+    if spec.rows:
+        rows_bytes = SparseRows().wire_bytes(tokens, table[1], FP32, world)
+        table_bytes = reduce_scatter_bytes(world * -(-table[0] // world) * table[1] * FP32, world)
+        rows = "rows" if rows_bytes < table_bytes else \
+            f"dense (as rows {rows_bytes / 1e6:.1f} MB per rank, its reduce-scatter {table_bytes / 1e6:.1f} MB)"
+    shapes = others if rows == "rows" else [table, *others]
+    wire = spec.other.wire_bytes(shapes, FP32, world, scatter=True) + (rows_bytes if rows == "rows" else 0)
+    traffic = TRAFFIC_PER_ELEMENT[family(spec.other.label)] * sum(math.prod(s) for s in shapes)
+    if rows == "rows":  # a zero slice of the table, every rank's rows added into it
+        traffic += math.prod(table) // world * FP32 + world * tokens * (2 * table[1] * FP32 + 4)
+    return ScatterExchange(layout.compress, int(wire), fp32, traffic / device.memory_bandwidth, rows)
 
 
 def embedding_as_rows(config, layout, tokens: int) -> tuple[str, int]:

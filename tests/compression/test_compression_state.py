@@ -42,3 +42,15 @@ def test_load_state_dict_writes_in_place():
     for key, value in state.state_dict().items():
         torch.testing.assert_close(value, saved[key], rtol=0, atol=0)
     assert all(state.tensors[k] is v for k, v in kept.items())  # the graphs' buffers are these tensors
+
+
+def test_q_shared_by_some_ranks_only_is_saved_under_them():
+    """Beside tensor or pipeline parallelism the exchange's ranks are not the world, and other ranks
+    hold other pieces under the same parameter names: Q's key names the ranks that share it."""
+    state = CompressionState(3, replicas="ranks1_3")
+    state.powersgd.get(4, "w", 8, torch.float32, "cpu")
+    state.residuals.get("w", (2, 3), torch.float32, "cpu")
+    assert set(state.state_dict()) == {"ranks1_3/powersgd4/w", "rank3/residual/w"}
+    saved = {k: v + 1 for k, v in state.state_dict().items()}
+    state.load_state_dict(saved)
+    torch.testing.assert_close(state.tensors["powersgd4/w"], saved["ranks1_3/powersgd4/w"], rtol=0, atol=0)

@@ -1,5 +1,6 @@
-"""Gradient compression as a planner option: enumerated for replicated data parallel, its bytes the
-overlap pass's compressors' own, passed on to Overlap(compress=...), and the 7B prediction table."""
+"""Gradient compression as a planner option: enumerated for replicated and sharded data parallel, its
+bytes the overlap and shard passes' compressors' own, passed on to Overlap(compress=...), and the 7B
+prediction table."""
 from __future__ import annotations
 
 import importlib
@@ -13,10 +14,10 @@ import picofx
 from picofx.cost.device import devices
 from picofx.models.llama import Llama
 from picofx.passes import Overlap
-from picofx.compression import Dense, Int8, SparseRows, TopK
+from picofx.compression import Dense, Int8, PowerSGD, SparseRows, TopK
 from picofx.planner import plan_run
-from picofx.planner.compress import exchange, gradient_shapes, kinds_to_consider
-from picofx.planner.layouts import Layout
+from picofx.planner.compress import exchange, gradient_shapes, kinds_to_consider, scatter_exchange
+from picofx.planner.layouts import Layout, predict
 from picofx.planner.models import model_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,16 +36,35 @@ def test_replicated_layouts_are_planned_with_each_compressor_and_lossy_ones_only
     assert not any(k and k.startswith(LOSSY) for k in kinds)
     for p in predictions:
         if p.layout.compress:
-            assert p.layout.dp > 1 and not p.layout.shard, p.layout  # shard + compress: not predicted
+            assert p.layout.dp > 1, p.layout
             assert p.as_json()["compress"] == p.layout.compress
-        if p.layout.compress == "sparse_rows":  # accumulated gradients are a dense table: rows never apply
+        if p.layout.compress == "sparse_rows" and not p.layout.shard:  # accumulated: a dense table, never rows
             assert p.layout.microbatches == 1
+    assert any(p.layout.shard and p.layout.compress == "int8" for p in predictions)
     asked = {p.layout.compress for p in tiny_plans(compress="topk:0.01,powersgd:4")}
     assert asked == {None, "topk:0.01", "powersgd:4"}
     assert {p.layout.compress for p in tiny_plans(compress="none")} == {None}
     assert {p.layout.compress for p in plan_run("llama-tiny", gpus=4, gpu="cpu", seq=32, global_batch=8)[1]} == {None}
     with pytest.raises(ValueError, match="compress"):
         kinds_to_consider("int4")
+
+
+def test_a_sharded_layouts_reduce_scatter_sends_the_compressors_bytes_and_the_prediction_takes_them():
+    config = model_config("llama-tiny")
+    shapes = [gradient_shapes(config, 1, 1)[0], *gradient_shapes(config, 1, 1)[1]]
+    sent = {kind: scatter_exchange(config, Layout(4, 1, 1, shard=True, compress=kind), 16, H100)
+            for kind in (None, "bf16", "int8", "powersgd:4", "sparse_rows")}
+    assert sent[None].wire_bytes == sent[None].fp32_reduce_scatter_bytes == Dense().wire_bytes(shapes, 4, 4, True)
+    assert sent["bf16"].wire_bytes == Dense(torch.bfloat16).wire_bytes(shapes, 4, 4, scatter=True)
+    assert sent["int8"].wire_bytes == Int8().wire_bytes(shapes, 4, 4, scatter=True)
+    assert sent["powersgd:4"].wire_bytes == PowerSGD(4).wire_bytes(shapes, 4, 4, scatter=True)  # whole gradients
+    assert sent[None].bytes_per_parameter == 4 and sent["bf16"].bytes_per_parameter == pytest.approx(2, rel=1e-3)
+    assert sent["sparse_rows"].rows == "rows" and sent["sparse_rows"].wire_bytes < sent[None].wire_bytes
+    assert sent[None].compute_s == 0 < sent["bf16"].compute_s < sent["int8"].compute_s
+    run = plan_run("llama-tiny", gpus=4, gpu="h100", seq=32, global_batch=8)[0]
+    plain, int8 = (predict(run, Layout(4, 1, 1, shard=True, compress=kind)) for kind in (None, "int8"))
+    assert int8.time["compression"] > 0 == plain.time["compression"]
+    assert int8.time["data_parallel_exposed"] <= plain.time["data_parallel_exposed"]
 
 
 def test_the_exchanged_bytes_are_the_compressors_own_over_the_models_gradients():

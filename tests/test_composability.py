@@ -158,14 +158,16 @@ def test_the_table_covers_every_pair_and_names_each_refusal():
     assert not any(c.works for c in cells if "context_parallel" in c.features)
 
 
-def test_check_combination_reads_pass_objects():
-    from picofx.passes import Overlap, Pipeline, TensorParallel
+def test_check_combination_reads_pass_objects_and_the_mesh():
+    from picofx.passes import Overlap, Pipeline, Shard, TensorParallel
 
-    with pytest.raises(CombinationError, match="sequence_parallel"):
-        combinations.check_combination([TensorParallel(sequence_parallel=True), Pipeline(stages=2)])
-    with pytest.raises(CombinationError, match="shard the data-parallel ranks"):
-        combinations.check_combination([Overlap(), TensorParallel(), Pipeline(stages=2)])
-    combinations.check_combination([TensorParallel(sequence_parallel=True), copy.copy(Overlap())])
+    with pytest.raises(CombinationError, match="Shard's compressed reduce-scatter beside tensor_parallel"):
+        combinations.check_combination([Shard(compress="int8"), TensorParallel()])
+    hsdp = ParallelMesh.build(dp_replicate=2, dp_shard=2, tp=2, world=8)
+    with pytest.raises(CombinationError, match="the shard pass runs HSDP without tp"):
+        combinations.check_combination([Shard(), TensorParallel()], hsdp)
+    combinations.check_combination([Shard(), TensorParallel()], ParallelMesh.build(dp_shard=2, tp=2, world=4))
+    combinations.check_combination([TensorParallel(sequence_parallel=True), Pipeline(stages=2), copy.copy(Overlap())])
 
 
 def test_the_docs_show_the_table():

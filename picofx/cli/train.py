@@ -257,7 +257,8 @@ def main(argv=None) -> dict:
     for step in progress:
         batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
         loss = s.opt_model.forward_backward(**batch)
-        clip_gradients(s.opt_model.parameters(), 1.0, (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None)
+        replicas = (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None
+        clip_gradients(s.opt_model.parameters(), 1.0, replicas)
         s.optimizer.step()
         s.schedule.step()
         s.optimizer.zero_grad(set_to_none=True)

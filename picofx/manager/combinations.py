@@ -63,10 +63,6 @@ REFUSALS = (
     refusal("context_parallel", "context parallelism is not built yet: no pass splits attention's sequence over "
             "a cp dimension (torch's ring attention has no CPU kernel); for long sequences use tensor_parallel with "
             "sequence_parallel meanwhile"),
-    refusal("overlap tensor_parallel pipeline", "replicated data parallel over tensor-parallel pipeline stages is "
-            "not built: shard the data-parallel ranks instead (Shard, picofx train --shard)"),
-    refusal("sequence_parallel pipeline", "a later pipeline stage has no token embedding where the sequence "
-            "shards begin: drop sequence_parallel under a pipeline, or the pipeline"),
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "

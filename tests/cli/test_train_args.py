@@ -26,8 +26,8 @@ def test_tensor_parallel_composes_with_shard_and_pipeline_on_four_ranks(argv, dp
 def test_pipeline_times_shard_times_tensor_parallel_on_eight_ranks():
     args = parse_args(["--tp", "2", "--pp", "2", "--shard"], environ={"RANK": "0", "WORLD_SIZE": "8"})
     assert (args.dp, args.pp, args.tp, args.world) == (2, 2, 2, 8)
-    with pytest.raises(SystemExit):  # replicated data parallelism over tensor-parallel stages is not built
-        parse_args(["--tp", "2", "--pp", "2", "--dp", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
+    args = parse_args(["--tp", "2", "--pp", "2", "--dp", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
+    assert (args.dp, args.shard) == (2, False)  # replicated data parallelism over tensor-parallel stages
 
 
 def test_hsdp_is_replicas_of_a_sharded_group():
@@ -72,7 +72,7 @@ def test_one_process_is_one_replica():
     (["--dp", "3"], "the layout --dp 3 x --tp 1 x --pp 1 is 3 ranks, but torchrun started 4"),
     (["--tp", "2", "--pp", "2", "--dp", "2"],
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
-    (["--tp", "2", "--pp", "2", "--sequence-parallel"], "a later pipeline stage has no token embedding"),
+    (["--shard", "--dp-replicate", "2", "--compress", "int8"], "HSDP's all-reduce across the replicas is not compressed"),
     (["--cp", "2"], "context parallelism is not built yet"),
     (["--dp-replicate", "2"], "--dp-replicate 2 is HSDP's replicas of a sharded group: add --shard"),
     (["--tp", "2", "--no-async-tp"], "--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel"),

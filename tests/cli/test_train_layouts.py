@@ -1,6 +1,7 @@
 """examples/train_llama.py on 2 gloo ranks, data parallel, pipelined and sharded: --save then --resume goes
 on exactly as the run that did not stop, and a pipeline reports the whole model's FLOPs per token."""
 import importlib
+import math
 import os
 import pathlib
 import sys
@@ -52,3 +53,21 @@ def report_setup(rank: int, world: int) -> tuple:
 def test_every_rank_learns_the_first_failure_and_that_none_failed():
     results = run_ranks(report_setup, 2, timeout=120, collective_timeout=30)
     assert results == [((1, "capture failed here"), None)] * 2
+
+
+def hsdp_run(rank: int, world: int) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    train = importlib.import_module("picofx.cli.train")
+    result = train.main([*FAST, "--shard", "--dp-replicate", "2", "--steps", "2"])
+    return {"losses": result["losses"]}
+
+
+@pytest.mark.slow
+def test_hsdp_trains_from_its_flags_on_four_ranks():
+    """--shard --dp-replicate 2 on 4 ranks: 2 replicas, each sharded over 2 (the shard pass on
+    dp_replicate x dp_shard), each rank on its own batch; that it equals one process is
+    tests/test_composability.py's hsdp cell."""
+    results = run_ranks(hsdp_run, 4, timeout=600, collective_timeout=180)
+    for result in results:
+        assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"]), result
+    assert len({tuple(r["losses"]) for r in results}) == 4  # four replicas, four batches

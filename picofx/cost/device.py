@@ -42,8 +42,6 @@ class Device:
     optimizer_tensor_overhead: float = 0.0  # s per parameter tensor per AdamW step beyond its bytes (calibrated)
     dtensor_parameter_overhead: float = 0.0  # s per DTensor parameter per step beyond a plain one's (calibrated)
     cpu_share: float = 1.0  # of a core each rank gets (ranks sharing cores: calibrated)
-    tensor_parallel_layer_overhead: float = 0.0  # s a layer's call costs a tp rank beyond its ops and link (calibrated)
-    shard_layer_overhead: float = 0.0  # s a layer's call costs a sharded rank beyond its ops and link (calibrated)
     source: str = "datasheet"
     link_name: str = "NVLink 4"
     network_name: str = "InfiniBand NDR 400 Gb/s"

@@ -74,7 +74,7 @@ class Checkpointing(enum.StrEnum):
                              "(or true/false for full/none)") from None
 
 
-CHECKPOINTS = (Checkpointing.NONE, Checkpointing.FULL)  # what the layouts' predictions model
+CHECKPOINTS = tuple(Checkpointing)  # what layouts are planned with: none, selective, full
 
 
 @dataclass(frozen=True)
@@ -250,8 +250,6 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
     if layout.pp > 1 and layout.microbatches < layout.pp:
         return "fewer micro-batches than pipeline stages"
-    if layout.checkpoint not in CHECKPOINTS:
-        return f"{layout.checkpoint.value} checkpointing is not predicted (checkpoint: {', '.join(CHECKPOINTS)})"
     return None
 
 

@@ -80,11 +80,11 @@ def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int 
 
 def table(predictions: list[Prediction], top: int) -> str:
     """The first `top` plans, a row each, with the best suggestion under it."""
-    head = (f"{'#':>3} {'layout':36s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
+    head = (f"{'#':>3} {'layout':42s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
             f"{'fits':4s}  bottleneck")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(predictions[:top]):
-        rows.append(f"{i:>3} {p.layout.describe():36s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
+        rows.append(f"{i:>3} {p.layout.describe():42s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
                     f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
         if p.suggestions:
             rows.append(f"{'':>4}  -> {p.suggestions[0].describe(p)}")
@@ -109,12 +109,12 @@ def gpus_table() -> str:
 def measured_table(measured: list[Prediction]) -> str:
     """Predicted against measured: is each prediction within 35%, and is the plan predicted fastest
     within 15% of the measured fastest."""
-    rows = [f"{'layout':36s} {'predicted s':>12} {'measured s':>11} {'error':>7}"]
+    rows = [f"{'layout':42s} {'predicted s':>12} {'measured s':>11} {'error':>7}"]
     errors = []
     for p in measured:
         error = p.step_s / p.measured_step_s - 1
         errors.append(abs(error))
-        rows.append(f"{p.layout.describe():36s} {p.step_s:12.4f} {p.measured_step_s:11.4f} {error:+7.0%}")
+        rows.append(f"{p.layout.describe():42s} {p.step_s:12.4f} {p.measured_step_s:11.4f} {error:+7.0%}")
     fastest = min(p.measured_step_s for p in measured)
     chosen = measured[0].measured_step_s / fastest - 1
     rows.append(f"every prediction within 35%: {'yes' if max(errors) <= 0.35 else 'no'} (worst {max(errors):.0%}); "

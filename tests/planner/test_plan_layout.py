@@ -41,9 +41,9 @@ def test_a_wrong_spec_is_refused_naming_what_it_takes(spec, error):
 
 def test_the_layout_given_is_predicted_as_the_ranking_predicts_it(tmp_path, capsys):
     _, ranked = plan_run("llama-tiny", gpus=4, gpu="h100", seq=32, global_batch=8)
-    wanted = next(p for p in ranked if p.layout == Layout(2, 2, 1, microbatches=2, checkpoint="full"))
+    wanted = next(p for p in ranked if p.layout == Layout(2, 2, 1, microbatches=2, checkpoint="selective"))
     out = tmp_path / "one.json"
-    assert main([*TINY, "--layout", "dp=2,tp=2,microbatches=2,checkpoint=full", "--json", str(out)]) == 0
+    assert main([*TINY, "--layout", "dp=2,tp=2,microbatches=2,checkpoint=selective", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["plans"] == [json.loads(json.dumps(wanted.as_json()))] and data["best"] == 0

@@ -71,6 +71,7 @@ def test_a_neighbour_is_one_option_away_and_predicted_even_where_the_ranking_lef
     found = dict(Neighbourhood(run).neighbours(lone.layout))
     assert found["4 micro-batches"].layout == Layout(2, 1, 2, microbatches=4)
     assert found["full checkpointing (every layer)"].layout == Layout(2, 1, 2, microbatches=2, checkpoint="full")
+    assert found["selective checkpointing"].layout == Layout(2, 1, 2, microbatches=2, checkpoint="selective")
     assert found["sharded data parallel"].layout == Layout(2, 1, 2, shard=True, microbatches=2)
     pp1 = next(p for what, p in found.items() if what.startswith("pp 1"))
     tp2 = next(p for what, p in found.items() if what.startswith("tp 2"))

@@ -1,12 +1,12 @@
 """Gradient compression side by side on 2 gloo ranks: the reference LLaMA trained with AdamW on
 fresh random token walks, per compressor of the overlap pass and for DDP with torch's comm hooks.
 
-    python tools/bench_compress.py --steps 200 [--backend inductor] [--json FILE] [--html FILE]
+    python tools/bench_compress.py --steps 200 [--runs LABELS] [--backend inductor] [--json FILE] [--html FILE]
 
 Per run, every run stepping in turn on the same batches (one step of each per round): bytes each
 rank puts on the wire per compressed step against an fp32 ring all-reduce (the pass's report; DDP's
-hooks: their own arithmetic) and over the whole run (warm-up steps send fp32), the median step past
-the warm-up, its exposed communication (the step less the floor: the same step without
+hooks: their own arithmetic) and over the whole run (warm-up steps send fp32, int8 start steps int8),
+the median step past the warm-up, its exposed communication (the step less the floor: the same step without
 communication, picofx's for picofx, the plain model's for DDP), and the mean loss of the last 20
 steps against uncompressed; `--html` draws the loss curves on one page. `--backend inductor`
 compiles picofx with Inductor and DDP and its floor with torch.compile. On 2 CPU ranks the step
@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from picofx.compression import START_STEPS
 from picofx.cost.comm import all_reduce_bytes
 from picofx.parallel.launch import run_ranks
 from results import write_json  # tools/results.py
@@ -36,14 +37,16 @@ from results import write_json  # tools/results.py
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "passes"))  # the ranks' scenarios
 from compress_ranks import optimized, shard, walks  # noqa: E402
 
-# (label, kind, warm-up as a fraction of the steps): the first synced steps send whole gradients
-# (Overlap's warmup; DDP's PowerSGD hook's start_powerSGD_iter)
-RUNS = [("none", None, 0), ("bf16", "bf16", 0), ("sparse_rows", "sparse_rows", 0),
-        ("sparse_rows+int8", "sparse_rows+int8", 0), ("int8:ef", "int8:ef", 0), ("topk:0.01", "topk:0.01", 0),
-        ("topk:0.01 warm 1/2", "topk:0.01", 0.5), ("powersgd:4", "powersgd:4", 0),
-        ("powersgd:4 warm 1/4", "powersgd:4", 0.25), ("ddp bf16_compress_hook", "ddp:bf16", 0),
-        ("ddp powerSGD_hook:4", "ddp:powersgd", 0), ("ddp powerSGD_hook:4 warm 1/4", "ddp:powersgd", 0.25)]
-FLOORS = [("floor picofx", "floor:picofx", 0), ("floor torch", "floor:torch", 0)]  # no communication
+# (label, kind, warm-up as a fraction of the steps, int8 start steps): the first synced steps send whole
+# gradients (Overlap's warmup; DDP's PowerSGD hook's start_powerSGD_iter), or, without a warm-up, a
+# lossy compressor's first steps go as int8 (Overlap's start, by default 2 for PowerSGD)
+RUNS = [("none", None, 0, 0), ("bf16", "bf16", 0, 0), ("sparse_rows", "sparse_rows", 0, 0),
+        ("sparse_rows+int8", "sparse_rows+int8", 0, 0), ("int8:ef", "int8:ef", 0, 0), ("topk:0.01", "topk:0.01", 0, 0),
+        ("topk:0.01 warm 1/2", "topk:0.01", 0.5, 0), ("powersgd:4", "powersgd:4", 0, START_STEPS),
+        ("powersgd:4 cold", "powersgd:4", 0, 0), ("powersgd:4 warm 1/4", "powersgd:4", 0.25, 0),
+        ("ddp bf16_compress_hook", "ddp:bf16", 0, 0), ("ddp powerSGD_hook:4", "ddp:powersgd", 0, 0),
+        ("ddp powerSGD_hook:4 warm 1/4", "ddp:powersgd", 0.25, 0)]
+FLOORS = [("floor picofx", "floor:picofx", 0, 0), ("floor torch", "floor:torch", 0, 0)]  # no communication
 BATCH, SEQ, VOCAB, LR = 8, 32, 256, 3e-3
 PREDICTED = (None, "bf16", "int8", "topk:0.01", "powersgd:4", "sparse_rows")
 
@@ -116,7 +119,7 @@ def ddp_wire_bytes(kind: str, model, world: int) -> int:
     return all_reduce_bytes(4 * kept, world)
 
 
-def contender(kind, warm_steps: int, rank: int, world: int, backend: str):
+def contender(kind, warm_steps: int, start: int, rank: int, world: int, backend: str):
     """(the model, its step: batch -> loss, bytes on the wire per compressed step)."""
     import picofx
     from picofx.models import zoo
@@ -131,9 +134,17 @@ def contender(kind, warm_steps: int, rank: int, world: int, backend: str):
         z = zoo.build("llama-tiny", batch=BATCH)
         opt = picofx.optimize(z.model, shard(z.example_inputs, rank, world), [], backend=backend, loss_fn=z.loss_fn)
         return z.model, lambda data: opt(**data), 0
-    z, opt = optimized(kind, rank, world, BATCH, backend=backend, warmup=warm_steps)
+    z, opt = optimized(kind, rank, world, BATCH, backend=backend, warmup=warm_steps, start=start)
     notes = next(r.notes for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets"))
     return z.model, lambda data: opt(**data), notes["wire_bytes"]
+
+
+def start_bytes(kind: str, model, world: int) -> int:
+    """Bytes each rank sends in one of a lossy compressor's int8 start steps (the int8 all-reduce of
+    every gradient, in the blocks the pass lays out per bucket; one bucket's layout is close enough)."""
+    from picofx.compression import Int8
+
+    return Int8().wire_bytes([tuple(p.shape) for p in model.parameters()], 4, world)
 
 
 def train(rank: int, world: int, steps: int, runs: list, backend: str) -> dict:
@@ -142,15 +153,16 @@ def train(rank: int, world: int, steps: int, runs: list, backend: str) -> dict:
     import torch.distributed as dist
 
     live = {}
-    for label, kind, warm in runs:
+    for label, kind, warm, start in runs:
         warm_steps = max(2, round(warm * steps)) if kind == "ddp:powersgd" else round(warm * steps)
-        model, step_fn, wire = contender(kind, warm_steps, rank, world, backend)
-        live[label] = (model, step_fn, torch.optim.AdamW(model.parameters(), lr=LR), wire, warm_steps)
+        model, step_fn, wire = contender(kind, warm_steps, start, rank, world, backend)
+        first = start_bytes(kind, model, world) if start else 0
+        live[label] = (model, step_fn, torch.optim.AdamW(model.parameters(), lr=LR), wire, warm_steps, start, first)
     losses = {label: [] for label in live}
     times = {label: [] for label in live}
     for step in range(steps):
         data = shard(walks(VOCAB, BATCH, SEQ, seed=1000 + step), rank, world)
-        for label, (model, step_fn, optimizer, _, _) in live.items():
+        for label, (model, step_fn, optimizer, *_) in live.items():
             dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
@@ -163,12 +175,13 @@ def train(rank: int, world: int, steps: int, runs: list, backend: str) -> dict:
             dist.all_reduce(loss)
             losses[label].append(loss.item() / world)
     out = {}
-    for label, (model, _, _, wire, warm_steps) in live.items():
+    for label, (model, _, _, wire, warm_steps, start, first) in live.items():
         ring = all_reduce_bytes(sum(4 * p.numel() for p in model.parameters()), world)
-        compressed = times[label][max(5, warm_steps):] or times[label]  # past compile and the warm-up
+        compressed = times[label][max(5, warm_steps, start):] or times[label]  # past compile and the warm-up
+        run = warm_steps * ring + start * first + (steps - warm_steps - start) * wire
         out[label] = {"losses": losses[label], "step_ms": 1e3 * statistics.median(compressed),
-                      "wire_bytes": wire, "fp32_ring_bytes": ring, "warmup_steps": warm_steps,
-                      "run_wire_bytes": (warm_steps * ring + (steps - warm_steps) * wire) / steps}
+                      "wire_bytes": wire, "fp32_ring_bytes": ring, "warmup_steps": warm_steps, "start_steps": start,
+                      "run_wire_bytes": run / steps}
     return out
 
 
@@ -197,13 +210,23 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="eager", help="picofx's backend; DDP and the floor under "
                                                            "torch.compile with it unless eager")
     parser.add_argument("--html", metavar="FILE", help="also write the runs' loss curves as one HTML page")
+    parser.add_argument("--runs", metavar="LABELS", help="only these runs, comma-separated labels of the table "
+                                                         "('none' always runs: the others are compared with it)")
     args = parser.parse_args(argv)
     os.environ.setdefault("PICOFX_CACHE", "0")
     predicted = predicted_steps(gpus=args.gpus, global_batch=args.global_batch)
     print_predicted(predicted)
     if args.predict_only:
         return
-    results = run_ranks(train, 2, args.steps, RUNS + FLOORS, args.backend, timeout=3600, collective_timeout=600)[0]
+    runs = RUNS
+    if args.runs:
+        wanted = {"none", *(label.strip() for label in args.runs.split(","))}
+        unknown = wanted - {r[0] for r in RUNS}
+        if unknown:
+            parser.error(f"--runs: no run named {', '.join(sorted(unknown))}; "
+                         f"the runs: {', '.join(r[0] for r in RUNS)}")
+        runs = [r for r in RUNS if r[0] in wanted]
+    results = run_ranks(train, 2, args.steps, runs + FLOORS, args.backend, timeout=3600, collective_timeout=600)[0]
     print_runs(results)
     write_json({"steps": args.steps, "batch": BATCH, "seq": SEQ, "lr": LR, "backend": args.backend, "runs": results,
                 "predicted": predicted}, args.json, "bench_compress.json")

@@ -12,28 +12,32 @@ from picofx.compression.protocol import Bucket, Codec, Emitter, Pending
 from picofx.cost.comm import all_reduce_bytes
 
 aten = torch.ops.aten
+MIN_COMPRESSION_RATE = 2
 
 
 @dataclass(frozen=True)
 class PowerSGD(Codec):
     """Rank-`rank` factors of each matrix gradient M (plus its residual): P = M Q, all-reduced
     and orthonormalized; Q = M^T P, all-reduced and averaged; the average is P Q^T, and M - P Q^T
-    the residual. Q starts the next step from this one's. Vectors, and matrices too small to gain,
-    are all-reduced as they are. One all-reduce per bucket and round. Under a reduce-scatter it runs
-    on the whole gradients (the factors are of whole matrices)."""
+    the residual. Q starts the next step from this one's. Vectors, and matrices whose factors would
+    be half their entries or more, are all-reduced as they are. One all-reduce per bucket and round.
+    Under a reduce-scatter it runs on the whole gradients (the factors are of whole matrices)."""
 
     rank: int
     scatters = False
+    starts = True
 
     @property
     def label(self) -> str:
         return f"powersgd:{self.rank}"
 
     def compresses(self, shape) -> bool:
+        """A matrix whose factors are fewer than half its entries (torch's hook's min_compression_rate,
+        2): nearer, the bytes saved are few for what a rank-R approximation leaves out."""
         if len(shape) < 2:
             return False
         rows, cols = shape[0], math.prod(shape[1:])
-        return (rows + cols) * self.rank < rows * cols
+        return MIN_COMPRESSION_RATE * (rows + cols) * self.rank < rows * cols
 
     def wire_bytes(self, shapes, itemsize: int, world: int, scatter: bool = False) -> int:
         numel = sum((s[0] + math.prod(s[1:])) * self.rank if self.compresses(s) else math.prod(s) for s in shapes)

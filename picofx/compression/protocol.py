@@ -99,6 +99,7 @@ class Codec:
 
     label: str
     scatters = True  # it has a reduce-scatter form; False: it runs on the whole gradients
+    starts = False   # its first synced steps go as int8 (picofx/compression/start.py)
 
     def issue(self, em: "Emitter", b: Bucket) -> Pending:
         raise NotImplementedError

@@ -26,10 +26,12 @@ def walks(vocab: int, batch: int, seq: int, seed: int) -> dict:
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
-def optimized(kind, rank: int, world: int, batch: int, backend: str = "eager", **overlap):
+def optimized(kind, rank: int, world: int, batch: int, backend: str = "eager", start: int = 0, **overlap):
+    """The tiny reference LLaMA with Overlap(compress=kind); by default without the lossy codecs'
+    int8 start (start=0), so the checks see the compressor itself from the first step."""
     z = zoo.build("llama-tiny", batch=batch)
     example = shard(z.example_inputs, rank, world)
-    opt = picofx.optimize(z.model, example, [Overlap(compress=kind, **{**SMALL_BUCKETS, **overlap})],
+    opt = picofx.optimize(z.model, example, [Overlap(compress=kind, start=start, **{**SMALL_BUCKETS, **overlap})],
                           backend=backend, loss_fn=z.loss_fn)
     return z, opt
 
@@ -74,6 +76,7 @@ def compressor_checks(rank: int, world: int, batch: int, checkpoint_dir: str) ->
         out[str(kind)] = result
     out["tied"] = tied_embedding(rank, world, batch)
     out["warmup"] = warmup_steps(rank, world, batch)
+    out["start"] = start_steps(rank, world, batch)
     out["errors"] = compression_errors(rank, world, batch)
     return out
 
@@ -118,6 +121,26 @@ def warmup_steps(rank: int, world: int, batch: int) -> dict:
     return warmup_run(opt, lambda data: step_grads(opt, z.model, data), first, second)
 
 
+def start_steps(rank: int, world: int, batch: int) -> dict:
+    """powersgd:4 with its int8 start (Overlap's default start): three steps' gradients, the state
+    after each of the first two, the notes, and int8's own first step for comparison."""
+    from picofx.compression import START_STEPS
+
+    z, opt = optimized("powersgd:4", rank, world, batch, start=START_STEPS)
+    batches = [shard(z.example_inputs, rank, world)]
+    batches += [shard(walks(256, batch, 32, seed=s), rank, world) for s in (7, 8)]
+    out = {"steps": [], "states": []}
+    for data in batches:
+        out["steps"].append(step_grads(opt, z.model, data))
+        out["states"].append(state_of(opt))
+    out["first_q"] = {f"powersgd4/{name}": q.clone() for (_, name), q in opt.compression.powersgd.first.items()}
+    out["notes"] = [r.notes for r in opt.report.records if r.name == "overlap" and r.notes.get("buckets")]
+    out["variants"] = sorted(key[2] for key in opt._steps)
+    z8, int8 = optimized("int8", rank, world, batch)
+    out["int8_first"] = step_grads(int8, z8.model, batches[0])
+    return out
+
+
 def warmup_run(opt, run_step, first: dict, second: dict) -> dict:
     """A warmup=1 run's gradients (`run_step(batch)`) of two steps, its residuals after the first,
     the second step again after reset_compression, and the step variants it compiled."""
@@ -151,9 +174,11 @@ def training_losses(rank: int, world: int, batch: int, kinds: tuple, steps: int,
     import torch.distributed as dist
 
     out = {}
-    for entry in kinds:
+    from picofx.compression import START_STEPS
+
+    for entry in kinds:  # a kind alone starts as Overlap does by default (a lossy one with int8 steps)
         kind, steps_whole = entry if isinstance(entry, tuple) else (entry, warmup)
-        z, opt = optimized(kind, rank, world, batch, warmup=steps_whole)
+        z, opt = optimized(kind, rank, world, batch, warmup=steps_whole, start=START_STEPS)
         optimizer = torch.optim.AdamW(z.model.parameters(), lr=lr)
         losses = []
         for step in range(steps):
@@ -177,7 +202,7 @@ def inductor_checks(rank: int, world: int, batch: int, kinds: tuple, backend: st
     for kind in kinds:
         z = zoo.build("llama-tiny", batch=batch)
         example = shard(z.example_inputs, rank, world)
-        build = lambda: picofx.optimize(z.model, example, [Overlap(compress=kind, **SMALL_BUCKETS)],  # noqa: E731
+        build = lambda: picofx.optimize(z.model, example, [Overlap(compress=kind, start=0, **SMALL_BUCKETS)],  # noqa: E731
                                         backend=backend, loss_fn=z.loss_fn)
         opt, code = run_and_get_code(build) if backend == "inductor" else (build(), [])
         second = shard(walks(256, batch, 32, seed=7), rank, world)

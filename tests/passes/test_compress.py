@@ -113,6 +113,25 @@ def test_warmup_steps_run_uncompressed(ranks):
     assert any(relative_error(warm["second"][n], dense["second"][n]) > 0.1 for n in dense["second"])
 
 
+def test_powersgd_starts_with_two_int8_steps(ranks):
+    """powersgd:4 by default: its first two synced steps go as int8 (gradients as int8's, residuals
+    and Q untouched); the third step is PowerSGD's, the same on both ranks."""
+    for r in ranks:
+        start = r["start"]
+        assert start["variants"] == ["sync", "sync_uncompressed"]
+        assert any(n.get("start") == "the first 2 synced steps as int8 (start of powersgd:4)" for n in start["notes"])
+        for name, g in r["int8:ef"]["first"].items():  # int8's first step: no residual yet, as int8:ef's
+            torch.testing.assert_close(start["steps"][0][name], g, **EXACT)
+        for state in start["states"][:2]:
+            assert all(v.abs().sum() == 0 for k, v in state.items() if k.startswith("residual/"))
+            assert all(torch.equal(state[k], q) for k, q in start["first_q"].items())
+        assert any(v.abs().sum() > 0 for k, v in start["states"][2].items() if k.startswith("residual/"))
+        assert any(not torch.equal(start["states"][2][k], q) for k, q in start["first_q"].items())
+    for step in range(3):
+        a, b = ranks[0]["start"]["steps"][step], ranks[1]["start"]["steps"][step]
+        assert all(torch.equal(a[n], b[n]) for n in a), step
+
+
 def test_wire_bytes_against_fp32_ring(ranks):
     notes = {kind: ranks[0][kind]["notes"] for kind in compress_ranks.KINDS if kind}
     assert notes["topk:0.01"]["wire_ratio"] <= 0.05
@@ -132,6 +151,8 @@ def test_compress_spellings():
             Overlap(compress=bad)
     with pytest.raises(ValueError, match="warmup"):
         Overlap(compress="powersgd:4", warmup=-1)
+    with pytest.raises(ValueError, match="start"):
+        Overlap(compress="powersgd:4", start=1.5)
 
 
 def test_block_layout_keeps_tensors_apart():

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from picofx.compression import (Bucket, CompressionState, Dense, Emitter, SparseRows, drain, embedding_rows, issue,
-                                parse_compress, rows_or_dense)
+from picofx.compression import (START_STEPS, Bucket, CompressionState, Dense, Emitter, SparseRows, drain,
+                                embedding_rows, issue, parse_compress, rows_or_dense, start_of)
 from picofx.cost.comm import (Gradient, all_reduce_bytes, all_reduce_size_sending, fixed_bounds, link_for,
                               plan_buckets, schedule)
 from picofx.cost.gradients import dtype_runs, gradients_in_order, ready_times
@@ -54,13 +54,17 @@ class Overlap:
     one-dimensional DeviceMesh or a ProcessGroup (None: the run's mesh's dp_replicate dimension,
     else every rank); warmup: the first synced steps all-reduce whole gradients instead of
     compressing (the runtime runs a variant of the step; sparse_rows, being exact, stays), so the
-    optimizer's state starts from them, as torch's PowerSGD hook's start_powerSGD_iter."""
+    optimizer's state starts from them, as torch's PowerSGD hook's start_powerSGD_iter; start: without
+    a warmup, the first synced steps PowerSGD sends as int8 (picofx/compression/start.py; 0:
+    compressed from the first step). Neither runs
+    under a pipeline, whose stages have no step variants."""
 
     bucket: int | str = "auto"
     first_bucket: int | str = "1MiB"
     compress: str | None = None
     group: Any = None
     warmup: int = 0
+    start: int = START_STEPS
     info = PassInfo(Stage.PARTITIONED, mesh_dims=("dp_replicate",), communicates=True)
     # compressor state per optimized model: shared by every graph the model's runs compile
     states: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
@@ -69,8 +73,9 @@ class Overlap:
         object.__setattr__(self, "spec", parse_compress(self.compress))
         if self.bucket != "auto":
             parse_budget(self.bucket)
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"Overlap(warmup={self.warmup!r}): a number of steps, 0 or more")
+        for option in ("warmup", "start"):
+            if not isinstance(getattr(self, option), int) or getattr(self, option) < 0:
+                raise ValueError(f"Overlap({option}={getattr(self, option)!r}): a number of steps, 0 or more")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         if ctx.graph_role is not GraphRole.BACKWARD:
@@ -79,18 +84,27 @@ class Overlap:
         if mode is SyncMode.LOCAL:
             return PassResult(False, {"gradient_sync": "local (no_sync): no all-reduce"})
         dim = resolve_dim(self.group, ctx.mesh, "dp_replicate", "the overlap pass")
+        if self.warmup and ctx.mesh is not None and "pp" in ctx.mesh.used():
+            raise ValueError(f"Overlap(warmup={self.warmup}): a pipeline's stages have no uncompressed variant to "
+                             "warm up with; drop warmup under Pipeline (picofx train: --compress-warmup with --pp)")
         grads = gradients_in_order(gm, ctx.input_names)
         if not grads:
             return PassResult(False, {"buckets": 0})
         accumulate = mode is SyncMode.SYNC_ACCUMULATED
         rows, source, rows_bytes, rows_note = self.sparse_rows(grads, accumulate, dim.size)
-        other = Dense() if mode is SyncMode.SYNC_UNCOMPRESSED else self.spec.other
+        pipelined = ctx.mesh is not None and "pp" in ctx.mesh.used()
+        first, start_steps = start_of(self.spec.other, 0 if self.warmup or pipelined else self.start)
+        # the warm-up steps' variant: whole gradients, or a lossy compressor's int8 start
+        other = (first or Dense()) if mode is SyncMode.SYNC_UNCOMPRESSED else self.spec.other
         plan = self.plan(gm, grads, ctx, dim.size, rows, rows_bytes, other)
         codecs = [SparseRows() if rows is not None and b.first == rows else other for b in plan.buckets]
-        state = self.states.setdefault(ctx.model, CompressionState(dim.rank))
+        state = self.states.setdefault(ctx.model, CompressionState.for_dim(dim))
         layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), source, accumulate)
-        layouts_of(gm).buckets = dataclasses.replace(layout, warmup=self.warmup if self.spec.other != Dense() else 0)
+        steps = (self.warmup or start_steps) if self.spec.other != Dense() else 0
+        layouts_of(gm).buckets = dataclasses.replace(layout, warmup=steps)
         notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, **wire}
+        if start_steps:
+            notes["start"] = f"the first {start_steps} synced steps as {first.label}"
         if self.spec.rows:
             notes["embedding_rows"] = rows_note
         return PassResult(True, notes)

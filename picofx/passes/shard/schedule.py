@@ -34,6 +34,7 @@ WAIT = c10d.wait_tensor.default
 GATHERS = (c10d.all_gather_into_tensor.default, autograd_c10d.all_gather_into_tensor.default)
 SCATTERS = (c10d.reduce_scatter_tensor.default, autograd_c10d.reduce_scatter_tensor.default)
 ALL_REDUCE = c10d.all_reduce.default
+COLLECTIVES = (WAIT, ALL_REDUCE, *GATHERS, *SCATTERS)
 # after the partition no autograd runs: the graphs' collectives are the plain functional ones
 PLAIN = {autograd_c10d.all_gather_into_tensor.default: c10d.all_gather_into_tensor.default,
          autograd_c10d.reduce_scatter_tensor.default: c10d.reduce_scatter_tensor.default}
@@ -82,6 +83,10 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
     scatters = [n for n in graph.nodes if n.op == "call_function" and n.target in SCATTERS and waits_of(n)]
     if not scatters:
         return {}
+    mutating = [n.name for n in graph.nodes if n.op == "call_function" and n.target not in COLLECTIVES
+                and n.is_impure()]
+    if mutating:  # an in-place write orders its readers by more than the graph's edges: keep autograd's order
+        return {"scatters": len(scatters), "kept_autograd_order": f"the graph writes in place ({mutating[0]})"}
     original = list(graph.nodes)
     before = timeline(gm).peak if timeline is not None else None
     needs = {s: ancestors(s) for s in scatters}

@@ -130,7 +130,8 @@ class Shard:
         summed = all_reduce_across(gm, replicas) if replicas is not None else PassResult(False, {})
         averaged = average_gradients(gm, replicas.size if replicas else 1)  # compress_scatters' are averaged
         plain_collectives(gm)
-        scheduled = schedule_backward(gm, self.prefetch if self.reshard_after_forward else 0, backward_timeline(ctx))
+        scheduled = {} if compressed.changed else schedule_backward(  # a codec places its own exchange
+            gm, self.prefetch if self.reshard_after_forward else 0, backward_timeline(ctx))
         gm.graph.lint()
         return PassResult(True, {**averaged.notes, **recast.notes, **compressed.notes, **summed.notes,
                                  "schedule": scheduled, "reductions": describe_reductions(gm)})

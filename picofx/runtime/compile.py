@@ -158,8 +158,9 @@ class _Partitioner(CustomPartitionerFn):
 COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                 "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 # Parameter all-gathers (pass shard) raised that way all move to the top of the forward, which then
-# holds every layer's gathered weights at once; these passes keep each gather's wait at its layer's
-# first use without raising the step's peak.
+# holds every layer's gathered weights at once, and compute no collective reads (tensor_parallel's
+# weight-gradient matmuls) moves to the end of the backward; these passes keep the graph's order,
+# each wait as late as its first use allows, without raising the step's peak.
 GATHER_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                   "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
                                                               "sink_waits_iterative",
@@ -200,7 +201,7 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
             communicating = manager.declared("communicates")
             if communicating:
-                gathers = any("dp_shard" in pass_info(p).mesh_dims for p in communicating)
+                gathers = any({"dp_shard", "tp"} & set(pass_info(p).mesh_dims) for p in communicating)
                 hooks.update(GATHER_OVERLAP if gathers else COMM_OVERLAP)
             with inductor_config.patch(hooks):
                 try:

@@ -120,10 +120,10 @@ def issued_then_a_matmul_then_waited(code: str) -> int:
     their issue and the wait for their buffer."""
     lines, count = code.splitlines(), 0
     for i, line in enumerate(lines):
-        issued = re.search(r"_c10d_functional\.(?:all_reduce_?|all_gather_into_tensor\w*|reduce_scatter_tensor\w*)"
-                           r"\.default\((\w+)", line)
-        if issued:
-            wait = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({issued.group(1)})" in lines[j])
+        issued = re.search(r"_c10d_functional\.\w+\.default\((?:reinterpret_tensor\()?(buf\d+)\b", line)
+        if issued and "wait_tensor" not in line:
+            waited = re.compile(rf"wait_tensor\.default\((?:reinterpret_tensor\()?{issued.group(1)}\b")
+            wait = next((j for j in range(i + 1, len(lines)) if waited.search(lines[j])), i)
             count += any("extern_kernels.mm(" in x or "extern_kernels.addmm(" in x for x in lines[i + 1:wait])
     return count
 

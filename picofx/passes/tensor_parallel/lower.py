@@ -16,8 +16,8 @@ Then, as Megatron schedules them: in the backward, a collective of the input gra
 soon as the input-gradient matmuls made it, and those linears' weight-gradient matmuls, which
 nothing before the collective needs, run after the issue; every wait sits just before the first
 node that reads its result, so the weight-gradient matmuls (and whatever else comes before that
-reader) run while the collective travels. Inductor keeps that order (the compiled step sinks waits
-and raises collectives: picofx.runtime.compile.COMM_OVERLAP).
+reader) run while the collective travels. Inductor keeps that order (the compiled step reorders
+only to sink waits and raise collectives without raising the peak: picofx.runtime.compile).
 """
 from __future__ import annotations
 
@@ -70,8 +70,10 @@ def call(graph: fx.Graph, target, *args) -> fx.Node:
 
 
 def all_reduce(op: str):
-    return lambda graph, x, group: call(graph, c10d.wait_tensor.default, call(graph, c10d.all_reduce.default, x, op,
-                                                                               group))
+    """tp_reduce's or tp_max's lowering."""
+    def lower(graph: fx.Graph, x: fx.Node, group: str) -> fx.Node:
+        return call(graph, c10d.wait_tensor.default, call(graph, c10d.all_reduce.default, x, op, group))
+    return lower
 
 
 def moved_dim(graph: fx.Graph, x: fx.Node, order: list[int]) -> fx.Node:
@@ -86,9 +88,9 @@ def sequence_collective(issue_target, *extra):
     def lower(graph: fx.Graph, x: fx.Node, dim: int, ranks: int, group: str) -> fx.Node:
         ndim = x.meta["val"].dim()
         first = [dim, *(d for d in range(ndim) if d != dim)]
-        sent = x if dim == 0 else moved_dim(graph, x, first)
+        sent = moved_dim(graph, x, first)
         done = call(graph, c10d.wait_tensor.default, call(graph, issue_target, sent, *extra, ranks, group))
-        return done if dim == 0 else moved_dim(graph, done, sorted(range(ndim), key=first.__getitem__))
+        return moved_dim(graph, done, sorted(range(ndim), key=first.__getitem__))
     return lower
 
 

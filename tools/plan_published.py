@@ -1,74 +1,147 @@
-"""The planner against published figures: each setup's layout predicted by `picofx plan`'s model,
-beside what its authors measured.
+"""The planner against published training runs: each run's own layout predicted by `picofx plan`'s
+model on the GPU profile it ran on, beside what its authors measured, tokens/s and memory per GPU.
 
-    python tools/plan_published.py [--json FILE]
+    python tools/plan_published.py [--json FILE] [--write-docs] [--fit]
 
-Setups (the figure and where it is from):
-  Picotron, Llama-2-7B, 64 H100: about 38% MFU (its README, self-reported; SEEDS.md)
-  Picotron, SmolLM-1.7B, 8 H100: nearly 50% MFU (the same)
-  torchtitan, Llama 3.1 8B, 8 H100, FSDP + torch.compile, local batch 2, sequence 8192, selective
-    checkpointing: 6,667 tokens/s per GPU (docs/performance.md, Table 1; H100 at 500 W, 96 GB)
-  torchtitan, Llama 3 8B, 64 A100, FSDP2, local batch 1, sequence 8192, selective op checkpointing:
-    2,973 tokens/s per GPU, 58.2% MFU (docs/performance.md)
-  torchtitan, Llama 3 70B, 64 A100, FSDP2, local batch 1, sequence 8192, full checkpointing:
-    331 tokens/s per GPU, 51.7% MFU (the same)
-Where the authors' layout is not given (Picotron), the planner's best plan stands in. MFU counts
-matmul parameters (6N + 12 L h T per token); the error is predicted / published - 1 of the tokens/s
-per GPU (from the MFU where only that is published).
+--write-docs rewrites the table in docs/PLANNER_ACCURACY.md; --fit searches the profiles' fitted
+figures (picofx.cost.gpus.FITTED) on the runs marked `fit`, and prints them: the other runs check
+them. The runs, their layouts and their sources are in published_runs.py beside this file.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import pickle
+import re
+from pathlib import Path
 
 import torch
 
-from picofx.cost.device import A100, H100
+from picofx.cost import gpus
 from picofx.cost.model import CostModel
-from picofx.planner.costs import model_costs
-from picofx.planner.layouts import Layout, Run, plan_layouts, predict
+from picofx.planner import costs
+from picofx.planner.costs import ModelCosts, model_costs
+from picofx.planner.layouts import Run, predict
 from picofx.planner.models import model_config
+from published_runs import NOT_EXPRESSIBLE, RUNS, Published  # tools/published_runs.py
 from results import write_json  # tools/results.py
 
-# name, model, device, gpus, seq, global batch, layout (None: the planner's best), published tokens/s/GPU, MFU
-SETUPS = [
-    ("Picotron Llama-2-7B, 64 H100", "llama2-7b", H100, 64, 4096, 256, None, None, 0.38),
-    ("Picotron SmolLM-1.7B, 8 H100", "smollm-1.7b", H100, 8, 2048, 256, None, None, 0.50),
-    ("torchtitan Llama 3.1 8B, 8 H100, FSDP + compile", "llama3-8b", H100, 8, 8192, 16,
-     Layout(8, 1, 1, shard=True, microbatches=1, checkpoint=True), 6667, None),
-    ("torchtitan Llama 3 8B, 64 A100, FSDP2", "llama3-8b", A100, 64, 8192, 64,
-     Layout(64, 1, 1, shard=True, microbatches=1, checkpoint=True), 2973, 0.582),
-    ("torchtitan Llama 3 70B, 64 A100, FSDP2", "llama3-70b", A100, 64, 8192, 64,
-     Layout(64, 1, 1, shard=True, microbatches=1, checkpoint=True), 331, 0.517),
-]
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "PLANNER_ACCURACY.md"
+BEGIN, END = "<!-- published table: begin -->", "<!-- published table: end -->"
+GiB = 2**30
 
 
-def rows() -> list[dict]:
-    out, costs = [], {}
-    for name, model, device, gpus, seq, batch, layout, tps, mfu in SETUPS:
-        key = (model, device.name, seq)
-        if key not in costs:
-            costs[key] = model_costs(model_config(model), seq, CostModel(device))
-        run = Run(costs[key], device, gpus, 8, batch)
-        p = predict(run, layout) if layout else plan_layouts(run)[0]
-        per_gpu = p.tokens_per_s / gpus
-        published = tps if tps is not None else mfu * device.flops_per_second(torch.bfloat16) / costs[key].flops_per_token
-        out.append({"setup": name, "layout": p.layout.describe(), "predicted_tokens_per_s_per_gpu": per_gpu,
-                    "published_tokens_per_s_per_gpu": published, "predicted_mfu": p.mfu, "published_mfu": mfu,
-                    "error": per_gpu / published - 1, "fits": p.fits})
-    return out
+def passes(run: Published) -> tuple:
+    return ("fuse", "precision") if run.compiled else ("precision",)
+
+
+def every_second_matmul(costs: ModelCosts) -> ModelCosts:
+    """torchtitan's op-level selective checkpointing: of a layer's matmuls (q, k, v, o, gate, up,
+    down) every second one is recomputed too and its output not kept."""
+    c = costs.config
+    h, kv, mlp = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    share = (h * kv + h * h + h * mlp) / (h * (2 * h + 2 * kv) + 3 * h * mlp)
+    recomputed = share * costs.layer_matmul_forward_s
+    return dataclasses.replace(costs, layer_cheap_forward_s=costs.layer_cheap_forward_s + recomputed,
+                               layer_cheap_saved=costs.layer_cheap_saved + costs.seq * (kv + h + mlp) * 2)
+
+
+def row(run: Published, profiles: dict) -> dict:
+    device = profiles[run.gpu]
+    config = run.model if not isinstance(run.model, str) else model_config(run.model)
+    costs = model_costs(config, run.seq, CostModel(device), passes(run))
+    if run.every_second_matmul:
+        costs = every_second_matmul(costs)
+    p = predict(Run(costs, device, run.gpus, 8, run.global_batch), run.layout)
+    tokens = p.tokens_per_s / run.gpus
+    published = run.tokens_per_gpu or run.mfu * device.flops_per_second(torch.bfloat16) / costs.flops_per_token
+    memory = p.memory_per_gpu / GiB
+    return {"run": run.name, "source": run.source, "gpu": run.gpu, "layout": p.layout.describe(),
+            "fitted_on": run.fit, "predicted_tokens_per_s_per_gpu": tokens, "published_tokens_per_s_per_gpu": published,
+            "error": tokens / published - 1, "predicted_mfu": p.mfu, "published_mfu": run.mfu,
+            "predicted_memory_gib": memory, "published_memory_gib": run.memory_gib,
+            "memory_error": memory / run.memory_gib - 1 if run.memory_gib else None, "fits": p.fits,
+            "bottleneck": p.bottleneck}
+
+
+def rows(profiles: dict | None = None) -> list[dict]:
+    return [row(run, profiles or gpus.GPUS) for run in RUNS]
+
+
+def fit() -> dict:
+    """The fitted figures, each searched on a grid for the smallest mean |error| of tokens/s over the
+    runs marked `fit` that it applies to: `sustained` (every GPU) on the A100 runs, then the 500 W
+    H100's clock on its run with that `sustained`."""
+    fitted = dict(gpus.FITTED)
+    searches = (("sustained", ("a100-80gb",), lambda g, v: dataclasses.replace(g, sustained=v)),
+                ("h100-96gb clock", ("h100-96gb",),
+                 lambda g, v: dataclasses.replace(g, clock=v, sustained=fitted["sustained"])))
+    for key, names, change in searches:
+        runs = [r for r in RUNS if r.fit and r.gpu in names]
+        scores = {}
+        for value in [x / 100 for x in range(50, 101)]:
+            profiles = {name: change(gpus.GPUS[name], value) for name in names}
+            scores[value] = sum(abs(row(r, profiles)["error"]) for r in runs) / len(runs)
+        fitted[key] = min(scores, key=scores.get)
+        print(f"{key} = {fitted[key]:.2f}: mean |error| {scores[fitted[key]]:.1%} on {', '.join(r.name for r in runs)}")
+    return fitted
+
+
+def markdown(table: list[dict]) -> str:
+    head = ("| run (source) | GPUs | layout | tokens/s/GPU predicted | published | error | memory GiB predicted "
+            "| published | error |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in table:
+        fitted = " **(fitted on)**" if r["fitted_on"] else ""
+        mem_pub = f"{r['published_memory_gib']:.1f}" if r["published_memory_gib"] else "-"
+        mem_err = f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"
+        lines.append(f"| {r['run']}{fitted} ({r['source']}) | {r['gpu']} | {r['layout']} | "
+                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['published_tokens_per_s_per_gpu']:,.0f} | "
+                     f"{r['error']:+.0%} | {r['predicted_memory_gib']:.1f} | {mem_pub} | {mem_err} |")
+    checked = [r for r in table if not r["fitted_on"]]
+    mean = sum(abs(r["error"]) for r in checked) / len(checked)
+    worst = max(checked, key=lambda r: abs(r["error"]))
+    memories = [abs(r["memory_error"]) for r in table if r["memory_error"] is not None]
+    lines.append(f"\nChecked runs (not fitted on): {len(checked)}; mean |error| of tokens/s {mean:.1%}, worst "
+                 f"{worst['error']:+.0%} ({worst['run']}); memory, where published: mean |error| "
+                 f"{sum(memories) / max(len(memories), 1):.1%}, worst {max(memories, default=0):.0%}.")
+    lines.append("\nNot expressible by the planner (listed, not predicted):\n")
+    lines += [f"- {name} ({source}): {why}" for name, source, why in NOT_EXPRESSIBLE]
+    return "\n".join(lines)
+
+
+def write_docs(table: list[dict]) -> None:
+    text = DOCS.read_text()
+    block = f"{BEGIN}\n{markdown(table)}\n{END}"
+    text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S) \
+        if BEGIN in text else text + "\n" + block + "\n"
+    DOCS.write_text(text)
+    print(f"wrote the table into {DOCS}")
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
+    p.add_argument("--write-docs", action="store_true", help=f"rewrite the table in {DOCS.name}")
+    p.add_argument("--fit", action="store_true", help="search the fitted figures on the runs marked fit")
+    p.add_argument("--captures", metavar="FILE", help="keep the captured steps in FILE (a pickle) and read them "
+                                                     "from it next time: the captures are most of the run's time")
     args = p.parse_args(argv)
-    table = rows()
-    print(f"{'setup':48s} {'layout':32s} {'predicted':>10} {'published':>10} {'error':>7} {'MFU pred':>9} {'MFU pub':>8}")
-    for r in table:
-        published_mfu = f"{r['published_mfu']:.1%}" if r["published_mfu"] else "-"
-        print(f"{r['setup']:48s} {r['layout']:32s} {r['predicted_tokens_per_s_per_gpu']:10,.0f} "
-              f"{r['published_tokens_per_s_per_gpu']:10,.0f} {r['error']:+7.0%} {r['predicted_mfu']:9.1%} {published_mfu:>8}")
+    if args.captures and Path(args.captures).exists():
+        costs.CAPTURED.update(pickle.loads(Path(args.captures).read_bytes()))
+    if args.fit:
+        fitted = fit()
+        print(f"FITTED = {fitted}: set these in picofx/cost/gpus.py, then run again for the table")
+        return []
+    table = []
+    for run in RUNS:
+        table.append(row(run, gpus.GPUS))
+        if args.captures:
+            Path(args.captures).write_bytes(pickle.dumps(costs.CAPTURED))
+    print(markdown(table))
     write_json(table, args.json, "plan_published.json")
+    if args.write_docs:
+        write_docs(table)
     return table
 
 

@@ -1,0 +1,76 @@
+"""The planner against published runs (docs/PLANNER_ACCURACY.md): every run's error stays within 2
+points of the one recorded, the runs the profiles were fitted on are apart from those that check
+them, and the table in the docs is the tool's."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+GROWTH = 0.02
+
+# |error| of tokens/s per GPU and of memory per GPU (None: not published), as the docs record them
+RECORDED = {
+    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.01, 0.48),
+    'Llama 3.1 8B, FSDP, 8 GPUs': (0.12, 0.44),
+    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.03, 0.58),
+    'Llama 3.1 8B, FSDP, 128 GPUs': (0.10, 0.52),
+    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.14, None),
+    'Llama 3 8B, selective op checkpointing': (0.01, None),
+    'Llama 3 70B, full checkpointing': (0.05, None),
+    'Llama 2 13B, batch 2, no checkpointing': (0.05, None),
+    'Llama 2 13B, batch 2, selective op checkpointing': (0.04, None),
+    'Llama 2 70B, batch 1, selective op checkpointing': (0.16, None),
+    'Llama 2 70B, batch 2, full checkpointing': (0.04, None),
+    'GPT 22B, TP 8, full recomputation': (0.41, None),
+    'GPT 22B, TP 8, sequence parallel + selective': (0.34, None),
+    'GPT 175B, TP 8 x PP 8, full recomputation': (0.03, None),
+    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.05, None),
+    'GPT 530B, TP 8 x PP 35, full recomputation': (0.08, None),
+    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.12, None),
+}
+
+
+@pytest.fixture(scope="module")
+def tool():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        yield importlib.import_module("plan_published")
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
+def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool):
+    from picofx.cost.gpus import FIT_RUNS, GPUS
+
+    runs = tool.RUNS
+    assert len({r.name for r in runs}) == len(runs) >= 12
+    for r in runs:
+        assert r.layout.dp * r.layout.tp * r.layout.pp == r.gpus, r.name
+        assert r.gpu in GPUS and (r.tokens_per_gpu or r.mfu), r.name
+    fitted = [r.name for r in runs if r.fit]
+    assert fitted and sorted(fitted) == sorted(FIT_RUNS)
+    assert len(runs) - len(fitted) >= 12  # checked on runs it was not fitted on
+    assert set(RECORDED) == {r.name for r in runs}
+
+
+def test_the_docs_table_names_every_run_and_what_cannot_be_expressed(tool):
+    text = tool.DOCS.read_text()
+    table = text[text.index(tool.BEGIN):text.index(tool.END)]
+    for r in tool.RUNS:
+        assert r.name in table, r.name
+    for name, _, why in tool.NOT_EXPRESSIBLE:
+        assert name in table and why in table
+
+
+@pytest.mark.slow
+def test_no_published_run_is_predicted_worse_than_recorded(tool):
+    for row in tool.rows():
+        tokens, memory = RECORDED[row["run"]]
+        assert abs(row["error"]) <= tokens + GROWTH, (row["run"], row["error"], tokens)
+        if memory is not None:
+            assert abs(row["memory_error"]) <= memory + GROWTH, (row["run"], row["memory_error"], memory)
+        assert 0 < row["predicted_mfu"] < 1

@@ -107,9 +107,10 @@ def tied_notes(rank: int, world: int, batch: int) -> dict:
 
 
 def next_to_overlap(rank: int, world: int, batch: int, kind: str, bucket) -> dict:
-    """Shard and Overlap with `kind` on the same step; top-k one parameter per bucket in both."""
+    """Shard and Overlap with `kind` on the same step (Overlap without its int8 start, as Shard runs); top-k
+    one parameter per bucket in both."""
     out = {}
-    overlap = Overlap(compress=kind, **({"bucket": 1, "first_bucket": 1} if bucket == 0 else {}))
+    overlap = Overlap(compress=kind, start=0, **({"bucket": 1, "first_bucket": 1} if bucket == 0 else {}))
     for name, p in (("shard", Shard(compress=kind, bucket=bucket)), ("overlap", overlap)):
         z = zoo.build("llama-tiny", batch=batch)
         example = shard(z.example_inputs, rank, world)

@@ -130,8 +130,14 @@ class Shard:
         summed = all_reduce_across(gm, replicas) if replicas is not None else PassResult(False, {})
         averaged = average_gradients(gm, replicas.size if replicas else 1)  # compress_scatters' are averaged
         plain_collectives(gm)
-        scheduled = {} if compressed.changed else schedule_backward(  # a codec places its own exchange
-            gm, self.prefetch if self.reshard_after_forward else 0, backward_timeline(ctx))
+        beside_tp = ctx.mesh is not None and ctx.mesh.size("tp") > 1
+        if compressed.changed:  # a codec places its own exchange
+            scheduled = {}
+        elif beside_tp:
+            scheduled = {"kept_autograd_order": "tensor parallelism's collectives share the backward"}
+        else:
+            scheduled = schedule_backward(gm, self.prefetch if self.reshard_after_forward else 0,
+                                          backward_timeline(ctx))
         gm.graph.lint()
         return PassResult(True, {**averaged.notes, **recast.notes, **compressed.notes, **summed.notes,
                                  "schedule": scheduled, "reductions": describe_reductions(gm)})

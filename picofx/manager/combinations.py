@@ -68,6 +68,12 @@ REFUSALS = (
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "
               "(Overlap's all-reduce is): drop the compressor, or replicate the data-parallel ranks (Overlap)")
       for model in ("tensor_parallel", "pipeline") for codec in COMPRESSION),
+    refusal("shard sequence_parallel", "the shard pass cannot yet bucket parameters whose placeholders sequence "
+            "parallelism's rewrite moved (its forward graph comes out unordered): run tensor_parallel without "
+            "sequence_parallel beside shard, or replicate the data-parallel ranks (Overlap)"),
+    refusal("overlap tensor_parallel topk", "top-k picks different entries on each tensor-parallel rank, so the "
+            "parameters every tp rank holds whole (the norms) drift apart between them: compress with bf16, int8 "
+            "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
     *(refusal(f"{a} {b}", "an exchange sends its buckets in one codec: give one kind, or sparse_rows+KIND "

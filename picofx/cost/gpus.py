@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picofx.cost.device import GB, GiB, Device, Link
+from picofx.cost.hardware import GB, GiB, Device, Link
 
 
 @dataclass(frozen=True)

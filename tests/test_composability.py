@@ -170,6 +170,16 @@ def test_check_combination_reads_pass_objects_and_the_mesh():
     combinations.check_combination([TensorParallel(sequence_parallel=True), Pipeline(stages=2), copy.copy(Overlap())])
 
 
+def test_a_layout_for_more_ranks_is_described_under_a_one_rank_group():
+    """A one-process tool (dump, the report) leaves a one-rank group; a layout for 8 ranks is still a
+    description there, not a DeviceMesh over ranks that do not exist."""
+    from picofx.parallel.mesh import one_process_group
+
+    one_process_group()
+    mesh = ParallelMesh.build(dp_replicate=2, dp_shard=2, tp=2, world=8)
+    assert mesh.device_mesh is None and dict(mesh.sizes)["tp"] == 2
+
+
 def test_the_docs_show_the_table():
     """docs/parallelism.md holds combinations.render_markdown() between its markers; regenerate with
     `python -c "from picofx.manager.combinations import write_into; write_into('docs/parallelism.md')"`."""

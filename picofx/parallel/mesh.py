@@ -76,7 +76,8 @@ class ParallelMesh:
               device_type: str = "cpu", world: int | None = None) -> "ParallelMesh":
         """A mesh of these sizes; one size may be -1 (the ranks left over). Under torch.distributed
         the product must equal the world size, and the DeviceMesh is made (a collective: every
-        rank builds the same mesh)."""
+        rank builds the same mesh). `world` alone, in one process, describes a layout for that many
+        ranks (the planner's, the composability table's) without a DeviceMesh."""
         sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
         if world is None:
             world = dist.get_world_size() if initialized() else 1
@@ -86,8 +87,12 @@ class ParallelMesh:
             raise DistributedError(f"the parallel layout {layout} needs {math.prod(sizes.values())} ranks, "
                                    f"but the world has {world}; launch {math.prod(sizes.values())} processes "
                                    "or change the layout so its product is the world size.")
+        running = dist.get_world_size() if initialized() else 1
+        if running > 1 and world != running:
+            raise DistributedError(f"ParallelMesh.build(world={world}) under torch.distributed with {running} ranks; "
+                                   "leave world out, or give the world size the job runs with.")
         device_mesh = None
-        if initialized() and world > 1:
+        if world > 1 and world == running:
             from torch.distributed.device_mesh import init_device_mesh
 
             device_mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))

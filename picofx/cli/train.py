@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 import os
 import sys
 import time
@@ -47,11 +46,13 @@ from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
 from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
 from picofx.cli.train_layout import choose_layout, train_mesh
 from picofx.cli.train_data import Batches, DataError, load_tokens
-from picofx.cli.train_metrics import Layout, oversubscribed, throughput
+from picofx.cli.train_guards import NonFinite, clip_gradients, gradient_norm, group_timeout, step_collectives
+from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throughput
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
-from picofx.parallel.launch import join_launched_group
+from picofx.parallel.launch import join_launched_group, rendezvous_store
 from picofx.runtime.distributed import first_failure
+from picofx.runtime.watchdog import Watchdog
 
 # Errors that are the user's to fix, and say how: one line, no traceback. Anything else is a bug,
 # and keeps its traceback.
@@ -66,9 +67,11 @@ class Ranks:
 
     def __init__(self, args):
         self.world, self.rank, self.agreement, self.owns_group = args.world, 0, None, False
+        self.watchdog = None  # under torchrun: stops every rank when one stops answering
         if args.world > 1:  # torchrun's rendezvous; a caller may have made the group already
             self.rank, self.agreement, self.owns_group = join_launched_group(
-                args.device, datetime.timedelta(minutes=5), datetime.timedelta(seconds=AGREEMENT_SECONDS))
+                args.device, group_timeout(args.collective_timeout), datetime.timedelta(seconds=AGREEMENT_SECONDS))
+            self.watchdog = Watchdog(rendezvous_store(), self.rank, self.world, args.collective_timeout).start()
         self.replica = replica_of(self.rank, args)
         self.speaks = self.rank == 0
 
@@ -104,7 +107,13 @@ class Ranks:
         dist.all_reduce(tensor)
         return tensor.item()
 
+    def at(self, step: int, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.at(step, phase)
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.owns_group:
             torch.distributed.destroy_process_group()
 
@@ -113,33 +122,6 @@ def replica_of(rank: int, args) -> int:
     """The mesh is (pp, dp_replicate, dp_shard, tp), outermost first: the ranks of one replica (its
     stages, its tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
     return (rank // args.tp) % (args.dp * args.dp_replicate)
-
-
-def clip_gradients(parameters, max_norm: float, replicas: int | None) -> None:
-    """Clip by the norm of the whole model's gradients. Pipelined (`replicas` given), each rank holds
-    one stage's (or, sharded, its piece of one): their squares are summed over all ranks, less the
-    replicas' equal copies."""
-    parameters = list(parameters)
-    if replicas is None:
-        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return
-    import torch.distributed as dist
-
-    grads = [p.grad for p in parameters if p.grad is not None]
-    pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # sharded: each rank its piece
-    copies = [copies_of(g) for g in grads]  # a piece whole on several tp ranks counts once
-    square = torch.stack([g.pow(2).sum() / n for g, n in zip(pieces, copies)]).sum() if pieces else torch.zeros(())
-    dist.all_reduce(square)
-    scale = min(1.0, max_norm / ((square / replicas).sqrt().item() + 1e-6))
-    for g in pieces:
-        g.mul_(scale)
-
-
-def copies_of(grad) -> int:
-    """How many ranks hold the same piece of a DTensor gradient (its Replicate() mesh dimensions)."""
-    if not hasattr(grad, "placements"):
-        return 1
-    return math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
 
 
 class Session(typing.NamedTuple):
@@ -251,15 +233,28 @@ def main(argv=None) -> dict:
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")
 
+    collectives = step_collectives(args)
+    nonfinite = NonFinite(skip=args.skip_nonfinite, world=args.world, order=[n for n, _ in s.model.named_parameters()],
+                          speaks=ranks.speaks, close=ranks.close)
+    metrics = StepMetrics.of_run(args, s.model, s.opt_model, speaks=ranks.speaks, append=s.start_step > 0,
+                                 total=ranks.total)
+    saves = train_state.PeriodicSaves(args, s, group=ranks.agreement, rank=ranks.rank, replica=ranks.replica,
+                                      options=run_options(args))  # before the loop: SIGTERM from here on saves
     history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
     progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
     for step in progress:
+        started = time.perf_counter()
+        ranks.at(step + 1, f"forward and backward ({collectives})")
         batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
         loss = s.opt_model.forward_backward(**batch)
         replicas = (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None
-        clip_gradients(s.opt_model.parameters(), 1.0, replicas)
-        s.optimizer.step()
+        ranks.at(step + 1, "gradient norm and non-finite check (all-reduces)")
+        norm, lr = gradient_norm(list(s.opt_model.parameters()), replicas), s.schedule.get_last_lr()[0]
+        if nonfinite.finite(step + 1, loss, norm, s.opt_model.named_parameters()):  # else stops, or skips the step
+            clip_gradients(list(s.opt_model.parameters()), 1.0, norm, pipelined=replicas is not None)
+            ranks.at(step + 1, "optimizer step")
+            s.optimizer.step()
         s.schedule.step()
         s.optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -267,6 +262,10 @@ def main(argv=None) -> dict:
         interval["tokens"] += batch["input_ids"].numel()
         interval["steps"] += 1
         run_tokens += batch["input_ids"].numel()
+        if metrics is not None:
+            metrics.write(step + 1, loss=losses[-1], lr=lr, grad_norm=nonfinite.norm, tokens=batch["input_ids"].numel(),
+                          seconds=time.perf_counter() - started)
+        ranks.at(step + 1, "end (logging, checkpointing)")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             seconds = time.perf_counter() - interval["start"]
             entry = {"step": step + 1, "loss": interval["loss"] / interval["steps"],
@@ -276,10 +275,13 @@ def main(argv=None) -> dict:
                 progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
             progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+        if saves.after_step(step + 1):  # before the validation batch is drawn: a resumed run draws what this one would have
+            break
+    if saves.stopped_at is not None:
+        return preempted(saves.stopped_at, args, ranks, losses, metrics)
     run_seconds = time.perf_counter() - run_start
-    if args.save:  # before the validation batch is drawn: a resumed run draws what this one would have
-        train_state.save(args.save, s.opt_model, s.optimizer, s.schedule, s.batches, step=args.steps,
-                         replica=ranks.replica, options=run_options(args))
+    ranks.at(args.steps, "end of the run (saving, validation, summary)")
+    saves.finish()
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
     if args.pp == 1 and (args.shard or args.tp > 1):  # the parameters are pieces: the compiled step joins them
@@ -305,6 +307,8 @@ def main(argv=None) -> dict:
     measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
                           device=args.device, layout=layout, total=ranks.total)
     ranks.say("  " + measured.line(layout))
+    if nonfinite.summary():
+        ranks.say(f"  {nonfinite.summary()}")
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
@@ -314,10 +318,23 @@ def main(argv=None) -> dict:
                                 f"tokens on {args.device}, passes {' '.join(s.passes) or '(none)'}")
         ranks.say(f"wrote {args.report}")
     if args.save:
-        ranks.say(f"saved step {args.steps} to {args.save} (continue with --resume {args.save} and a larger --steps)")
+        ranks.say(f"saved step {args.steps} to {args.save}/step-{args.steps} (continue with --resume {args.save} "
+                  "and a larger --steps)")
+    if metrics is not None:
+        metrics.close()
     ranks.close()
     return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
-            "throughput": measured}
+            "throughput": measured, "skipped": nonfinite.skipped}
+
+
+def preempted(step: int, args, ranks: Ranks, losses: list, metrics) -> dict:
+    """SIGTERM: every rank saved at `step`; the run ends here (exit status 0), to go on with --resume auto."""
+    ranks.say(f"\npicofx train: stopped by SIGTERM after step {step}, saved to {args.save}/step-{step} "
+              f"(continue with the same command and --resume auto)")
+    if metrics is not None:
+        metrics.close()
+    ranks.close()
+    return {"losses": losses, "preempted": step}
 
 
 if __name__ == "__main__":

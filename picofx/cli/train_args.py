@@ -15,7 +15,9 @@ from picofx.cost.device import device_for
 from picofx.cost.units import check_budget, format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
+from picofx.cli.train_guards import add_guard_options, check_guard_options
 from picofx.cli.train_state import saved_run
+from picofx.runtime.checkpoints import checkpoint_to_resume
 from picofx.manager import resolve_pass
 from picofx.manager.combinations import refused
 from picofx.compression import parse_compress
@@ -121,8 +123,12 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--data", metavar="SOURCE",
                    help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
                         "Face dataset name (needs `datasets`); default: the Python standard library's source")
-    p.add_argument("--save", metavar="DIR", help="at the end, save model, optimizer, step and data position here")
-    p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options)")
+    p.add_argument("--save", metavar="DIR", help="save model, optimizer, step and data position to DIR/step-N at "
+                   "the end (and every --save-every steps, and on SIGTERM), written in the background")
+    p.add_argument("--save-every", type=at_least(1), metavar="N", help="with --save: a checkpoint every N steps too")
+    p.add_argument("--keep", type=at_least(1), metavar="K", help="with --save: keep the newest K complete checkpoints")
+    p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options): a step-N "
+                   "directory, the --save DIR (its newest complete one), or auto (that, or a fresh start if none)")
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (pass pipeline; run under torchrun)")
     p.add_argument("--dp", type=at_least(1),
                    help="data-parallel replicas (run under torchrun); default: all ranks not used by --pp")
@@ -157,6 +163,7 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--microbatches", type=at_least(1), default=4, help="micro-batches per step and replica under --pp")
     p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
                    help="under --pp, cut where unit times measured on rank 0 balance (--no-measure-cuts: predicted)")
+    add_guard_options(p)  # --collective-timeout, --skip-nonfinite, --metrics, --tensorboard
     return p
 
 
@@ -172,6 +179,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
         check_positions(args)
         check_device(args)
         check_paths(args)
+        check_guard_options(args)
     except ValueError as e:
         p.error(str(e))
     if not fits(args.size, args.batch, args.seq, args.device):
@@ -306,10 +314,12 @@ def check_paths(args) -> None:
         if existing is not None and not existing.is_dir():
             raise ValueError(f"{option} {path}: {existing} is a file, not a directory: name a directory "
                              "(it is created if missing)")
+    for option, value in (("--save-every", args.save_every), ("--keep", args.keep)):
+        if value is not None and args.save is None:
+            raise ValueError(f"{option} {value}: saves under --save DIR: pass --save DIR too")
     if args.resume is not None:
-        if not (pathlib.Path(args.resume) / ".metadata").is_file():
-            raise ValueError(f"--resume {args.resume}: no checkpoint there (a directory written by --save holds "
-                             "a .metadata file)")
+        args.resume = checkpoint_to_resume(args.resume, args.save)  # auto with none saved yet: a fresh start
+    if args.resume is not None:
         step, saved = saved_run(args.resume, RUN_OPTIONS)
         if getattr(args, "layout", None) == "auto" and args.world > 1:
             adopt_saved_layout(args, saved)

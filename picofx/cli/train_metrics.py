@@ -1,4 +1,5 @@
-"""picofx train's throughput arithmetic: FLOPs per token and MFU for every layout.
+"""picofx train's throughput arithmetic: FLOPs per token and MFU for every layout; the per-step
+metrics written by --metrics and --tensorboard.
 
 MFU = the whole model's FLOPs per token x the tokens per second of the whole run (every replica)
 / (the peak FLOP/s of one rank x every rank the run uses: dp x tp x pp). A pipeline's stages and
@@ -10,6 +11,9 @@ rank runs with, every rank at once) and a GPU's datasheet figure.
 from __future__ import annotations
 
 import collections
+import json
+import math
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -149,3 +153,69 @@ def throughput(model, opt_model, replica_tokens_per_s: float, *, seq: int, token
     rank = peak(device, dtype, layout, total)
     mfu = model_flops_utilization(palm, replica_tokens_per_s, rank.flops, layout)
     return Throughput(mfu, palm, graph_per_token, rank)
+
+
+def peak_memory_bytes(device: str) -> int:
+    """A GPU's peak of allocated bytes since the last reset (each step resets it); on a CPU, which
+    has no allocator statistics, the process's peak resident set (it never falls)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class StepMetrics:
+    """--metrics FILE (one JSON line per step) and --tensorboard DIR (the same scalars): each step's
+    loss, learning rate, gradient norm (before clipping), tokens/s of the whole run (every replica),
+    MFU and peak memory. Every rank makes it (the peak MFU divides by is measured on all at once);
+    the rank that `speaks` writes."""
+
+    def __init__(self, *, path: str | None, tensorboard: str | None, flops_per_token: float, peak: Peak,
+                 layout: Layout, device: str, speaks: bool, append: bool):
+        self.flops_per_token, self.peak, self.layout, self.device = flops_per_token, peak, layout, device
+        self.file = self.board = None
+        if speaks and path is not None:
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a" if append else "w")
+        if speaks and tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(tensorboard)
+        if torch.device(device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @classmethod
+    def of_run(cls, args, model, opt_model, *, speaks: bool, append: bool, total=None) -> StepMetrics | None:
+        """The run's writer, or None without --metrics and --tensorboard. A collective under torchrun."""
+        if args.metrics is None and args.tensorboard is None:
+            return None
+        layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
+        peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
+        return cls(path=args.metrics, tensorboard=args.tensorboard, flops_per_token=palm_flops_per_token(model, args.seq),
+                   peak=peak, layout=layout, device=args.device, speaks=speaks, append=append)
+
+    def write(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, seconds: float) -> dict:
+        """One step's line (`tokens`: this replica's batch, in `seconds`)."""
+        replica_tokens_per_s = tokens / seconds
+        entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                 "tokens_per_s": run_tokens_per_s(replica_tokens_per_s, self.layout),
+                 "mfu": model_flops_utilization(self.flops_per_token, replica_tokens_per_s, self.peak.flops,
+                                                self.layout),
+                 "peak_memory_bytes": peak_memory_bytes(self.device)}
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.file is not None:
+            plain = {k: v if math.isfinite(v) else None for k, v in entry.items()}  # JSON has no NaN
+            self.file.write(json.dumps(plain) + "\n")
+            self.file.flush()
+        if self.board is not None:
+            for key, value in entry.items():
+                if key != "step":
+                    self.board.add_scalar(f"train/{key}", value, step)
+        return entry
+
+    def close(self) -> None:
+        for sink in (self.file, self.board):
+            if sink is not None:
+                sink.close()

@@ -34,6 +34,14 @@ def join_launched_group(device: str, timeout: datetime.timedelta, agreement_time
     return dist.get_rank(), dist.new_group(backend="gloo", timeout=agreement_timeout), made
 
 
+def rendezvous_store():
+    """The key-value store of the default process group's rendezvous (under torchrun, its agent's),
+    which every rank reaches whatever its collectives are doing: the watchdog's heartbeats."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -275,7 +275,7 @@ def main(argv=None) -> dict:
                 progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
             progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
-        if saves.after_step(step + 1):  # before the validation batch is drawn: a resumed run draws what this one would have
+        if saves.after_step(step + 1):  # saved before the validation batch is drawn, as a resumed run would draw it
             break
     if saves.stopped_at is not None:
         return preempted(saves.stopped_at, args, ranks, losses, metrics)

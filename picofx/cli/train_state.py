@@ -2,17 +2,20 @@
 exactly as it would have gone: the parameters this process trains (a pipeline rank: its stages',
 under the model's own names), AdamW's state, the learning-rate schedule, the step, the data
 sampler's position of each replica and each rank's RNG. One process, data parallel and pipelined
-runs all save to one directory; a run resumed with the same options continues bit for bit."""
+runs all save to one directory, DIR/step-N (picofx.runtime.checkpoints: every --save-every steps and
+at the end, in the background, and when SIGTERM asks); a run resumed with the same options continues
+bit for bit."""
 from __future__ import annotations
 
 import contextlib
-import pathlib
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from picofx.runtime.checkpoints import AsyncSaver, Preemption
 
 # AdamW's state and hyperparameters keyed by parameter name: a pipeline rank's are its stages' own,
 # and no key (such as a whole param_groups list) holds different values on different ranks.
@@ -53,13 +56,38 @@ def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: i
     }
 
 
-def save(directory: str, opt_model, optimizer, scheduler, batches, *, step: int, replica: int,
-         options: dict) -> None:
-    """`options`: what a resumed run must repeat (name -> value as text), checked by `saved_run`."""
-    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
-    state = {**run_state(opt_model, optimizer, scheduler, batches, step=step, replica=replica), "options": options}
-    with single_process_quiet():
-        dcp.save(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+class PeriodicSaves:
+    """--save DIR [--save-every N] [--keep K]: after a step, this run's state saved to DIR/step-N when
+    it is due (every N steps, the last step) or when SIGTERM came to any rank (then the save is
+    waited on, and the run stops there)."""
+
+    def __init__(self, args, session, *, group, rank: int, replica: int, options: dict):
+        self.args, self.session, self.replica, self.options = args, session, replica, options
+        self.saver = AsyncSaver(args.save, keep=args.keep, group=group, rank=rank) if args.save else None
+        self.preemption = Preemption().install() if args.save else None
+        self.stopped_at: int | None = None
+
+    def after_step(self, step: int) -> bool:
+        """Save if due; True when the run must stop here (preempted, saved on every rank)."""
+        if self.saver is None:
+            return False
+        preempted = self.preemption.agreed()
+        if step == self.args.steps or preempted or (self.args.save_every and step % self.args.save_every == 0):
+            s = self.session
+            state = run_state(s.opt_model, s.optimizer, s.schedule, s.batches, step=step, replica=self.replica)
+            with single_process_quiet():
+                self.saver.save({**state, "options": self.options}, step)
+        if preempted:
+            self.stopped_at = step
+            self.finish()
+        return preempted
+
+    def finish(self) -> None:
+        """Wait for the save in flight; SIGTERM ends the process again."""
+        if self.saver is not None:
+            with single_process_quiet():
+                self.saver.wait()
+            self.preemption.restore()
 
 
 def saved_run(directory: str, option_names) -> tuple[int, dict]:

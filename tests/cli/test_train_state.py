@@ -43,7 +43,7 @@ def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):
 
     train = load_script()
     train.main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
-    names = set(dcp.FileSystemReader(str(tmp_path / "run")).read_metadata().state_dict_metadata)
+    names = set(dcp.FileSystemReader(str(tmp_path / "run" / "step-1")).read_metadata().state_dict_metadata)
     import dataclasses
 
     model = Llama(dataclasses.replace(CONFIGS["tiny"], vocab_size=256))
@@ -52,5 +52,5 @@ def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):
     assert {"step", "data_replica0.generator", "rng_rank0"} <= names
     state = {f"model.{name}": torch.zeros_like(p) for name, p in model.named_parameters()}
     with train_state.single_process_quiet():
-        dcp.load(state, checkpoint_id=str(tmp_path / "run"), no_dist=True)
+        dcp.load(state, checkpoint_id=str(tmp_path / "run" / "step-1"), no_dist=True)
     assert all(not torch.equal(v, torch.zeros_like(v)) for k, v in state.items() if "norm" not in k)

@@ -1,0 +1,185 @@
+"""A training run's checkpoints in one directory: `ROOT/step-N`, one per save, each complete only
+once its marker file is written, which happens after every rank's write has finished. A save
+writes in the background (torch.distributed.checkpoint.async_save: the state is copied first, so
+the next steps may change it), one at a time; the oldest complete checkpoints beyond `keep` are
+removed once a newer one is complete. SIGTERM asks for a checkpoint at the next step boundary."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+STEP_PREFIX = "step-"
+COMPLETE = ".complete"  # written last, by the first rank, once every rank's write has finished
+
+
+def step_directory(root, step: int) -> pathlib.Path:
+    return pathlib.Path(root) / f"{STEP_PREFIX}{step}"
+
+
+def step_of(path) -> int | None:
+    """N for a directory named step-N, else None."""
+    name = pathlib.Path(path).name
+    digits = name[len(STEP_PREFIX):]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def is_complete(path) -> bool:
+    return (pathlib.Path(path) / COMPLETE).is_file()
+
+
+def saved_steps(root) -> list[tuple[int, pathlib.Path]]:
+    """Every step-N directory under `root`, complete or not, oldest first."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((step, p) for step, p in found if step is not None)
+
+
+def newest_complete(root) -> pathlib.Path | None:
+    complete = [p for _, p in saved_steps(root) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def prune(root, keep: int | None) -> list[pathlib.Path]:
+    """Remove the complete checkpoints beyond the newest `keep`, and the incomplete ones older than
+    the newest complete (interrupted writes, never to be loaded). Returns what was removed."""
+    steps = saved_steps(root)
+    complete = [p for _, p in steps if is_complete(p)]
+    if not complete:
+        return []
+    newest = step_of(complete[-1])
+    removed = complete[:-keep] if keep else []
+    removed += [p for step, p in steps if step < newest and not is_complete(p)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def checkpoint_to_resume(resume: str, save: str | None) -> str | None:
+    """The checkpoint directory `--resume` names: `auto` (the newest complete one under `save`, or
+    None for a fresh start), a step-N directory (complete), a directory of step-N directories (its
+    newest complete one), or a single checkpoint written at the end of a run (its .metadata)."""
+    if resume == "auto":
+        if save is None:
+            raise ValueError("--resume auto: resumes from the newest checkpoint under --save DIR: pass --save DIR too")
+        newest = newest_complete(save)
+        return None if newest is None else str(newest)
+    path = pathlib.Path(resume)
+    if step_of(path) is not None and path.is_dir():
+        if not is_complete(path):
+            raise ValueError(f"--resume {resume}: this checkpoint is incomplete (its write was interrupted: no "
+                             f"{COMPLETE} file): resume from an older one, or pass --resume auto with --save")
+        return resume
+    if (path / ".metadata").is_file() and not saved_steps(path):
+        return resume
+    newest = newest_complete(path)
+    if newest is None:
+        raise ValueError(f"--resume {resume}: no checkpoint there (a directory written by --save holds step-N "
+                         f"directories, each complete once its {COMPLETE} file is written)")
+    return str(newest)
+
+
+class AsyncSaver:
+    """Saves state dicts to ROOT/step-N: in the background (`asynchronous`), the previous save
+    waited on first, or in the caller (the synchronous baseline). `group`: a gloo group of its own
+    (the background write's collectives run beside the training step's), None in one process."""
+
+    def __init__(self, root, *, keep: int | None = None, group=None, rank: int = 0, asynchronous: bool = True):
+        self.root, self.keep, self.group, self.rank = pathlib.Path(root), keep, group, rank
+        self.asynchronous = asynchronous
+        self.pending: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.blocked_seconds: list[float] = []  # how long each save held up its caller
+
+    def save(self, state: dict, step: int) -> pathlib.Path:
+        started = time.perf_counter()
+        self.wait()
+        directory = step_directory(self.root, step)
+        if self.rank == 0:  # a step saved again (after a resume from an older one) is incomplete until rewritten
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / COMPLETE).unlink(missing_ok=True)
+        one_process = not dist.is_initialized()
+        if self.asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group, no_dist=one_process)
+            self.pending = threading.Thread(target=self._complete, args=(future, directory, step),
+                                            name=f"picofx checkpoint {step}", daemon=True)
+            self.pending.start()
+        else:
+            dcp.save(state, checkpoint_id=str(directory), process_group=self.group, no_dist=one_process)
+            self._agree_and_mark(None, directory, step)
+            self._raise_failure()
+        self.blocked_seconds.append(time.perf_counter() - started)
+        return directory
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is complete on every rank; raises if it failed."""
+        if self.pending is not None:
+            self.pending.join()
+            self.pending = None
+        self._raise_failure()
+
+    def _complete(self, future, directory: pathlib.Path, step: int) -> None:
+        error = None
+        try:
+            future.result()
+        except BaseException as e:  # noqa: BLE001  (every rank still takes part in the agreement)
+            error = e
+        self._agree_and_mark(error, directory, step)
+
+    def _agree_and_mark(self, error, directory: pathlib.Path, step: int) -> None:
+        try:
+            written = torch.tensor(0 if error is not None else 1)
+            if dist.is_initialized():
+                dist.all_reduce(written, op=dist.ReduceOp.MIN, group=self.group)
+            if error is not None:
+                raise error
+            if not written.item():
+                raise RuntimeError("another rank's write failed (its own error says why)")
+            if self.rank == 0:
+                (directory / COMPLETE).write_text(f"{step}\n")
+                prune(self.root, self.keep)
+        except BaseException as e:  # noqa: BLE001  (raised in the training thread by wait())
+            self.failure = RuntimeError(f"saving step {step} to {directory} failed on rank {self.rank}: {e}")
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+
+
+class Preemption:
+    """SIGTERM (what schedulers send before they stop a job) sets a flag instead of ending the
+    process; `agreed()` at a step boundary says whether any rank got it, so all stop at one step."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = None
+
+    def install(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self.previous = signal.signal(signal.SIGTERM, self._request)
+        return self
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            self.previous = None
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Whether any rank was asked to stop (a collective on the default group: every rank calls it)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.requested
+        flag = torch.tensor(int(self.requested))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

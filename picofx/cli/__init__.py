@@ -1,4 +1,5 @@
-"""The `picofx` command: `train` the reference LLaMA, `plan` a run's layout, `dump` what the passes did.
+"""The `picofx` command: `train` the reference LLaMA, `plan` a run's layout, `dump` what the passes did,
+`export` a checkpoint as a Hugging Face model.
 
 Exit status: 0 done; 1 the model, a pass or the run failed (the message is printed, no traceback);
 2 the command line is wrong (unknown model, pass or option).
@@ -12,6 +13,7 @@ import torch
 
 import picofx
 from picofx.cli.dump import add_dump_parser, run_dump
+from picofx.cli.export import add_export_parser, run_export
 from picofx.cli.plan import add_plan_parser, plan_command
 
 
@@ -24,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     commands.add_parser("train", add_help=False, help="train the reference LLaMA (picofx train --help)")
     add_plan_parser(commands)
     add_dump_parser(commands)
+    add_export_parser(commands)
     return top
 
 
@@ -42,4 +45,6 @@ def main(argv=None) -> int:
             print(f"picofx plan: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "export":
+        return run_export(args)
     return run_dump(args)

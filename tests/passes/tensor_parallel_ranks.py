@@ -149,7 +149,9 @@ def with_shard(rank: int, world: int, directory: str) -> dict:
         out[order] = {"loss": opt.forward_backward(**shard(z.example_inputs, dp.rank, 2)),
                       "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()},
                       "ran": list(dict.fromkeys(r.name for r in opt.report.records)),
-                      "pass order": opt.report.sections.get("pass order")}
+                      "pass order": opt.report.sections.get("pass order"),
+                      "schedule": [r.notes["schedule"] for r in opt.report.records
+                                   if r.name == "shard" and "schedule" in r.notes]}
     out["placements"] = {n: str(list(p.placements)) for n, p in z.model.named_parameters()}
     out["local_bytes"] = local_bytes(z.model)
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)

@@ -319,3 +319,27 @@ def test_mixed_precision_policy_reduces_in_fp32_as_fsdp2_and_reports_memory_per_
     z = zoo.build("llama-tiny", batch=BATCH)
     torch.testing.assert_close(torch.stack([r["loss"] for r in ranks]).mean(),
                                full_batch(z, z.example_inputs), rtol=1e-2, atol=1e-3)
+
+
+def test_every_rank_places_its_backward_by_the_first_ranks_choice():
+    """The memory guard may choose differently on each rank (their shapes and cost models differ);
+    the choice that travels is the first rank's, and a rank whose graph differs stops."""
+    from torch import fx
+
+    from picofx.errors import DistributedError
+    from picofx.passes.shard.schedule import agreed_choice
+
+    c10d = torch.ops._c10d_functional
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    first = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "0"))
+    gather = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"))
+    second = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "0"))
+    graph.output((first, gather, second))
+    nodes, scatters = list(graph.nodes), [first, second]
+    sent = []
+    assert agreed_choice(nodes, scatters, {first: None}, {gather}, lambda v: sent.append(v) or v) == \
+        ({first: None}, {gather})
+    assert agreed_choice(nodes, scatters, {first: gather}, set(), lambda v: sent[0]) == ({first: None}, {gather})
+    with pytest.raises(DistributedError, match="backward graph differs from the first rank's"):
+        agreed_choice(nodes, scatters, {}, set(), lambda v: [v[0] + 1, *v[1:]])

@@ -215,6 +215,12 @@ def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quart
             assert "tensor_parallel before shard: tensor_parallel declares runs_before='shard'" in \
                 rank[order]["pass order"]
             assert_gradients_equal(rank[order]["grads"], grads)
+        # the backward's reduce-scatters wait behind the next bucket beside tp's collectives, every
+        # rank by the first rank's choice
+        schedules = [rank[order]["schedule"] for rank in ranks]
+        assert schedules[0][0]["waited_after_next_bucket"] > 0
+        moved = [[{k: v for k, v in s.items() if k != "predicted_backward_peak"} for s in sch] for sch in schedules]
+        assert all(m == moved[0] for m in moved)
     for rank in ranks:
         assert rank["local_bytes"] <= rank["whole_bytes"] // 4 + 4096  # norms: half over dp_shard, whole over tp
     placements = ranks[0]["placements"]

@@ -21,12 +21,14 @@ gather issued early that is live there goes back to where autograd put it.
 from __future__ import annotations
 
 import heapq
+import zlib
 from typing import Callable
 
 import torch
 from torch import fx
 
 from picofx.cost.liveness import Timeline
+from picofx.errors import DistributedError
 
 c10d = torch.ops._c10d_functional
 autograd_c10d = torch.ops._c10d_functional_autograd
@@ -76,9 +78,13 @@ def replica_chain(wait: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.GraphModule], Timeline] | None) -> dict:
+def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.GraphModule], Timeline] | None,
+                      agree: Callable[[list[float]], list[float]] | None = None) -> dict:
     """Reorder the backward graph as the module doc says; `timeline`: the cost model's live bytes
-    of a backward graph (None: no memory check). Returns what it did, for the pass's notes."""
+    of a backward graph (None: no memory check); `agree`: the numbers one rank chose, on every rank
+    whose collectives interleave with this one's (None: one process). Ranks must issue their
+    collectives in one order, so the memory guard's choice, which each rank's own shapes and cost
+    model could make differently, is taken from one rank. Returns what it did, for the pass's notes."""
     graph = gm.graph
     scatters = [n for n in graph.nodes if n.op == "call_function" and n.target in SCATTERS and waits_of(n)]
     if not scatters:
@@ -108,12 +114,36 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
         early -= blamed
     else:
         late, early = {}, set()
-        place(graph, original, scatters, needs, late, early, prefetch)
-        gm.recompile()
-        line = timeline(gm) if timeline is not None else None
+    if agree is not None:
+        late, early = agreed_choice(original, scatters, late, early, agree)
+    place(graph, original, scatters, needs, late, early, prefetch)
+    gm.recompile()
+    line = timeline(gm) if timeline is not None else None
     return {"scatters": len(scatters), "waited_after_next_bucket": sum(v is None for v in late.values()),
             "waited_before_the_peak": sum(v is not None for v in late.values()), "prefetched_gathers": len(early),
             "predicted_backward_peak": {"before": before, "after": line.peak if line is not None else None}}
+
+
+NOT_LATE, AFTER_NEXT_BUCKET = -1.0, -2.0
+
+
+def agreed_choice(original: list, scatters: list, late: dict, early: set, agree) -> tuple[dict, set]:
+    """`late` and `early` as the first rank chose them, as positions in autograd's order. The graph
+    itself must be the same on every rank: its operators' sequence travels with the choice."""
+    index = {n: i for i, n in enumerate(original)}
+    gathers = [n for n in original if n.op == "call_function" and n.target in GATHERS]
+    shape = float(zlib.crc32(" ".join(str(n.target) for n in original).encode()))
+    mine = [shape] + [NOT_LATE if s not in late else AFTER_NEXT_BUCKET if late[s] is None else float(index[late[s]])
+                      for s in scatters] + [float(g in early) for g in gathers]
+    chosen = agree(mine)
+    if chosen[0] != shape:
+        raise DistributedError("shard: this rank's backward graph differs from the first rank's, so their "
+                               "collectives cannot be put in one order; every rank must capture the same "
+                               "model with the same passes and input shapes.")
+    late = {s: None if code == AFTER_NEXT_BUCKET else original[int(code)]
+            for s, code in zip(scatters, chosen[1:]) if code != NOT_LATE}
+    early = {g for g, flag in zip(gathers, chosen[1 + len(scatters):]) if flag}
+    return late, early
 
 
 def place(graph: fx.Graph, original: list, scatters: list, needs: dict, late: dict, early: set, prefetch: int) -> None:

@@ -40,7 +40,7 @@ from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, regi
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.cost.liveness import schedule_of
 from picofx.errors import DistributedError
-from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
+from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, measured_on_first_rank, resolve_dim
 from picofx.compression import CompressionState, Dense
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
@@ -130,14 +130,11 @@ class Shard:
         summed = all_reduce_across(gm, replicas) if replicas is not None else PassResult(False, {})
         averaged = average_gradients(gm, replicas.size if replicas else 1)  # compress_scatters' are averaged
         plain_collectives(gm)
-        beside_tp = ctx.mesh is not None and ctx.mesh.size("tp") > 1
         if compressed.changed:  # a codec places its own exchange
             scheduled = {}
-        elif beside_tp:
-            scheduled = {"kept_autograd_order": "tensor parallelism's collectives share the backward"}
         else:
             scheduled = schedule_backward(gm, self.prefetch if self.reshard_after_forward else 0,
-                                          backward_timeline(ctx))
+                                          backward_timeline(ctx), agreement(layout, ctx.mesh))
         gm.graph.lint()
         return PassResult(True, {**averaged.notes, **recast.notes, **compressed.notes, **summed.notes,
                                  "schedule": scheduled, "reductions": describe_reductions(gm)})
@@ -248,6 +245,24 @@ def precision_policy(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
     gather = None if fields["param_dtype"] in (None, torch.float32) else fields["param_dtype"]
     reduce = fields["reduce_dtype"] or gather  # FSDP2: reduce_dtype None reduces in param_dtype
     return gather, None if reduce is None or (gather is None and reduce == torch.float32) else reduce
+
+
+def agreement(layout: ShardLayout | None, mesh: ParallelMesh | None):
+    """The first rank's numbers on every rank whose backward collectives interleave with this one's:
+    along the shard dimension, the replicas' (HSDP) and tensor parallelism's, in turn."""
+    if layout is None:
+        return None
+    dims = [layout.dim, *([layout.replicas] if layout.replicas is not None else []),
+            *([mesh.dim("tp")] if mesh is not None and mesh.size("tp") > 1 else [])]
+    dims = [d for d in dims if d.size > 1 and d.group is not None]
+    if not dims:
+        return None
+
+    def agree(values: list[float]) -> list[float]:
+        for dim in dims:
+            values = measured_on_first_rank(lambda chosen=values: chosen, len(values), dim)
+        return values
+    return agree
 
 
 def backward_timeline(ctx: Context):

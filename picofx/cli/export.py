@@ -48,16 +48,18 @@ def add_export_parser(commands) -> None:
 
 def run_export(args) -> int:
     try:
-        written = export(args.checkpoint, args.hf)
+        exported = export(args.checkpoint, args.hf)
     except ExportError as e:
         print(f"picofx export: error: {e}", file=sys.stderr)
         return 2
-    print(f"picofx export: wrote {written} (transformers.AutoModelForCausalLM.from_pretrained({str(written)!r}))")
+    print(f"picofx export: wrote {args.hf} from {exported} "
+          f"(transformers.AutoModelForCausalLM.from_pretrained({args.hf!r}) loads it)")
     return 0
 
 
 def export(checkpoint: str, out: str) -> pathlib.Path:
-    """Write `checkpoint` as a Hugging Face model folder at `out`; returns `out`."""
+    """Write `checkpoint` as a Hugging Face model folder at `out`; returns the checkpoint directory
+    it read (a --save directory's newest complete step)."""
     directory = checkpoint_directory(pathlib.Path(checkpoint))
     target = pathlib.Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -67,13 +69,12 @@ def export(checkpoint: str, out: str) -> pathlib.Path:
         if options.get("model") not in (None, "None"):
             weights, config, source = hf_model_weights(options["model"], weights)
         else:
-            weights, config = reference_weights(options, weights, directory)
-            source = None
+            weights, config, source = reference_weights(options, weights, directory)
     except NoMapping as e:
         raise ExportError(f"{directory}: {e}: picofx export writes the reference LLaMA (picofx train --size) and "
                           "Hugging Face models (picofx train --model)") from None
     write_folder(target, weights, config, source)
-    return target
+    return directory
 
 
 def checkpoint_directory(path: pathlib.Path) -> pathlib.Path:
@@ -118,8 +119,8 @@ def read_checkpoint(directory: pathlib.Path) -> tuple[dict, dict]:
 
 
 def reference_weights(options: dict, weights: dict, directory: pathlib.Path):
-    """The reference LLaMA's weights renamed for LlamaForCausalLM, and its config, from the size
-    the run was trained at (its vocabulary and positions as the run built it)."""
+    """The reference LLaMA's weights renamed for LlamaForCausalLM and its config (from the size the
+    run was trained at, its vocabulary and positions as the run built it); no folder to copy from."""
     if not is_reference_llama(weights):
         raise NoMapping(f"its parameters ({', '.join(list(weights)[:3])} ...) are not the reference LLaMA's")
     size = options.get("size")
@@ -134,7 +135,7 @@ def reference_weights(options: dict, weights: dict, directory: pathlib.Path):
     if weights["embedding.weight"].shape[1] != config.hidden_size or layers != config.num_hidden_layers:
         raise ExportError(f"{directory} records --size {size}, but its weights are another size ({layers} layers of "
                           f"{weights['embedding.weight'].shape[1]}): the checkpoint's options do not match it")
-    return reference_to_hf(weights, config)
+    return *reference_to_hf(weights, config), None
 
 
 def hf_model_weights(model: str, weights: dict):

@@ -82,6 +82,7 @@ def trained_and_saved(rank: int, world: int, layouts: list, root: str) -> dict:
     for layout in layouts:
         directory = os.path.join(root, "-".join(layout) or "one-process")
         args = parse_args([*FAST, *layout, "--steps", "2"], environ=environ)
+        args.data_workers = 0  # the harness's ranks are daemon processes, which start no DataLoader workers
         ranks = train.Ranks(args)
         s = train.setup(args, ranks)
         for step in range(2):
@@ -143,7 +144,8 @@ def test_a_hugging_face_model_goes_out_under_its_own_names_with_its_tied_head(tm
     (source / "tokenizer.json").write_text('{"model": {"type": "WordLevel"}}')
     weights = {f"wrapped.{n}": t for n, t in model.state_dict().items()}  # under a training wrapper's prefix
     save_like_picofx_train(tmp_path / "run", weights, {"model": str(source), "size": "tiny"})
-    out = export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert export(str(tmp_path / "run"), str(tmp_path / "out")) == tmp_path / "run"
+    out = tmp_path / "out"
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:

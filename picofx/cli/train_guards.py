@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 import torch
+from tqdm import tqdm
 
 DEFAULT_COLLECTIVE_TIMEOUT = 300  # seconds; torch's own default is 600
 
@@ -140,10 +141,9 @@ class NonFinite:
         name = self.first_nonfinite(named_parameters)
         where = f"the gradient of {name} is not finite (the first parameter whose is)" if name else \
             "every gradient is finite"
-        if self.speaks:
-            print(f"picofx train: error: step {step}: the loss is {loss.item():g} and {where}; the run stops "
-                  "(--skip-nonfinite skips such steps instead; a lower --lr often avoids them)",
-                  file=sys.stderr, flush=True)
+        if self.speaks:  # below the progress bar, not on its line
+            tqdm.write(f"picofx train: error: step {step}: the loss is {loss.item():g} and {where}; the run stops "
+                       "(--skip-nonfinite skips such steps instead; a lower --lr often avoids them)", file=sys.stderr)
         self.close()
         raise SystemExit(1)
 

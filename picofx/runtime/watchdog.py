@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from tqdm import tqdm
+
 PREFIX = "picofx/watchdog"
 DONE = "done"
 
@@ -26,8 +28,9 @@ DONE = "done"
 def stop_process(line: str, speaks: bool) -> None:
     """The default on a hang: the line on stderr (one rank says it), then exit status 1 at once: the
     main thread is stuck in a collective and cannot unwind."""
-    if speaks:
-        print(line, file=sys.stderr, flush=True)
+    if speaks:  # below a progress bar, not on its line
+        tqdm.write(line, file=sys.stderr)
+        sys.stderr.flush()
     os._exit(1)
 
 

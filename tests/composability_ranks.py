@@ -16,7 +16,7 @@ import picofx
 from picofx.manager.combinations import Cell
 from picofx.models import zoo
 from picofx.parallel import ParallelMesh
-from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
+from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
 
 BATCH = 8  # 4 data-parallel replicas (HSDP) of 2 sequences, each 2 micro-batches under a pipeline
 SMALL_BUCKETS = dict(bucket="64KiB", first_bucket="16KiB")  # several buckets on the tiny model
@@ -36,6 +36,8 @@ def cell_passes(cell: Cell) -> list:
         passes.append(TensorParallel(sequence_parallel="sequence_parallel" in f, async_overlap="async_tp" in f))
     if "pipeline" in f:
         passes.append(Pipeline(stages=2, microbatches=2))
+    if "context_parallel" in f:
+        passes.append(ContextParallel())
     if "shard" in f:  # HSDP too: the mesh's dp_replicate and dp_shard
         passes.append(Shard(compress=cell.compress))
     if "overlap" in f:

@@ -132,12 +132,9 @@ def test_cell_under_inductor(features, references):
     assert_matches_one_process(cell, group(cell.world, cell.slow, "inductor")[cell], references)
 
 
-@pytest.mark.parametrize("cell", [pytest.param(c, id=cell_id(c)) for c in REFUSED
-                                  if "context_parallel" not in c.features])
+@pytest.mark.parametrize("cell", [pytest.param(c, id=cell_id(c)) for c in REFUSED])
 def test_refused_cell_says_why_before_capture(cell):
-    """In this process, with no process group: a refusal comes before capture and any collective.
-    Context parallelism has no pass to give: picofx train's --cp is refused by the table
-    (tests/cli/test_train_combinations.py)."""
+    """In this process, with no process group: a refusal comes before capture and any collective."""
     z = tiny()
     calls = []
     z.model.register_forward_pre_hook(lambda *a: calls.append(1))
@@ -155,7 +152,6 @@ def test_the_table_covers_every_pair_and_names_each_refusal():
         assert Cell(combinations.closed({a, b})) in cells, (a, b)
     assert all(c.refusal.reason for c in REFUSED)
     assert {c.world for c in WORKING} <= {1, 2, 4, 8}
-    assert not any(c.works for c in cells if "context_parallel" in c.features)
 
 
 def test_check_combination_reads_pass_objects_and_the_mesh():

@@ -146,8 +146,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                    help="with --shard, HSDP: R replicas, each sharded over --dp ranks (pass overlap all-reduces the "
                         "shards' gradients across the replicas); torchtitan's data_parallel_replicate_degree")
     p.add_argument("--cp", type=at_least(1), default=1,
-                   help="context-parallel ranks, each attending over a slice of the sequence (not built yet: "
-                        "refused with why)")
+                   help="context-parallel ranks (pass context_parallel): each computes its part of every sequence "
+                        "and attends over all keys; alone so far (with --passes fuse, precision, checkpoint)")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
                         "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
@@ -196,8 +196,6 @@ def check_layout(args, world: int | None) -> None:
                       ("tp", args.tp), ("pp", args.pp), ("cp", args.cp)) if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
     layout = layout.strip()
-    if args.cp > 1:  # the composability table's refusal, whatever else is given
-        raise ValueError(f"--cp {args.cp}: {refused({'context_parallel'}).reason}")
     if world is None and args.compress is not None and not layout:
         raise ValueError(f"--compress compresses the gradients data-parallel ranks exchange, and one process has "
                          f"none: it needs --dp or --shard under torchrun, e.g. torchrun --nproc-per-node 2 -m picofx "

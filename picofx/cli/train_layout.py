@@ -14,7 +14,7 @@ import dataclasses
 
 from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.models.llama import CONFIGS
-from picofx.passes import TensorParallel
+from picofx.passes import ContextParallel, TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import Recipe, recipe
 
@@ -56,6 +56,9 @@ def train_recipe(args) -> Recipe:
     passes, shape = list(made.passes), dict(made.mesh_shape)
     if args.async_tp is False:
         passes = [dataclasses.replace(p, async_overlap=False) if isinstance(p, TensorParallel) else p for p in passes]
+    if getattr(args, "cp", 1) > 1:  # each rank of the cp group computes its part of every sequence
+        passes.insert(0, ContextParallel())
+        shape["cp"] = args.cp
     if args.dp_replicate > 1:  # HSDP: the shard pass on (dp_replicate, dp_shard), averaging across replicas too
         shape["dp_replicate"] = args.dp_replicate
     return Recipe(passes, shape)

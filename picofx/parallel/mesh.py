@@ -1,8 +1,9 @@
 """The parallel mesh: the ranks of a run laid out on named dimensions over a torch DeviceMesh.
 
 Dimensions, outermost first: "pp" (pipeline stages), "dp_replicate" (data-parallel replicas that
-hold every parameter), "dp_shard" (data-parallel ranks that shard parameters), "tp" (tensor
-parallel). A run uses the dimensions whose size is above 1. Process groups are resolved here and
+hold every parameter), "dp_shard" (data-parallel ranks that shard parameters), "cp" (context
+parallel: each rank holds a part of every sequence), "tp" (tensor parallel). A run uses the
+dimensions whose size is above 1. Process groups are resolved here and
 nowhere else: a pass asks `resolve_dim` for the dimension it works over.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from picofx.errors import DistributedError
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ALIASES = {"dp": "dp_replicate"}  # the name DeviceMeshes written for picofx's pipeline used
 
 
@@ -72,13 +73,13 @@ class ParallelMesh:
     device_mesh: Any = None
 
     @classmethod
-    def build(cls, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1,
+    def build(cls, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, cp: int = 1, tp: int = 1,
               device_type: str = "cpu", world: int | None = None) -> "ParallelMesh":
         """A mesh of these sizes; one size may be -1 (the ranks left over). Under torch.distributed
         the product must equal the world size, and the DeviceMesh is made (a collective: every
         rank builds the same mesh). `world` alone, in one process, describes a layout for that many
         ranks (the planner's, the composability table's) without a DeviceMesh."""
-        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
         if world is None:
             world = dist.get_world_size() if initialized() else 1
         sizes = fill_rest(sizes, world)
@@ -195,7 +196,7 @@ def mesh_for(requests: list[tuple[tuple[str, ...], int | None]], device_type: st
         if dims and size is not None:
             sizes[dims[0]] = size
     asked = {name for dims, _ in requests for name in dims}
-    rest = next((name for name in ("dp_shard", "dp_replicate", "tp") if name in asked and sizes[name] == 1),
+    rest = next((name for name in ("dp_shard", "dp_replicate", "cp", "tp") if name in asked and sizes[name] == 1),
                 "dp_replicate")
     if sizes[rest] == 1:
         sizes[rest] = -1

@@ -6,3 +6,4 @@ from picofx.passes.overlap.overlap import Overlap  # noqa: F401  (registers "ove
 from picofx.passes.pipeline.pipeline import Pipeline  # noqa: F401  (registers "pipeline")
 from picofx.passes.shard.shard import Shard  # noqa: F401  (registers "shard")
 from picofx.passes.tensor_parallel.tensor_parallel import TensorParallel  # noqa: F401  (registers "tensor_parallel")
+from picofx.passes.context_parallel.context_parallel import ContextParallel  # noqa: F401  (registers "context_parallel")

@@ -30,8 +30,23 @@ def join_launched_group(device: str, timeout: datetime.timedelta, agreement_time
 
     made = not dist.is_initialized()
     if made:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout,
+                                **attempt_store(timeout))
     return dist.get_rank(), dist.new_group(backend="gloo", timeout=agreement_timeout), made
+
+
+def attempt_store(timeout: datetime.timedelta) -> dict:
+    """Under torchrun's agent store, the keys of this attempt of the job alone: workers that torchrun
+    restarts (--max-restarts) would otherwise read the first attempt's gloo addresses, and fail to
+    connect to ranks that are gone."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"picofx/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def rendezvous_store():

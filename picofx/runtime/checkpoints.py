@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 STEP_PREFIX = "step-"
 COMPLETE = ".complete"  # written last, by the first rank, once every rank's write has finished
@@ -87,6 +89,43 @@ def checkpoint_to_resume(resume: str, save: str | None) -> str | None:
     return str(newest)
 
 
+class ReusedBuffers(AsyncStager):
+    """Stages a state dict for a background write by copying its tensors into CPU buffers kept from
+    the save before (whose write has finished by then): copying into memory already touched is a few
+    times faster than into fresh memory, and the step waits for the copy."""
+
+    _synchronize_after_execute = False  # stage() has copied everything when it returns
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def stage(self, state_dict: dict) -> dict:
+        return self._copy(state_dict, "")
+
+    def _copy(self, value, key: str):
+        if isinstance(value, DTensor):  # its piece copied; the global shape and placements kept
+            return DTensor.from_local(self._copy(value.to_local(), key), value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape, stride=value.stride())
+        if isinstance(value, torch.Tensor):
+            buffer = self.buffers.get(key)
+            if buffer is None or (buffer.shape, buffer.stride(), buffer.dtype) != (value.shape, value.stride(),
+                                                                                   value.dtype):
+                buffer = self.buffers[key] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+            return buffer.copy_(value)
+        if isinstance(value, dict):
+            return {k: self._copy(v, f"{key}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v, f"{key}/{i}") for i, v in enumerate(value))
+        return value  # numbers and text, which the state does not change in place
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class AsyncSaver:
     """Saves state dicts to ROOT/step-N: in the background (`asynchronous`), the previous save
     waited on first, or in the caller (the synchronous baseline). `group`: a gloo group of its own
@@ -94,7 +133,7 @@ class AsyncSaver:
 
     def __init__(self, root, *, keep: int | None = None, group=None, rank: int = 0, asynchronous: bool = True):
         self.root, self.keep, self.group, self.rank = pathlib.Path(root), keep, group, rank
-        self.asynchronous = asynchronous
+        self.asynchronous, self.stager = asynchronous, ReusedBuffers()
         self.pending: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.blocked_seconds: list[float] = []  # how long each save held up its caller
@@ -108,7 +147,8 @@ class AsyncSaver:
             (directory / COMPLETE).unlink(missing_ok=True)
         one_process = not dist.is_initialized()
         if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group, no_dist=one_process)
+            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group, no_dist=one_process,
+                                    async_stager=self.stager)
             self.pending = threading.Thread(target=self._complete, args=(future, directory, step),
                                             name=f"picofx checkpoint {step}", daemon=True)
             self.pending.start()

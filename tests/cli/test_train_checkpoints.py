@@ -4,11 +4,14 @@ saves at the next step boundary on every rank; under torchrun a killed rank's jo
 newest complete checkpoint. Every resumed run's losses equal the uninterrupted run's bit for bit."""
 import concurrent.futures
 import importlib
+import json
 import os
 import pathlib
-import shutil
+import re
 import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -32,17 +35,16 @@ def steps_in(root) -> dict:
     return {step: checkpoints.is_complete(path) for step, path in saved_steps(root)}
 
 
-def test_saves_every_step_keep_the_newest_two_and_resume_from_either(tmp_path):
+def test_saves_every_step_keep_the_newest_two_and_a_resumed_run_goes_on_saving(tmp_path):
     root = str(tmp_path / "run")
     straight = train([*FAST, "--steps", "5"])["losses"]
     saved = train([*FAST, "--steps", "4", "--save", root, "--save-every", "1", "--keep", "2"])["losses"]
     assert saved == straight[:4] and len(set(straight)) == 5  # saving in the background changes nothing
     assert steps_in(root) == {3: True, 4: True}
-    from_three = train([*FAST, "--steps", "4", "--resume", f"{root}/step-3"])["losses"]
-    assert from_three == straight[3:4]
-    auto = train([*FAST, "--steps", "5", "--save", root, "--keep", "2", "--resume", "auto"])["losses"]
-    assert auto == straight[4:]
-    assert steps_in(root) == {4: True, 5: True}
+    resumed = train([*FAST, "--steps", "5", "--save", root, "--save-every", "1", "--keep", "2",
+                     "--resume", f"{root}/step-3"])["losses"]
+    assert resumed == straight[3:]
+    assert steps_in(root) == {4: True, 5: True}  # step-4 written again, complete again
 
 
 def test_resume_auto_starts_fresh_without_a_checkpoint_and_refuses_without_save(tmp_path, capsys):
@@ -138,3 +140,131 @@ def test_sigterm_to_one_rank_saves_every_rank_at_the_next_step_and_resume_auto_g
         assert result["complete"] == {3: True}, result
         assert len(set(result["straight"])) == 5
         assert result["stopped"]["losses"] + result["resumed"] == result["straight"], (rank, result)
+
+
+LAYOUTS = {"dp": ["--dp", "2"], "shard": ["--shard"], "tp": ["--tp", "2", "--sequence-parallel"], "pp": ["--pp", "2"],
+           "dp-int8-error-feedback": ["--dp", "2", "--compress", "int8:ef"],
+           "shard-int8-error-feedback": ["--shard", "--compress", "int8:ef"]}
+
+
+def every_layout_saved_in_the_background(rank: int, world: int, root: str) -> dict:
+    """Per layout: 4 steps straight; 4 steps saving every 2 in the background; on from step-2."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    results = {}
+    for name, layout in LAYOUTS.items():
+        directory = f"{root}/{name}"
+        straight = train([*RANKS_FAST, *layout, "--steps", "4"])["losses"]
+        saved = train([*RANKS_FAST, *layout, "--steps", "4", "--save", directory, "--save-every", "2"])["losses"]
+        resumed = train([*RANKS_FAST, *layout, "--steps", "4", "--resume", f"{directory}/step-2"])["losses"]
+        results[name] = {"straight": straight, "saved": saved, "resumed": resumed, "complete": steps_in(directory)}
+    return results
+
+
+@pytest.mark.slow
+def test_every_layout_resumes_from_a_periodic_background_save_bit_for_bit(tmp_path):
+    results = run_ranks(every_layout_saved_in_the_background, 2, str(tmp_path), timeout=900, collective_timeout=120)
+    for rank, by_layout in enumerate(results):
+        for name, result in by_layout.items():
+            straight = result["straight"]
+            assert len(set(straight)) == 4 and result["complete"] == {2: True, 4: True}, (rank, name, result)
+            assert result["saved"] == straight and result["resumed"] == straight[2:], (rank, name, result)
+
+
+TORCHRUN_RUN = [*RANKS_FAST, "--dp", "2", "--steps", "24"]
+
+
+def torchrun(*options: str, restarts: int = 0) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               f"--max-restarts={restarts}", "-m", "picofx", "train", *TORCHRUN_RUN, *options]
+    env = {**os.environ, "PICOFX_CACHE": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def finished(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"torchrun did not finish in {timeout}s:\n{stop(process)[-3000:]}") from None
+    return process.returncode, out
+
+
+def stop(process: subprocess.Popen) -> str:
+    """Kill what is left of a job (its own session: torchrun and the ranks it started); its output."""
+    if process.returncode is not None:
+        return ""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.communicate()[0]
+
+
+def losses_by_step(metrics: pathlib.Path) -> list[tuple[int, float]]:
+    return [(entry["step"], entry["loss"]) for entry in map(json.loads, metrics.read_text().splitlines())]
+
+
+def wait_for(condition, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"never came: {condition.__doc__} ({stop(process)[-3000:]})")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    metrics = tmp_path_factory.mktemp("uninterrupted") / "metrics.jsonl"
+    code, out = finished(torchrun("--metrics", str(metrics)), timeout=400)
+    assert code == 0, out[-3000:]
+    by_step = dict(losses_by_step(metrics))
+    assert sorted(by_step) == list(range(1, 25)) and len(set(by_step.values())) == 24
+    return by_step
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_from_the_newest_complete_checkpoint(tmp_path, uninterrupted):
+    import psutil
+
+    root, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    job = torchrun("--save", str(root), "--save-every", "2", "--resume", "auto", "--metrics", str(metrics), restarts=1)
+
+    def two_checkpoints():
+        """two complete checkpoints"""
+        return len([p for _, p in saved_steps(root) if checkpoints.is_complete(p)]) >= 2
+    try:
+        wait_for(two_checkpoints, job)
+        ranks = [p for p in psutil.Process(job.pid).children() if p.environ().get("RANK") == "1"]  # not its workers
+        assert len(ranks) == 1, ranks
+        ranks[0].send_signal(signal.SIGKILL)
+        code, out = finished(job, timeout=400)
+    finally:
+        stop(job)
+    assert code == 0, out[-3000:]
+    resumed_at = [int(step) for step in re.findall(r"resumed from \S+/step-(\d+) at step", out)]
+    assert len(resumed_at) == 1 and 4 <= resumed_at[0] < 24, out[-3000:]
+    logged = losses_by_step(metrics)  # the first attempt's steps, then the restart's from the checkpoint on
+    assert [step for step, _ in logged].count(resumed_at[0] + 1) >= 1 and logged[-1][0] == 24
+    assert all(loss == uninterrupted[step] for step, loss in logged), logged
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_every_rank_and_the_same_command_goes_on(tmp_path, uninterrupted):
+    root, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    options = ("--save", str(root), "--save-every", "100", "--resume", "auto", "--metrics", str(metrics))
+    job = torchrun(*options)
+
+    def three_steps():
+        """three steps logged"""
+        return metrics.is_file() and len(metrics.read_text().splitlines()) >= 3
+    try:
+        wait_for(three_steps, job)
+        job.send_signal(signal.SIGTERM)  # the agent sends it on to its ranks
+        _, out = finished(job, timeout=120)
+    finally:
+        stop(job)
+    (stopped,) = [step for step, complete in steps_in(root).items() if complete]
+    assert 3 <= stopped < 24 and f"stopped by SIGTERM after step {stopped}" in out, out[-3000:]
+    code, out = finished(torchrun(*options), timeout=400)
+    assert code == 0 and f"resumed from {root}/step-{stopped} at step {stopped}" in out, out[-3000:]
+    logged = losses_by_step(metrics)
+    assert [step for step, _ in logged] == list(range(1, 25)), logged
+    assert all(loss == uninterrupted[step] for step, loss in logged), logged

@@ -192,8 +192,9 @@ class StepMetrics:
             return None
         layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
         peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
-        return cls(path=args.metrics, tensorboard=args.tensorboard, flops_per_token=palm_flops_per_token(model, args.seq),
-                   peak=peak, layout=layout, device=args.device, speaks=speaks, append=append)
+        return cls(path=args.metrics, tensorboard=args.tensorboard,
+                   flops_per_token=palm_flops_per_token(model, args.seq), peak=peak, layout=layout,
+                   device=args.device, speaks=speaks, append=append)
 
     def write(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, seconds: float) -> dict:
         """One step's line (`tokens`: this replica's batch, in `seconds`)."""

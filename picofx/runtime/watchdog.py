@@ -8,6 +8,7 @@ that stopped answering (stopped, frozen, its machine gone), and every collective
 forever. Then every other rank stops: the lowest of them prints one line naming the rank, where it
 was last seen and where this rank was, and each exits with status 1 (torchrun then ends the job).
 
+Where a rank was is as of its last beat (a tenth of the timeout, at most 5 s, before it stopped).
 A rank busy for longer than `timeout` (compiling, writing a checkpoint) keeps beating: only a rank
 that does not answer at all is stopped for. A rank that ends its run says so, and is not waited for.
 The process group's own timeout should be longer than `timeout`, so that this line comes first.
@@ -98,8 +99,9 @@ class Watchdog:
         return silent
 
     def last_seen(self, peer: int) -> str:
-        key = self.key("at", peer)
-        return self.store.get(key).decode() if self.store.check([key]) else "setup"
+        if self.seen[peer][0] <= 0:  # it never beat: its place was never written
+            return "setup (it never beat)"
+        return self.store.get(self.key("at", peer)).decode()
 
     def speaks(self, silent: list[int]) -> bool:
         """The lowest rank still answering says it, so the run's stderr holds one line."""
@@ -110,6 +112,6 @@ class Watchdog:
         others = f" (and rank{'s' if len(silent) > 2 else ''} {', '.join(map(str, silent[1:]))})" \
             if len(silent) > 1 else ""
         return (f"picofx train: error: rank {first}{others} stopped answering: no heartbeat for "
-                f"{self.timeout:g} s, last seen in {self.last_seen(first)}; rank {self.rank} was waiting in "
-                f"{self.place}. Every rank stops ({self.what} {self.timeout:g}): look at what stopped rank "
-                f"{first} (its machine, its memory, a debugger), or raise {self.what} if it was only slow")
+                f"{self.timeout:g} s, last heard from in {self.last_seen(first)}; rank {self.rank} was waiting "
+                f"in {self.place}. Every rank stops ({self.what} {self.timeout:g}): look at what stopped rank "
+                f"{first} (a stopped or frozen process, its machine gone, a debugger's breakpoint)")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from picofx.api import OptimizedModule
 from picofx.cli.train_args import parse_args
-from picofx.runtime.watchdog import Watchdog
+from picofx.runtime.watchdog import Watchdog, beat_interval
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
 from spawn_ranks import run_ranks  # noqa: E402
@@ -49,9 +49,9 @@ def test_the_watchdog_names_a_rank_that_stopped_beating_within_the_timeout():
     waited = wait_for(lambda: hangs, 5)
     assert 0.8 < waited < 1.0 + 2 * rank0.interval + 0.5, waited
     (line, speaks), = hangs
-    assert speaks and line.startswith("picofx train: error: rank 1 stopped answering: no heartbeat for 1 s, last seen "
-                                      "in step 7's optimizer step; rank 0 was waiting in step 7's forward and "
-                                      "backward (gradient all-reduces)"), line
+    assert speaks and line.startswith("picofx train: error: rank 1 stopped answering: no heartbeat for 1 s, last "
+                                      "heard from in step 7's optimizer step; rank 0 was waiting in step 7's forward "
+                                      "and backward (gradient all-reduces)"), line
     rank0.stop()
 
 
@@ -186,6 +186,7 @@ def test_a_stopped_rank_stops_the_others_within_the_timeout_under_torchrun(tmp_p
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 240)
+        time.sleep(3 * beat_interval(timeout))  # rank 1 has said it trains (a rank is seen as of its last beat)
         ranks = {rank_of(pid): pid for pid in children(proc.pid)}
         assert set(ranks) == {0, 1}, (ranks, proc.poll(), (tmp_path / "err.txt").read_text()[-3000:])
         os.kill(ranks[1], signal.SIGSTOP)  # rank 1 stops answering mid-run
@@ -203,5 +204,5 @@ def test_a_stopped_rank_stops_the_others_within_the_timeout_under_torchrun(tmp_p
     assert proc.returncode != 0 and took < timeout + 60, (took, err[-3000:])
     lines = [line for line in err.splitlines() if line.startswith("picofx train: error")]
     assert len(lines) == 1 and lines[0].startswith("picofx train: error: rank 1 stopped answering: no heartbeat for "
-                                                   f"{timeout} s, last seen in step "), err[-3000:]
+                                                   f"{timeout} s, last heard from in step "), err[-3000:]
     assert "rank 0 was waiting in step" in lines[0] and "(gradient all-reduces)" in lines[0], lines[0]

@@ -166,6 +166,9 @@ def write_folder(out: pathlib.Path, weights: dict, config, source: pathlib.Path 
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    stored = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if len(stored) == 1:  # the weights' own dtype, not the one a pretrained config named (from_pretrained reads it)
+        setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", stored.pop())
     config.save_pretrained(str(out))
     copied = [f for f in (*TOKENIZER_FILES, "generation_config.json") if source and (source / f).is_file()]
     for name in copied:

@@ -140,6 +140,7 @@ def test_a_hugging_face_model_goes_out_under_its_own_names_with_its_tied_head(tm
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     source = tmp_path / "tiny-llama"
+    config.dtype = torch.bfloat16  # as a pretrained model's config names it; these weights are fp32
     config.save_pretrained(str(source))
     (source / "tokenizer.json").write_text('{"model": {"type": "WordLevel"}}')
     weights = {f"wrapped.{n}": t for n, t in model.state_dict().items()}  # under a training wrapper's prefix
@@ -151,9 +152,53 @@ def test_a_hugging_face_model_goes_out_under_its_own_names_with_its_tied_head(tm
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
     assert (out / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()
+    assert transformers.AutoConfig.from_pretrained(str(out)).dtype == torch.float32
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens()).logits, model(tokens()).logits, rtol=1e-5, atol=1e-6)
+
+
+def tiny_hf_llama_folder(root: pathlib.Path) -> pathlib.Path:
+    """A Llama config with a tied head and a word-level tokenizer, saved as a model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([CORPUS], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                     eos_token="</s>")
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                                      tie_word_embeddings=True)
+    folder = root / "tiny-llama"
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+CORPUS = "\n".join(" ".join(w for w in "a slow river carries old leaves past green hills".split()[i:] + ["."])
+                   for i in range(8)) * 40
+
+
+def test_export_of_a_picofx_train_model_run(tmp_path):
+    """picofx train --model DIR: the export is the trained Hugging Face model, its tied head once,
+    with the folder's tokenizer."""
+    pytest.importorskip("picofx.cli.train_model", reason="picofx train --model is not in this tree yet")
+    folder = tiny_hf_llama_folder(tmp_path)
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    run = ["--model", str(folder), "--data", str(tmp_path / "corpus.txt"), "--data-cache", str(tmp_path / "tokens")]
+    (directory, whole), = trained_and_saved(0, 1, [run], str(tmp_path)).items()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    trained = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert trained.load_state_dict(whole, strict=False).missing_keys == ["lm_head.weight"]  # the embedding, tied
+    out = tmp_path / "out"
+    assert picofx_main(["export", directory, "--hf", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(str(out))(["old leaves past green hills ."],
+                                                             return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ threads within the machine's cores, or every step slows; the run warns when they
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import sys
@@ -41,11 +40,11 @@ import torch
 from tqdm import tqdm
 
 import picofx
-from picofx.cli import train_state
-from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.cli import train_model, train_state
+from picofx.models.llama import causal_lm_loss
 from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
 from picofx.cli.train_layout import choose_layout, train_mesh
-from picofx.cli.train_data import Batches, DataError, load_tokens
+from picofx.cli.train_data import Batches, DataError
 from picofx.cli.train_guards import NonFinite, clip_gradients, gradient_norm, group_timeout, step_collectives
 from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throughput
 from picofx.manager import pass_name
@@ -125,7 +124,7 @@ def replica_of(rank: int, args) -> int:
 
 
 class Session(typing.NamedTuple):
-    model: Llama
+    model: torch.nn.Module
     opt_model: object
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
@@ -133,6 +132,7 @@ class Session(typing.NamedTuple):
     first: dict     # the batch the step was captured with: step 0's
     passes: list    # the names of the passes picofx ran, the layout's included
     start_step: int
+    loss_fn: typing.Callable = causal_lm_loss  # the model's output and the labels -> the loss
 
 
 def layout_line(args) -> str:
@@ -171,21 +171,22 @@ def layout_line(args) -> str:
 def setup(args, ranks: Ranks) -> Session:
     """The model, its data, the optimized step and the optimizer, resumed where --resume says."""
     passes, mesh = picofx_passes(args), train_mesh(args)
-    torch.manual_seed(args.seed)
-    positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
-    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
-    model = Llama(config).to(args.device)
-    batches = Batches(load_tokens(args.data), args.batch, args.seq, args.seed + ranks.replica)
+    model, loss_fn, tokens, data_line = train_model.build(args)  # --size's reference LLaMA, or --model's
+    if data_line:
+        ranks.say(data_line)
+    batches = Batches(tokens, args.batch, args.seq, args.seed + ranks.replica)
     first = {k: v.to(args.device) for k, v in batches.sample().items()}
     opt_model = picofx.optimize(model, first, passes=passes, backend=args.backend, mesh=mesh,
-                                loss_fn=causal_lm_loss, dump_dir=args.dump_dir,
+                                loss_fn=loss_fn, dump_dir=args.dump_dir,
                                 progress=ranks.say if ranks.speaks else None)
     optimizer = torch.optim.AdamW(opt_model.parameters(), lr=args.lr, weight_decay=0.01)  # pipelined: this stage's
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     start_step = 0
     if args.resume:  # after the first batch was drawn for capture: the sampler continues from the saved position
         start_step = train_state.resume(args.resume, opt_model, optimizer, schedule, batches, replica=ranks.replica)
-    return Session(model, opt_model, optimizer, schedule, batches, first, [pass_name(p) for p in passes], start_step)
+    batches.prefetch(args.device, args.data_workers)  # the next batches, prepared while the steps run
+    return Session(model, opt_model, optimizer, schedule, batches, first, [pass_name(p) for p in passes], start_step,
+                   loss_fn)
 
 
 def auto_layout(args, ranks: Ranks) -> None:
@@ -216,7 +217,7 @@ def main(argv=None) -> dict:
         auto_layout(args, ranks)
     elif args.layout_chosen:
         ranks.say(args.layout_chosen)
-    ranks.say(f"picofx train: {layout_line(args)}; {args.size} model, {args.steps} steps of "
+    ranks.say(f"picofx train: {layout_line(args)}; {args.model or args.size} model, {args.steps} steps of "
               f"{args.batch} x {args.seq} tokens on {args.device}{threads_note(args)}, backend {args.backend}")
     if torch.device(args.device).type == "cpu":
         warning = oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads())
@@ -246,7 +247,7 @@ def main(argv=None) -> dict:
     for step in progress:
         started = time.perf_counter()
         ranks.at(step + 1, f"forward and backward ({collectives})")
-        batch = s.first if step == 0 else {k: v.to(args.device) for k, v in s.batches.sample().items()}
+        batch = s.first if step == 0 else s.batches.next()
         loss = s.opt_model.forward_backward(**batch)
         replicas = (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None
         ranks.at(step + 1, "gradient norm and non-finite check (all-reduces)")
@@ -289,14 +290,15 @@ def main(argv=None) -> dict:
             val_loss = s.opt_model(**val).item()
     elif args.pp == 1:
         with torch.no_grad():
-            val_loss = causal_lm_loss(s.model.eval()(val["input_ids"]), val["labels"]).item()
+            val_loss = s.loss_fn(s.model.eval()(val["input_ids"]), val["labels"]).item()
     else:  # a rank holds one stage: the loss comes through the schedule, whose gradients are dropped
         val_loss = s.opt_model.forward_backward(**val).item()
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
     layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
-    ranks.say(f"\nsummary: {args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} tokens on "
+    ranks.say(f"\nsummary: {args.model or args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
+              f"tokens on "
               f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
     ranks.say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}, first step to last (validation {val_loss:.3f})")
     if layout.dp > 1:  # replicas step in lockstep on batches of the same size
@@ -307,6 +309,7 @@ def main(argv=None) -> dict:
     measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
                           device=args.device, layout=layout, total=ranks.total)
     ranks.say("  " + measured.line(layout))
+    ranks.say("  " + s.batches.wait_line(run_seconds, args.steps - s.start_step))
     if nonfinite.summary():
         ranks.say(f"  {nonfinite.summary()}")
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
@@ -324,7 +327,8 @@ def main(argv=None) -> dict:
         metrics.close()
     ranks.close()
     return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
-            "throughput": measured, "skipped": nonfinite.skipped}
+            "throughput": measured, "skipped": nonfinite.skipped, "data_wait_s": s.batches.waited,
+            "run_s": run_seconds}
 
 
 def preempted(step: int, args, ranks: Ranks, losses: list, metrics) -> dict:

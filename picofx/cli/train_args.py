@@ -16,6 +16,7 @@ from picofx.cost.units import check_budget, format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
 from picofx.cli.train_guards import add_guard_options, check_guard_options
+from picofx.cli.train_model import check_model
 from picofx.cli.train_state import saved_run
 from picofx.runtime.checkpoints import checkpoint_to_resume
 from picofx.manager import resolve_pass
@@ -26,8 +27,8 @@ from picofx.runtime.distributed import launched_world
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
-RUN_OPTIONS = ("size", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp", "microbatches",
-               "shard", "tp", "sequence_parallel", "async_tp", "compress")
+RUN_OPTIONS = ("size", "model", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp",
+               "microbatches", "shard", "tp", "sequence_parallel", "async_tp", "compress")
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -123,6 +124,14 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--data", metavar="SOURCE",
                    help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
                         "Face dataset name (needs `datasets`); default: the Python standard library's source")
+    p.add_argument("--model", metavar="NAME_OR_DIR",
+                   help="train a Hugging Face causal LM (Llama, Qwen2, ...) from its config instead of the reference "
+                        "LLaMA, on --data tokenized by its own tokenizer (needs transformers); --size is then unused")
+    p.add_argument("--init-from-hf", action="store_true", help="with --model: start from its pretrained weights")
+    p.add_argument("--data-cache", metavar="DIR", help="with --model: where token files are kept (tokenized once, "
+                   "memory-mapped by later runs); default: picofx's cache directory, tokens/")
+    p.add_argument("--data-workers", type=at_least(0), default=1, metavar="N",
+                   help="DataLoader worker processes preparing batches ahead of the step (0: in the step)")
     p.add_argument("--save", metavar="DIR", help="save model, optimizer, step and data position to DIR/step-N at "
                    "the end (and every --save-every steps, and on SIGTERM), written in the background")
     p.add_argument("--save-every", type=at_least(1), metavar="N", help="with --save: a checkpoint every N steps too")
@@ -180,6 +189,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
         check_device(args)
         check_paths(args)
         check_guard_options(args)
+        check_model(args)
     except ValueError as e:
         p.error(str(e))
     if not fits(args.size, args.batch, args.seq, args.device):
@@ -280,6 +290,8 @@ def check_passes(args) -> None:
 
 
 def check_positions(args) -> None:
+    if args.model is not None:  # the Hugging Face model's own limit (train_model.check_model)
+        return
     limit = args.max_positions or CONFIGS[args.size].max_position_embeddings
     if args.seq > limit:
         raise ValueError(f"--seq {args.seq} is longer than the {args.size} model's position limit, {limit} "

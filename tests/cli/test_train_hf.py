@@ -1,0 +1,210 @@
+"""picofx train --model: a Hugging Face causal LM (a tiny Llama, a tiny Qwen2) built from a local
+directory's config, randomly initialised or from its weights (--init-from-hf), on its own tokenizer
+(trained here, saved as a PreTrainedTokenizerFast folder). The first step's loss is the model's own
+Hugging Face loss on the same batch; the data is tokenized once into a token file that a later run
+maps; the windows are contiguous pieces of the documents' token stream, each document ended by EOS;
+batches prepared by DataLoader workers are those drawn one at a time, and a resumed run goes on bit
+for bit."""
+import importlib
+import os
+import pathlib
+import random
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from picofx.cli import train  # noqa: E402
+from picofx.cli.train_args import parse_args  # noqa: E402
+from picofx.cli.train_data import Batches, documents, tokenized  # noqa: E402
+from picofx.data import token_file  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
+from spawn_ranks import run_ranks  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over lazy dog while seven wise owls watch a slow river carry "
+         "old leaves past green hills and small stone bridges under grey clouds").split()
+FAST = ["--backend", "eager", "--batch", "2", "--seq", "16", "--log-every", "1"]
+
+
+def corpus_text(seed: int, sentences: int) -> str:
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "." for _ in range(sentences))
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer of WORDS that starts each text with <s> (as Llama's does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([corpus_text(0, 200)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def model_dir(root: pathlib.Path, kind: str) -> pathlib.Path:
+    tokenizer = tiny_tokenizer()
+    fields = dict(vocab_size=len(tokenizer) + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(**fields) if kind == "llama" else transformers.Qwen2Config(**fields)
+    directory = root / kind
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    corpus = root / "corpus.txt"
+    corpus.write_text(corpus_text(1, 400))
+    return {"llama": model_dir(root, "llama"), "qwen2": model_dir(root, "qwen2"), "corpus": corpus,
+            "cache": root / "tokens"}
+
+
+def first_batch(files, directory, seed: int = 0) -> dict:
+    """The batch picofx train's first step trains on: the first draw of the run's sampler, on the
+    tokens of the tokenizer transformers loads from the model's directory (for a Qwen2 model, a
+    Qwen2Tokenizer over the saved tokenizer files)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    found, _ = tokenized(str(files["corpus"]), tokenizer, str(files["cache"]))
+    return Batches(found.tokens(), 2, 16, seed).sample()
+
+
+def hf_own_loss(model, batch: dict) -> torch.Tensor:
+    """The model's own loss (it shifts the labels itself) on the batch's windows of seq + 1 tokens."""
+    windows = torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1)
+    with torch.no_grad():
+        return model.train()(input_ids=windows, labels=windows).loss
+
+
+def random_model(directory, seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def test_documents_are_packed_into_one_stream_each_ended_by_eos(files, tmp_path):
+    tokenizer = tiny_tokenizer()
+    docs = [["the quick fox."], ["seven owls\n", "watch a river."]]  # the second in two pieces, as a long file is
+    found = token_file(tokenizer, docs, data_key="two documents", cache=tmp_path)
+    eos = tokenizer.eos_token_id
+    expected = (tokenizer("the quick fox.")["input_ids"] + [eos] + tokenizer("seven owls\n")["input_ids"] +
+                tokenizer("watch a river.", add_special_tokens=False)["input_ids"] + [eos])
+    assert found.array().tolist() == expected and expected.count(tokenizer.bos_token_id) == 2
+    assert found.dtype == "uint16" and found.tokenized_seconds is not None
+
+    corpus, _ = tokenized(str(files["corpus"]), tokenizer, str(tmp_path))
+    stream = corpus.array().astype(np.int64)
+    assert stream.tolist() == tokenizer(files["corpus"].read_text())["input_ids"] + [eos]
+    batches = Batches(corpus.tokens(), 8, 16, seed=3)
+    spans = np.lib.stride_tricks.sliding_window_view(stream, 17)
+    for split in ("train", "val"):
+        batch = batches.sample(split)
+        assert torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
+        for row in torch.cat([batch["input_ids"], batch["labels"][:, -1:]], dim=1).numpy():
+            assert (spans == row).all(axis=1).any(), row  # a contiguous piece of the stream
+
+
+def same(batch: dict, expected: dict) -> bool:
+    return batch.keys() == expected.keys() and all(torch.equal(batch[k], expected[k]) for k in batch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_prepared_ahead_are_those_drawn_one_at_a_time(workers, files):
+    found, _ = tokenized(str(files["corpus"]), tiny_tokenizer(), str(files["cache"]))
+    drawn, ahead = Batches(found.tokens(), 4, 16, seed=5), Batches(found.tokens(), 4, 16, seed=5)
+    expected = [drawn.sample() for _ in range(6)]
+    ahead.prefetch("cpu", workers)
+    for i in range(4):
+        assert same(ahead.next(), expected[i])
+    saved = ahead.state_dict()  # the position after 4 handed out, though the workers drew further
+    resumed = Batches(found.tokens(), 4, 16, seed=0)
+    resumed.load_state_dict(saved)
+    assert same(resumed.sample(), expected[4])
+    assert same(ahead.sample(), expected[4])  # sample stops the workers and draws from the same position
+    assert ahead.handed_out == 4 and "4.00" not in ahead.wait_line(1.0, 4)
+
+
+def test_trains_a_hugging_face_llama_on_its_tokenizer_and_resumes_bit_for_bit(files, tmp_path, capsys):
+    common = [*FAST, "--model", str(files["llama"]), "--data", str(files["corpus"]), "--data-cache",
+              str(tmp_path / "tokens")]
+    straight = train.main([*common, "--steps", "4"])
+    out = capsys.readouterr().out
+    assert re.search(r"data: [\d,]+ tokens of .*corpus.txt, tokenized in", out), out
+    assert re.search(r"data: a step waited [\d.]+ ms for its batch, [\d.]+% of the run \(1 worker", out), out
+    (stream,) = (tmp_path / "tokens").glob("*.bin")
+    written = stream.stat().st_mtime_ns
+
+    expected = hf_own_loss(random_model(files["llama"]), first_batch(files, files["llama"]))
+    torch.testing.assert_close(torch.tensor(straight["losses"][0]), expected, rtol=1e-5, atol=0)
+    assert len(set(straight["losses"])) == 4
+
+    first = train.main([*common, "--steps", "2", "--save", str(tmp_path / "run")])
+    resumed = train.main([*common, "--steps", "4", "--resume", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert out.count("mapped, tokenized by an earlier run") == 2 and "tokenized in" not in out, out
+    assert stream.stat().st_mtime_ns == written and len(list((tmp_path / "tokens").glob("*.bin"))) == 1
+    assert first["losses"] + resumed["losses"] == straight["losses"]
+
+
+def test_init_from_hf_starts_from_the_saved_weights_of_a_qwen2(files, tmp_path, capsys):
+    directory = tmp_path / "pretrained"
+    pretrained = random_model(files["qwen2"], seed=123)
+    pretrained.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    args = [*FAST, "--data", str(files["corpus"]), "--data-cache", str(files["cache"]), "--steps", "1"]
+    loaded = train.main([*args, "--model", str(directory), "--init-from-hf"])
+    batch = first_batch(files, directory)
+    torch.testing.assert_close(torch.tensor(loaded["losses"][0]), hf_own_loss(pretrained, batch), rtol=1e-5, atol=0)
+    assert loaded["losses"][0] != pytest.approx(hf_own_loss(random_model(directory), batch).item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--init-from-hf"], "--init-from-hf loads a Hugging Face model's weights: give the model with --model DIR"),
+    (["--model", "{missing}"], "a directory without a readable config.json"),
+    (["--model", "{llama}", "--init-from-hf", "--seq", "16"], "holds no weights (no .safetensors or pytorch_model.bin file)"),
+    (["--model", "{llama}", "--seq", "65"], "--seq 65 is longer than"),
+])
+def test_bad_model_options_stop_with_one_line(options, message, files, tmp_path, capsys):
+    (tmp_path / "missing").mkdir()
+    given = [o.format(missing=tmp_path / "missing", llama=files["llama"]) for o in options]
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(given, environ={})
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def sharded_first_step(rank: int, world: int, files: dict) -> dict:
+    """picofx train's setup under --shard on this rank, and its first step's loss."""
+    from torch.distributed.tensor import DTensor
+
+    run = importlib.import_module("picofx.cli.train")
+    environ = {"RANK": str(rank), "WORLD_SIZE": str(world)}
+    os.environ.update(environ)
+    args = parse_args([*FAST, "--model", str(files["llama"]), "--data", str(files["corpus"]), "--data-cache",
+                       str(files["cache"]), "--shard"], environ=environ)
+    ranks = run.Ranks(args)
+    s = run.setup(args, ranks)
+    loss = s.opt_model.forward_backward(**s.first).item()
+    dtensors = {n: isinstance(p, DTensor) for n, p in s.model.named_parameters()}
+    ranks.close()
+    return {"loss": loss, "dtensors": dtensors}
+
+
+def test_a_hugging_face_model_trains_sharded_on_two_ranks(files):
+    results = run_ranks(sharded_first_step, 2, files, timeout=400, collective_timeout=120)
+    model = random_model(files["llama"])
+    expected_names = [n for n, _ in model.named_parameters()]
+    for replica, result in enumerate(results):  # each rank a replica of its own batches, the first drawn at seed + rank
+        expected = hf_own_loss(model, first_batch(files, files["llama"], replica))
+        torch.testing.assert_close(torch.tensor(result["loss"]), expected, rtol=1e-5, atol=0)
+        assert list(result["dtensors"]) == expected_names and all(result["dtensors"].values()), result["dtensors"]

@@ -118,9 +118,9 @@ class Ranks:
 
 
 def replica_of(rank: int, args) -> int:
-    """The mesh is (pp, dp_replicate, dp_shard, tp), outermost first: the ranks of one replica (its
-    stages, its tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
-    return (rank // args.tp) % (args.dp * args.dp_replicate)
+    """The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first: the ranks of one replica (its
+    stages, its cp and tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
+    return (rank // (args.tp * args.cp)) % (args.dp * args.dp_replicate)
 
 
 class Session(typing.NamedTuple):
@@ -138,6 +138,8 @@ class Session(typing.NamedTuple):
 def layout_line(args) -> str:
     if args.world == 1:
         return "one process"
+    if args.cp > 1:
+        return f"{args.world} ranks: {args.cp}-way context parallel, each rank its part of every sequence"
     if args.dp_replicate > 1:
         parts = [f"{args.pp} pipeline stages" if args.pp > 1 else "", f"{args.dp_replicate} replicas",
                  f"each sharded over {args.dp} ranks", f"{args.tp}-way tensor parallel" if args.tp > 1 else ""]

@@ -156,7 +156,7 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                         "shards' gradients across the replicas); torchtitan's data_parallel_replicate_degree")
     p.add_argument("--cp", type=at_least(1), default=1,
                    help="context-parallel ranks (pass context_parallel): each computes its part of every sequence "
-                        "and attends over all keys; alone so far (with --passes fuse, precision, checkpoint)")
+                        "and attends over all keys; beside --dp or --shard, not yet --tp or --pp")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
                         "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "

@@ -60,15 +60,20 @@ CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "as
             "hsdp", "tensor_parallel pipeline", "overlap pipeline")
 CODECS = ("bf16", "int8", "topk", "powersgd")  # one per exchange; sparse_rows pairs with one of them
 REFUSALS = (
-    *(refusal(f"context_parallel {other}", "context_parallel runs on a mesh of cp alone so far (each gradient is "
-              "summed over cp by itself, and no other parallel pass knows the split sequence): give the cp ranks "
-              "the whole world, or use tensor_parallel with sequence_parallel for long sequences")
-      for other in PARALLEL if other != "context_parallel"),
+    *(refusal(f"context_parallel {other}", "context_parallel composes with data parallelism (overlap or shard) so "
+              "far; tensor_parallel, pipeline and HSDP do not know the split sequence yet: give the other ranks to "
+              "dp_replicate or dp_shard, or use tensor_parallel with sequence_parallel for long sequences")
+      for other in ("hsdp", "tensor_parallel", "pipeline")),
+    *(refusal(f"context_parallel {kind}", "a compressed gradient exchange beside context_parallel is not checked "
+              "yet: drop the compressor") for kind in COMPRESSION),
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "
               "(Overlap's all-reduce is): drop the compressor, or replicate the data-parallel ranks (Overlap)")
       for model in ("tensor_parallel", "pipeline") for codec in COMPRESSION),
+    refusal("shard sequence_parallel", "the shard pass cannot yet bucket parameters whose placeholders sequence "
+            "parallelism's rewrite moved (its forward graph comes out unordered): run tensor_parallel without "
+            "sequence_parallel beside shard, or replicate the data-parallel ranks (Overlap)"),
     refusal("overlap tensor_parallel topk", "top-k picks different entries on each tensor-parallel rank, so the "
             "parameters every tp rank holds whole (the norms) drift apart between them: compress with bf16, int8 "
             "or powersgd beside tensor_parallel"),

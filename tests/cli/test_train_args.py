@@ -73,7 +73,7 @@ def test_one_process_is_one_replica():
     (["--tp", "2", "--pp", "2", "--dp", "2"],
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
     (["--shard", "--dp-replicate", "2", "--compress", "int8"], "HSDP's all-reduce across the replicas is not compressed"),
-    (["--cp", "2"], "context_parallel runs on a mesh of cp alone so far"),  # 4 ranks: cp 2 x dp 2
+    (["--cp", "2", "--tp", "2"], "context_parallel composes with data parallelism (overlap or shard) so far"),
     (["--dp-replicate", "2"], "--dp-replicate 2 is HSDP's replicas of a sharded group: add --shard"),
     (["--tp", "2", "--no-async-tp"], "--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),

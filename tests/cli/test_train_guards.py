@@ -120,6 +120,24 @@ def test_every_rank_skips_or_stops_at_the_same_step(capfd):
     assert len(errors) == 1 and f"step 2: the loss is" in errors[0] and f"the gradient of {FIRST}" in errors[0], errors
 
 
+@pytest.mark.slow
+def test_a_diverging_run_under_torchrun_ends_with_one_line_and_status_1(tmp_path):
+    """No patching: a learning rate of 1e38 makes step 2's gradients overflow on both ranks."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "picofx",
+               "train", *FAST, "--steps", "6", "--lr", "1e38"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started, nothing else
+        raise AssertionError(f"still running after 240 s: a hang; killed:\n{proc.communicate()[0][-3000:]}")
+    errors = [line for line in out.splitlines() if line.startswith("picofx train: error")]
+    assert proc.returncode != 0 and "exitcode  : 1" in out and out.count("Traceback") <= 1, out  # torchrun's own
+    assert len(errors) == 1 and errors[0].startswith("picofx train: error: step 2: the loss is "), out[-3000:]
+    assert "the gradient of embedding.weight is not finite" in errors[0], errors  # the first in the model's order
+
+
 def test_metrics_are_one_json_line_per_step(tmp_path):
     train = importlib.import_module("picofx.cli.train")
     result = train.main([*FAST, "--steps", "3", "--lr", "1e-3", "--metrics", str(tmp_path / "run" / "m.jsonl")])

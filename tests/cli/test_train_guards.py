@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from picofx.api import OptimizedModule
 from picofx.cli.train_args import parse_args
+from picofx.cli.train_guards import group_timeout
 from picofx.runtime.watchdog import Watchdog, beat_interval
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
@@ -148,6 +149,23 @@ def test_metrics_are_one_json_line_per_step(tmp_path):
     for entry in lines:
         assert entry["grad_norm"] > 0 and entry["tokens_per_s"] > 0 and 0 < entry["mfu"] < 1, entry
         assert entry["peak_memory_bytes"] > 10 * 2**20, entry
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--collective-timeout", "0"], "--collective-timeout: must be a positive number of seconds, got 0"),
+    (["--collective-timeout", "soon"], "--collective-timeout: 'soon' is not a number of seconds"),
+    (["--metrics", "{tmp}"], "--metrics {tmp}: not a file that can be written"),
+])
+def test_bad_guard_options_are_usage_errors(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as refused:
+        parse_args([a.format(tmp=tmp_path) for a in argv], environ={})
+    assert refused.value.code == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_the_process_group_outlasts_the_watchdog_so_its_line_comes_first():
+    args = parse_args([], environ={})
+    assert args.collective_timeout == 300
+    assert group_timeout(args.collective_timeout).total_seconds() >= 300 + beat_interval(300) + 5
 
 
 def test_tensorboard_without_the_package_is_a_usage_error(capsys, tmp_path):

@@ -10,6 +10,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -134,6 +135,9 @@ class AsyncSaver:
     def __init__(self, root, *, keep: int | None = None, group=None, rank: int = 0, asynchronous: bool = True):
         self.root, self.keep, self.group, self.rank = pathlib.Path(root), keep, group, rank
         self.asynchronous, self.stager = asynchronous, ReusedBuffers()
+        if not dist.is_initialized():  # dcp says so on every save, from the writing thread too: it is one process
+            warnings.filterwarnings("ignore", category=UserWarning,
+                                    message=r"torch.distributed is (disabled, )?unavailable or uninitialized")
         self.pending: threading.Thread | None = None
         self.failure: BaseException | None = None
         self.blocked_seconds: list[float] = []  # how long each save held up its caller

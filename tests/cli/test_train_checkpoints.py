@@ -106,6 +106,27 @@ def test_a_save_is_marked_complete_only_after_its_write_finished(tmp_path, monke
     assert newest_complete(tmp_path).name == "step-2" and steps_in(tmp_path) == {2: True, 3: False}
 
 
+def test_a_background_save_holds_the_state_as_it_was_when_save_returned(tmp_path):
+    """The step after a save changes the parameters in place while the write goes on; each
+    checkpoint holds its own step's values (the copy's buffers are reused from one save to the next)."""
+    import torch.distributed.checkpoint as dcp
+
+    from picofx.cli import train_state
+
+    weight = torch.arange(200_000, dtype=torch.float32)
+    saver = AsyncSaver(tmp_path)
+    for step in (1, 2):
+        saver.save({"weight": weight, "note": f"step {step}"}, step)
+        weight.mul_(-1)  # before the write can have finished
+    saver.wait()
+    for step, sign in ((1, 1), (2, -1)):
+        loaded = {"weight": torch.zeros_like(weight), "note": ""}
+        with train_state.single_process_quiet():
+            dcp.load(loaded, checkpoint_id=str(checkpoints.step_directory(tmp_path, step)), no_dist=True)
+        assert torch.equal(loaded["weight"], sign * torch.arange(200_000, dtype=torch.float32)), step
+        assert loaded["note"] == f"step {step}"
+
+
 def sigterm_on_third_optimizer_step(rank: int) -> None:
     """Rank 1 alone gets SIGTERM during its third step (as a scheduler would send it to one node)."""
     original, calls = torch.optim.AdamW.step, [0]

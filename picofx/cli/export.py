@@ -60,6 +60,12 @@ def run_export(args) -> int:
 def export(checkpoint: str, out: str) -> pathlib.Path:
     """Write `checkpoint` as a Hugging Face model folder at `out`; returns the checkpoint directory
     it read (a --save directory's newest complete step)."""
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ExportError("writing a Hugging Face model needs transformers and safetensors: "
+                          "pip install 'picofx[hf]'") from None
     directory = checkpoint_directory(pathlib.Path(checkpoint))
     target = pathlib.Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):

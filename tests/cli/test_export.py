@@ -80,7 +80,7 @@ def trained_and_saved(rank: int, world: int, layouts: list, root: str) -> dict:
     os.environ.update(environ)
     trained = {}
     for layout in layouts:
-        directory = os.path.join(root, "-".join(layout) or "one-process")
+        directory = os.path.join(root, "-".join(a.strip("-") for a in layout if a.startswith("--")) or "one-process")
         args = parse_args([*FAST, *layout, "--steps", "2"], environ=environ)
         ranks = train.Ranks(args)
         s = train.setup(args, ranks)
@@ -180,23 +180,41 @@ CORPUS = "\n".join(" ".join(w for w in "a slow river carries old leaves past gre
                    for i in range(8)) * 40
 
 
-def test_export_of_a_picofx_train_model_run(tmp_path):
-    """picofx train --model DIR: the export is the trained Hugging Face model, its tied head once,
-    with the folder's tokenizer."""
+def model_run(tmp_path) -> tuple[pathlib.Path, list]:
+    """A Hugging Face model folder and the picofx train options that train it on a small corpus."""
     folder = tiny_hf_llama_folder(tmp_path)
     (tmp_path / "corpus.txt").write_text(CORPUS)
-    run = ["--model", str(folder), "--data", str(tmp_path / "corpus.txt"), "--data-cache", str(tmp_path / "tokens")]
-    (directory, whole), = trained_and_saved(0, 1, [run], str(tmp_path)).items()
+    return folder, ["--model", str(folder), "--data", str(tmp_path / "corpus.txt"),
+                    "--data-cache", str(tmp_path / "tokens")]
+
+
+def assert_model_exports_equal_trained(folder: pathlib.Path, trained: dict, tmp_path) -> None:
+    """Each checkpoint of a --model run exports as the trained Hugging Face model, its tied head
+    once, with the folder's tokenizer."""
     config = transformers.AutoConfig.from_pretrained(folder)
-    trained = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert trained.load_state_dict(whole, strict=False).missing_keys == ["lm_head.weight"]  # the embedding, tied
-    out = tmp_path / "out"
-    assert picofx_main(["export", directory, "--hf", str(out)]) == 0
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    ids = transformers.AutoTokenizer.from_pretrained(str(out))(["old leaves past green hills ."],
-                                                             return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-6)
+    for directory, whole in trained.items():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        assert set(model.load_state_dict(whole, strict=False).missing_keys) <= {"lm_head.weight"}  # tied
+        out = tmp_path / f"{pathlib.Path(directory).name}-hf"
+        assert picofx_main(["export", directory, "--hf", str(out)]) == 0
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        ids = transformers.AutoTokenizer.from_pretrained(str(out))(["old leaves past green hills ."],
+                                                                 return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_export_of_a_picofx_train_model_run(tmp_path):
+    folder, run = model_run(tmp_path)
+    assert_model_exports_equal_trained(folder, trained_and_saved(0, 1, [run], str(tmp_path)), tmp_path)
+
+
+@pytest.mark.slow
+def test_export_of_sharded_and_pipelined_model_runs(tmp_path):
+    folder, run = model_run(tmp_path)
+    results = run_ranks(trained_and_saved, 2, [[*run, "--shard"], [*run, "--pp", "2"]], str(tmp_path),
+                        timeout=500, collective_timeout=120)
+    assert_model_exports_equal_trained(folder, results[0], tmp_path)
 
 
 @pytest.fixture(scope="module")

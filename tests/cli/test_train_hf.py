@@ -4,7 +4,8 @@ directory's config, randomly initialised or from its weights (--init-from-hf), o
 Hugging Face loss on the same batch; the data is tokenized once into a token file that a later run
 maps; the windows are contiguous pieces of the documents' token stream, each document ended by EOS;
 batches prepared by DataLoader workers are those drawn one at a time, and a resumed run goes on bit
-for bit."""
+for bit. On 2 ranks (--shard; --tp and --pp among the slow tests) the first loss is the model's own
+and the parameters keep the model's names."""
 import importlib
 import os
 import pathlib
@@ -183,28 +184,34 @@ def test_bad_model_options_stop_with_one_line(options, message, files, tmp_path,
     assert stopped.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def sharded_first_step(rank: int, world: int, files: dict) -> dict:
-    """picofx train's setup under --shard on this rank, and its first step's loss."""
+def first_step(rank: int, world: int, files: dict, layout: list) -> dict:
+    """picofx train's setup under `layout` on this rank, and its first step's loss."""
     from torch.distributed.tensor import DTensor
 
     run = importlib.import_module("picofx.cli.train")
     environ = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     os.environ.update(environ)
     args = parse_args([*FAST, "--model", str(files["llama"]), "--data", str(files["corpus"]), "--data-cache",
-                       str(files["cache"]), "--shard"], environ=environ)
+                       str(files["cache"]), "--microbatches", "2", "--no-measure-cuts", *layout], environ=environ)
     ranks = run.Ranks(args)
     s = run.setup(args, ranks)
     loss = s.opt_model.forward_backward(**s.first).item()
-    dtensors = {n: isinstance(p, DTensor) for n, p in s.model.named_parameters()}
+    dtensors = {n: isinstance(p, DTensor) for n, p in s.opt_model.named_parameters()}
     ranks.close()
-    return {"loss": loss, "dtensors": dtensors}
+    return {"loss": loss, "dtensors": dtensors, "replica": ranks.replica}
 
 
-def test_a_hugging_face_model_trains_sharded_on_two_ranks(files):
-    results = run_ranks(sharded_first_step, 2, files, timeout=400, collective_timeout=120)
+@pytest.mark.parametrize("layout", [pytest.param(["--shard"], id="shard"),
+                                    pytest.param(["--tp", "2"], id="tp", marks=pytest.mark.slow),
+                                    pytest.param(["--pp", "2"], id="pp", marks=pytest.mark.slow)])
+def test_a_hugging_face_model_trains_on_two_ranks(layout, files):
+    results = run_ranks(first_step, 2, files, layout, timeout=400, collective_timeout=120)
     model = random_model(files["llama"])
-    expected_names = [n for n, _ in model.named_parameters()]
-    for replica, result in enumerate(results):  # each rank a replica of its own batches, the first drawn at seed + rank
-        expected = hf_own_loss(model, first_batch(files, files["llama"], replica))
+    names = [n for n, _ in model.named_parameters()]
+    for result in results:  # each replica on its own batches, the first drawn at seed + replica
+        expected = hf_own_loss(model, first_batch(files, files["llama"], result["replica"]))
         torch.testing.assert_close(torch.tensor(result["loss"]), expected, rtol=1e-5, atol=0)
-        assert list(result["dtensors"]) == expected_names and all(result["dtensors"].values()), result["dtensors"]
+        held = list(result["dtensors"])  # a pipeline rank: its stage's parameters, under the model's names
+        assert held == [n for n in names if n in held] and held, held
+        if layout[0] != "--pp":  # sharded, or tensor-parallel pieces (norms replicated): DTensors all
+            assert held == names and all(result["dtensors"].values()), result["dtensors"]

@@ -16,10 +16,18 @@ GATHER = torch.ops.picofx.sp_gather.default
 # (model builder, ContextParallel's options) per case; the test builds the same models in one process
 MODELS = {"reference": ("llama-tiny", {}), "reference unbalanced": ("llama-tiny", {"load_balance": False}),
           "hf": ("hf llama", {}), "hf unbalanced": ("hf llama", {"load_balance": False}),
-          "qwen2": ("hf qwen2", {}), "gpt2": ("gpt2-tiny", {}), "titan": ("titan llama3", {})}
+          "qwen2": ("hf qwen2", {}), "gpt2": ("gpt2-tiny", {}), "titan": ("titan llama3", {}),
+          "hf left-padded": ("hf llama padded", {})}
 
 
 def build(name: str, **kwargs) -> zoo.ZooModel:
+    if name == "hf llama padded":  # the first sequence's first 3 tokens are padding: its mask, split too
+        z = real_models.hf_model("llama", **kwargs)
+        ids = z.example_inputs["input_ids"]
+        mask, labels = torch.ones_like(ids), ids.clone()
+        mask[0, :3], labels[0, :3] = 0, -100
+        z.example_inputs.update(attention_mask=mask, labels=labels)
+        return z
     if name.startswith("hf "):
         return real_models.hf_model(name[3:], **kwargs)
     if name == "titan llama3":
@@ -97,6 +105,11 @@ def scenarios(rank: int, world: int) -> dict:
         "mask": refusal(ScoresAttention(mask_from_tokens=True), {"input_ids": ids, "labels": ids}),
     }
     return out
+
+
+def inductor(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    return one_step(build("llama-tiny"), backend="inductor")
 
 
 TRAIN = ["--backend", "eager", "--passes", "--batch", "2", "--seq", "16", "--log-every", "1", "--steps", "3"]

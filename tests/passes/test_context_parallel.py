@@ -96,6 +96,16 @@ def test_an_unknown_method_is_refused_when_the_pass_is_made():
 
 
 @pytest.mark.slow
+def test_under_inductor_the_step_equals_one_process():
+    loss, grads, _ = single("llama-tiny")
+    for rank in run_ranks(context_parallel_ranks.inductor, 2, timeout=600, collective_timeout=300):
+        torch.testing.assert_close(rank["loss"], loss, **LOSS)
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
+        assert any(name.startswith("all_gather_into_tensor") for name in rank["collectives"]["forward"])
+
+
+@pytest.mark.slow
 def test_picofx_train_with_cp_trains_as_one_process():
     """Three AdamW steps: the first loss within fp32's rtol, the later ones within the drift AdamW
     gives two correct runs (DESIGN §9: ~3e-6 x lr / 1e-3 on the parameters)."""

@@ -9,6 +9,7 @@ records and a resumed run continues from.
 from __future__ import annotations
 
 import collections
+import signal
 import time
 
 import torch
@@ -58,6 +59,12 @@ class DrawnStarts(Sampler):
             yield starts
 
 
+def ignore_sigterm(worker: int) -> None:
+    """torchrun passes SIGTERM to a rank's whole process group: the rank checkpoints at its next step
+    and ends, and a worker that died first would end it at once. A worker still ends with its rank."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class WindowLoader:
     """Batches of `windows` from `generator`'s draws, `workers` DataLoader processes preparing them
     ahead (0: each is prepared when asked for), in pinned memory and copied without blocking when
@@ -68,7 +75,8 @@ class WindowLoader:
         self.sampler = DrawnStarts(windows, generator, batch)
         self.loader = DataLoader(windows, batch_sampler=self.sampler, collate_fn=inputs_and_labels,
                                  num_workers=workers, pin_memory=self.device.type == "cuda",
-                                 prefetch_factor=PREFETCH_PER_WORKER if workers else None, persistent_workers=False)
+                                 prefetch_factor=PREFETCH_PER_WORKER if workers else None, persistent_workers=False,
+                                 worker_init_fn=ignore_sigterm)
         self.batches = iter(self.loader)  # the workers start now, and begin preparing batches
         self.position = generator.get_state()
         self.waited, self.handed_out = 0.0, 0

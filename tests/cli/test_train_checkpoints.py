@@ -282,7 +282,9 @@ def test_sigterm_to_torchrun_saves_every_rank_and_the_same_command_goes_on(tmp_p
         _, out = finished(job, timeout=120)
     finally:
         stop(job)
-    (stopped,) = [step for step, complete in steps_in(root).items() if complete]
+    complete = [step for step, complete in steps_in(root).items() if complete]
+    assert len(complete) == 1, out[-3000:]
+    stopped = complete[0]
     assert 3 <= stopped < 24 and f"stopped by SIGTERM after step {stopped}" in out, out[-3000:]
     code, out = finished(torchrun(*options), timeout=400)
     assert code == 0 and f"resumed from {root}/step-{stopped} at step {stopped}" in out, out[-3000:]

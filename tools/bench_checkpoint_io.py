@@ -12,7 +12,8 @@ machine's load alike):
   async DCP   the same through async_save: the state is copied, then written by a thread while the
               next step runs; a save first waits for the one before it (AsyncSaver)
 For each: the median step (the training step plus the save call) and the median time the save
-call held up the step ("blocks"); the ratios are async over sync. Target: async blocks at most
+call held up the step ("blocks"; of which waiting for the write before it, where the
+write takes longer than a step); the ratios are async over sync. Target: async blocks at most
 0.25x what the synchronous save blocks. Checkpoints go to a temporary directory (--dir), the
 newest one kept.
 """
@@ -37,7 +38,7 @@ class Contender:
     def __init__(self, name: str, model: torch.nn.Module, saver: AsyncSaver | None):
         self.name, self.model, self.saver = name, model, saver
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.steps, self.saves, self.count = [], [], 0
+        self.steps, self.saves, self.waits, self.count = [], [], [], 0
 
     def step(self, batch: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -48,13 +49,16 @@ class Contender:
         if self.saver is not None:
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             saving = time.perf_counter()
+            self.saver.wait()  # inside save() too; timed apart: the write before this one, still going
+            self.waits.append(time.perf_counter() - saving)
             self.saver.save({"model": model_state, "optimizer": optimizer_state}, self.count)
             self.saves.append(time.perf_counter() - saving)
         self.steps.append(time.perf_counter() - started)
 
     def row(self) -> dict:
         return {"contender": self.name, "step_s": statistics.median(self.steps),
-                "blocks_s": statistics.median(self.saves) if self.saves else 0.0, "steps": len(self.steps)}
+                "blocks_s": statistics.median(self.saves) if self.saves else 0.0,
+                "of_which_waiting_s": statistics.median(self.waits) if self.waits else 0.0, "steps": len(self.steps)}
 
 
 def main(argv=None) -> dict:
@@ -85,7 +89,7 @@ def main(argv=None) -> dict:
         c.step(batch)
         if c.saver is not None:
             c.saver.wait()
-        c.steps, c.saves = [], []
+        c.steps, c.saves, c.waits = [], [], []
     for _ in range(args.rounds):
         for c in contenders:
             for _ in range(args.steps):
@@ -102,9 +106,9 @@ def main(argv=None) -> dict:
               "settings": vars(args)}
     print(f"{parameters / 1e6:.1f}M parameters, checkpoints of ~{result['checkpoint_bytes'] / 2**20:.0f} MiB (model and "
           f"AdamW, fp32), a save after every step; medians of {args.rounds} x {args.steps} steps each")
-    print(f"{'contender':<12}{'step (s)':>10}{'save blocks (s)':>17}")
+    print(f"{'contender':<12}{'step (s)':>10}{'save blocks (s)':>17}{'of which waiting for the last write (s)':>40}")
     for row in rows:
-        print(f"{row['contender']:<12}{row['step_s']:>10.3f}{row['blocks_s']:>17.3f}")
+        print(f"{row['contender']:<12}{row['step_s']:>10.3f}{row['blocks_s']:>17.3f}{row['of_which_waiting_s']:>40.3f}")
     print(f"async / sync: save blocks {result['async_blocks_over_sync']:.2f}x (target <= 0.25x), "
           f"step {result['async_step_over_sync']:.2f}x; async step / no save: {result['async_step_over_no_save']:.2f}x")
     write_json(result, args.json, "bench_checkpoint_io.json")

@@ -29,6 +29,7 @@ from torch import fx
 
 from picofx.cost.liveness import Timeline
 from picofx.errors import DistributedError
+from picofx.parallel.mesh import measured_on_first_rank
 
 c10d = torch.ops._c10d_functional
 autograd_c10d = torch.ops._c10d_functional_autograd
@@ -122,6 +123,24 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
     return {"scatters": len(scatters), "waited_after_next_bucket": sum(v is None for v in late.values()),
             "waited_before_the_peak": sum(v is not None for v in late.values()), "prefetched_gathers": len(early),
             "predicted_backward_peak": {"before": before, "after": line.peak if line is not None else None}}
+
+
+def agreement(layout, mesh):
+    """The first rank's numbers on every rank whose backward collectives interleave with this one's:
+    along the shard dimension, the replicas' (HSDP) and tensor parallelism's, in turn."""
+    if layout is None:
+        return None
+    dims = [layout.dim, *([layout.replicas] if layout.replicas is not None else []),
+            *([mesh.dim("tp")] if mesh is not None and mesh.size("tp") > 1 else [])]
+    dims = [d for d in dims if d.size > 1 and d.group is not None]
+    if not dims:
+        return None
+
+    def agree(values: list[float]) -> list[float]:
+        for dim in dims:
+            values = measured_on_first_rank(lambda chosen=values: chosen, len(values), dim)
+        return values
+    return agree
 
 
 NOT_LATE, AFTER_NEXT_BUCKET = -1.0, -2.0

@@ -40,11 +40,11 @@ from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, regi
 from picofx.parallel.layouts import ShardEntry, ShardLayout, layouts_of
 from picofx.cost.liveness import schedule_of
 from picofx.errors import DistributedError
-from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, measured_on_first_rank, resolve_dim
+from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
 from picofx.compression import CompressionState, Dense
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
-from picofx.passes.shard.schedule import plain_collectives, schedule_backward
+from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -142,6 +142,7 @@ class Shard:
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim, replicas, placed_on = shard_dims(self, ctx.mesh)
         mode = fake_mode_of(gm)
+        placeholders_first(gm.graph)  # a bucket's gather reads all its shards where the first is read
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         params = []  # (first use, placeholder, whole shape) in the order the forward first reads them
         for node in [n for n in gm.graph.nodes if is_parameter(n)]:
@@ -247,22 +248,13 @@ def precision_policy(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
     return gather, None if reduce is None or (gather is None and reduce == torch.float32) else reduce
 
 
-def agreement(layout: ShardLayout | None, mesh: ParallelMesh | None):
-    """The first rank's numbers on every rank whose backward collectives interleave with this one's:
-    along the shard dimension, the replicas' (HSDP) and tensor parallelism's, in turn."""
-    if layout is None:
-        return None
-    dims = [layout.dim, *([layout.replicas] if layout.replicas is not None else []),
-            *([mesh.dim("tp")] if mesh is not None and mesh.size("tp") > 1 else [])]
-    dims = [d for d in dims if d.size > 1 and d.group is not None]
-    if not dims:
-        return None
-
-    def agree(values: list[float]) -> list[float]:
-        for dim in dims:
-            values = measured_on_first_rank(lambda chosen=values: chosen, len(values), dim)
-        return values
-    return agree
+def placeholders_first(graph: fx.Graph) -> None:
+    """Every placeholder before the first computation, in their order (an earlier rewrite may have
+    put computations between them)."""
+    body = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if body is not None:
+        for node in [n for n in graph.nodes if n.op == "placeholder"]:
+            body.prepend(node)
 
 
 def backward_timeline(ctx: Context):

@@ -231,7 +231,14 @@ def main(argv=None) -> dict:
     except STOPS as e:
         message = str(e)
     ranks.stop_if_failed(message)
-    s = session
+    try:
+        return run(args, ranks, session)
+    finally:
+        session.batches.stop()  # the DataLoader workers end here, whether the run returned or raised
+
+
+def run(args, ranks: Ranks, s: Session) -> dict:
+    """The steps, the saves and the summary of a set-up run."""
     resumed = f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")

@@ -9,7 +9,7 @@ records and a resumed run continues from.
 from __future__ import annotations
 
 import collections
-import signal
+import os
 import time
 
 import torch
@@ -59,10 +59,12 @@ class DrawnStarts(Sampler):
             yield starts
 
 
-def ignore_sigterm(worker: int) -> None:
-    """torchrun passes SIGTERM to a rank's whole process group: the rank checkpoints at its next step
-    and ends, and a worker that died first would end it at once. A worker still ends with its rank."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def leave_process_group(worker: int) -> None:
+    """torchrun sends SIGTERM to a rank's whole process group: the rank checkpoints at its next step
+    and ends, and a worker that died first would end it at once. Out of that group, a worker still
+    ends when its rank does (DataLoader's parent check) or is ended (multiprocessing's terminate at
+    exit, which a worker ignoring SIGTERM would make wait forever)."""
+    os.setpgid(0, 0)
 
 
 class WindowLoader:
@@ -76,7 +78,7 @@ class WindowLoader:
         self.loader = DataLoader(windows, batch_sampler=self.sampler, collate_fn=inputs_and_labels,
                                  num_workers=workers, pin_memory=self.device.type == "cuda",
                                  prefetch_factor=PREFETCH_PER_WORKER if workers else None, persistent_workers=False,
-                                 worker_init_fn=ignore_sigterm)
+                                 worker_init_fn=leave_process_group)
         self.batches = iter(self.loader)  # the workers start now, and begin preparing batches
         self.position = generator.get_state()
         self.waited, self.handed_out = 0.0, 0

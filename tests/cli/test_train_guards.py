@@ -5,6 +5,7 @@ write each step's figures."""
 import importlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -85,6 +86,7 @@ def test_a_non_finite_gradient_stops_the_run_naming_the_step_and_the_first_param
     assert stopped.value.code == 1 and len(lines) == 1, err
     assert lines[0].startswith(f"picofx train: error: step 2: the loss is ") and \
         f"the gradient of {FIRST} is not finite (the first parameter whose is)" in lines[0], lines[0]
+    assert not multiprocessing.active_children(), "a stopped run left its DataLoader workers running"
 
 
 def test_skip_nonfinite_leaves_the_step_out_and_counts_it(capsys, monkeypatch, tmp_path):

@@ -4,3 +4,20 @@ turns it on in a temporary directory of its own."""
 import os
 
 os.environ.setdefault("PICOFX_CACHE", "0")
+
+import multiprocessing  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_tests():
+    """A child still running when the tests end (a DataLoader worker, a rank) would keep the
+    interpreter waiting at exit: it is killed here, and the session fails naming it."""
+    yield
+    left = multiprocessing.active_children()
+    for child in left:
+        child.kill()
+        child.join(10)
+    if left:
+        pytest.fail(f"processes outlived the tests (killed): {[child.name for child in left]}")

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from picofx.cli.train_state import single_process_quiet
 from picofx.models.hf_export import NoMapping, hf_to_hf, is_reference_llama, reference_to_hf
 from picofx.models.llama import CONFIGS
-from picofx.runtime.checkpoints import COMPLETE, is_complete, newest_complete, saved_steps, step_of
+from picofx.runtime.checkpoints import COMPLETE, INCOMPLETE, MISSING, find_checkpoint
 
 MODEL_KEY = "model."  # picofx train saves the parameters under "model", each by its own name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -86,20 +86,16 @@ def export(checkpoint: str, out: str) -> pathlib.Path:
 def checkpoint_directory(path: pathlib.Path) -> pathlib.Path:
     """`path` itself when it is a checkpoint (a complete step-N, or one saved whole), else the
     newest complete step-N checkpoint in it."""
-    if not path.is_dir():
+    directory, reason = find_checkpoint(path)
+    if reason == MISSING:
         raise ExportError(f"{path}: no such directory: name a directory picofx train --save wrote")
-    if step_of(path) is not None:
-        if not is_complete(path):
-            raise ExportError(f"{path} is incomplete (its write was interrupted: no {COMPLETE} file): export an "
-                              f"older step, or name {path.parent} to export its newest complete one")
-        return path
-    if (path / ".metadata").is_file() and not saved_steps(path):
-        return path
-    newest = newest_complete(path)
-    if newest is None:
+    if reason == INCOMPLETE:
+        raise ExportError(f"{path} is incomplete (its write was interrupted: no {COMPLETE} file): export an "
+                          f"older step, or name {path.parent} to export its newest complete one")
+    if directory is None:
         raise ExportError(f"{path}: no checkpoint there (picofx train --save DIR writes DIR/step-N, each complete "
                           f"once its {COMPLETE} file is written): name a directory with a complete one")
-    return newest
+    return directory
 
 
 def read_checkpoint(directory: pathlib.Path) -> tuple[dict, dict]:

@@ -66,28 +66,41 @@ def prune(root, keep: int | None) -> list[pathlib.Path]:
     return removed
 
 
+MISSING, INCOMPLETE, EMPTY = "missing", "incomplete", "empty"  # why find_checkpoint found none
+
+
+def find_checkpoint(path) -> tuple[pathlib.Path | None, str | None]:
+    """The checkpoint directory `path` names, or None and why (MISSING: no such directory;
+    INCOMPLETE: a step-N whose write was interrupted; EMPTY: no complete checkpoint in it). A
+    complete step-N is itself, so is a checkpoint written whole at the end of a run (its .metadata
+    beside no step-N); a directory of step-N directories gives its newest complete one."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        return None, MISSING
+    if step_of(path) is not None:
+        return (path, None) if is_complete(path) else (None, INCOMPLETE)
+    if (path / ".metadata").is_file() and not saved_steps(path):
+        return path, None
+    newest = newest_complete(path)
+    return (newest, None) if newest is not None else (None, EMPTY)
+
+
 def checkpoint_to_resume(resume: str, save: str | None) -> str | None:
     """The checkpoint directory `--resume` names: `auto` (the newest complete one under `save`, or
-    None for a fresh start), a step-N directory (complete), a directory of step-N directories (its
-    newest complete one), or a single checkpoint written at the end of a run (its .metadata)."""
+    None for a fresh start), else as find_checkpoint resolves it."""
     if resume == "auto":
         if save is None:
             raise ValueError("--resume auto: resumes from the newest checkpoint under --save DIR: pass --save DIR too")
         newest = newest_complete(save)
         return None if newest is None else str(newest)
-    path = pathlib.Path(resume)
-    if step_of(path) is not None and path.is_dir():
-        if not is_complete(path):
-            raise ValueError(f"--resume {resume}: this checkpoint is incomplete (its write was interrupted: no "
-                             f"{COMPLETE} file): resume from an older one, or pass --resume auto with --save")
-        return resume
-    if (path / ".metadata").is_file() and not saved_steps(path):
-        return resume
-    newest = newest_complete(path)
-    if newest is None:
+    directory, reason = find_checkpoint(resume)
+    if reason == INCOMPLETE:
+        raise ValueError(f"--resume {resume}: this checkpoint is incomplete (its write was interrupted: no "
+                         f"{COMPLETE} file): resume from an older one, or pass --resume auto with --save")
+    if directory is None:
         raise ValueError(f"--resume {resume}: no checkpoint there (a directory written by --save holds step-N "
                          f"directories, each complete once its {COMPLETE} file is written)")
-    return str(newest)
+    return resume if directory == pathlib.Path(resume) else str(directory)
 
 
 class ReusedBuffers(AsyncStager):

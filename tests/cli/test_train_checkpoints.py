@@ -76,6 +76,9 @@ def test_an_interrupted_write_is_never_loaded_and_pruning_keeps_what_is_complete
     assert checkpoint_to_resume(str(tmp_path), None) == str(tmp_path / "step-6")
     with pytest.raises(ValueError, match="step-8: this checkpoint is incomplete"):
         checkpoint_to_resume(str(tmp_path / "step-8"), None)
+    assert checkpoints.find_checkpoint(tmp_path / "step-8") == (None, checkpoints.INCOMPLETE)
+    assert checkpoints.find_checkpoint(tmp_path / "nowhere") == (None, checkpoints.MISSING)
+    assert checkpoints.find_checkpoint(tmp_path / "step-4") == (tmp_path / "step-4", None)
     removed = prune(tmp_path, keep=2)
     assert sorted(p.name for p in removed) == ["step-2", "step-5"]
     assert steps_in(tmp_path) == {4: True, 6: True, 8: False}  # the write in flight (8) is left alone

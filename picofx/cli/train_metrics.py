@@ -51,11 +51,24 @@ def model_flops_utilization(flops_per_token: float, replica_tokens_per_s: float,
     return flops_per_token * run_tokens_per_s(replica_tokens_per_s, layout) / (peak_flops_per_s * layout.ranks)
 
 
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters that multiply activations: every 2-D or larger weight of a module other than an
+    embedding, each counted once. An embedding's rows are looked up, not multiplied, unless its
+    weight is also an output projection's (tied), whose matmul it then counts as."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 2:
+                seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
 def palm_flops_per_token(model: torch.nn.Module, seq: int) -> float:
-    """The PaLM convention: 6 x matmul parameters + 12 x layers x hidden x seq, embedding excluded."""
+    """The PaLM convention: 6 x matmul parameters + 12 x layers x hidden x seq (attention's)."""
     config = model.config
-    matmul_params = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embedding" not in name)
-    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq
+    return 6 * matmul_parameters(model) + 12 * config.num_hidden_layers * config.hidden_size * seq
 
 
 def step_dtype(graphs) -> torch.dtype:

@@ -88,3 +88,26 @@ def test_more_threads_than_cores_is_said(ranks, threads, cores, warned):
     if warned:
         fix = f"OMP_NUM_THREADS={cores // ranks}" if ranks <= cores else f"at most {cores} ranks"
         assert f"than the {cores} cores" in warning and fix in warning
+
+
+def layer_matmul_flops_per_token(c) -> int:
+    """A decoder layer's projections, forward and backward (6 per weight), written out from the config."""
+    head = c.hidden_size // c.num_attention_heads
+    attention = c.hidden_size * head * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    return 6 * (attention + 3 * c.hidden_size * c.intermediate_size)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_embedding_lookup_is_not_counted_as_a_matmul_but_a_tied_head_is(tied):
+    """The reference LLaMA and a Hugging Face Llama of its shape do the same matmuls, tied or not:
+    the layers' projections, the output head (V x H) and attention; the embedding's lookup none."""
+    pytest.importorskip("transformers")
+    seq = 16
+    reference = zoo.build("llama-tiny", seq=seq).model
+    hf = zoo.build("hf-llama-tiny", seq=seq, tie_word_embeddings=tied).model
+    c = reference.config
+    expected = (c.num_hidden_layers * layer_matmul_flops_per_token(c) + 6 * c.vocab_size * c.hidden_size
+                + 12 * c.num_hidden_layers * c.hidden_size * seq)
+    assert palm_flops_per_token(reference, seq) == expected
+    assert palm_flops_per_token(hf, seq) == expected
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied

@@ -238,7 +238,17 @@ def main(argv=None) -> dict:
 
 
 def run(args, ranks: Ranks, s: Session) -> dict:
-    """The steps, the saves and the summary of a set-up run."""
+    """The steps, the saves and the summary of a set-up run; where a collective failed because a rank
+    died (its heartbeat stopped), this rank stops with one line saying so (exit status 1)."""
+    try:
+        return train_steps(args, ranks, s)
+    except Exception as e:
+        if ranks.watchdog is not None:
+            ranks.watchdog.stop_if_a_peer_died(e, before_stop=s.batches.stop)
+        raise
+
+
+def train_steps(args, ranks: Ranks, s: Session) -> dict:
     resumed = f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")

@@ -205,6 +205,7 @@ class AsyncSaver:
                 prune(self.root, self.keep)
         except BaseException as e:  # noqa: BLE001  (raised in the training thread by wait())
             self.failure = RuntimeError(f"saving step {step} to {directory} failed on rank {self.rank}: {e}")
+            self.failure.__cause__ = e  # a peer's death under the write is told as the collectives' are
 
     def _raise_failure(self) -> None:
         if self.failure is not None:

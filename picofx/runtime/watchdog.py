@@ -12,10 +12,16 @@ Where a rank was is as of its last beat (a tenth of the timeout, at most 5 s, be
 A rank busy for longer than `timeout` (compiling, writing a checkpoint) keeps beating: only a rank
 that does not answer at all is stopped for. A rank that ends its run says so, and is not waited for.
 The process group's own timeout should be longer than `timeout`, so that this line comes first.
+
+A rank that dies (killed, its machine gone) breaks its connections at once: the others' collectives
+fail with the backend's own error (gloo's "connection reset by peer") well before the timeout. A
+rank whose collective failed asks the watchdog (`stop_if_a_peer_died`) whose heartbeat stopped, and
+if one did, stops with one line naming it instead of the backend's traceback.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -24,6 +30,8 @@ from tqdm import tqdm
 
 PREFIX = "picofx/watchdog"
 DONE = "done"
+FAILED = "failed:"  # the place of a rank that stopped because a collective failed (not itself a dead rank)
+STOPPED_BEATS = 2   # a peer whose count has not moved for this many beats has stopped beating
 
 
 def stop_process(line: str, speaks: bool) -> None:
@@ -50,6 +58,7 @@ class Watchdog:
         self.on_hang, self.what = on_hang, what
         self.interval = beat_interval(timeout)
         self.place = "setup"
+        self.failed = False  # this rank's collective failed: its place is published as FAILED's
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its count, when this rank saw it change)
         self.finished = threading.Event()
         self.thread = threading.Thread(target=self.run, name="picofx-watchdog", daemon=True)
@@ -58,7 +67,7 @@ class Watchdog:
         return f"{PREFIX}/{kind}/{rank}"
 
     def start(self) -> Watchdog:
-        self.store.set(self.key("at", self.rank), self.place)
+        self.store.set(self.key("at", self.rank), self.published())
         self.store.add(self.key("beat", self.rank), 1)
         now = time.monotonic()
         self.seen = {peer: (-1, now) for peer in range(self.world) if peer != self.rank}
@@ -68,6 +77,9 @@ class Watchdog:
     def at(self, step: int, phase: str) -> None:
         """What the main thread does now: `phase` of step `step` (counted from 1)."""
         self.place = f"step {step}'s {phase}"
+
+    def published(self) -> str:
+        return f"{FAILED} {self.place}" if self.failed else self.place
 
     def stop(self) -> None:
         """This rank's run ended: no more beats, and the others stop waiting for them."""
@@ -79,7 +91,7 @@ class Watchdog:
 
     def run(self) -> None:
         while not self.finished.wait(self.interval):
-            self.store.set(self.key("at", self.rank), self.place)
+            self.store.set(self.key("at", self.rank), self.published())
             self.store.add(self.key("beat", self.rank), 1)
             silent = self.silent_peers()
             if silent:
@@ -94,9 +106,51 @@ class Watchdog:
             current = self.store.add(self.key("beat", peer), 0)  # reads without waiting for the key
             if current != count:
                 self.seen[peer] = (current, now)
-            elif now - since > self.timeout and self.last_seen(peer) != DONE:
+            elif now - since > self.timeout and not self.ended(peer):
                 silent.append(peer)
         return silent
+
+    def ended(self, peer: int) -> bool:
+        """Whether `peer` said it ended its run, or stopped after a collective failed."""
+        place = self.last_seen(peer)
+        return place == DONE or place.startswith(FAILED)
+
+    def stop_if_a_peer_died(self, error: BaseException, before_stop=lambda: None) -> None:
+        """After a collective raised `error` on this rank: when it is a collective's failure and a peer's
+        heartbeat has stopped (watched for up to STOPPED_BEATS beats), `before_stop()`, then
+        `on_hang` with one line naming the peer, where it was and this rank's collective. Else
+        returns, for the caller to raise `error` as it is."""
+        cause = collective_error(error)
+        if cause is None or self.finished.is_set():
+            return
+        self.failed = True  # the peers' checks pass over this rank, which ends too
+        self.store.set(self.key("at", self.rank), self.published())
+        dead = self.stopped_peers()
+        if not dead:
+            return
+        self.finished.set()
+        before_stop()
+        self.on_hang(self.died_line(dead, cause), speaks=self.speaks(dead))
+
+    def stopped_peers(self) -> list[int]:
+        """The peers whose beat count stays still for STOPPED_BEATS beats (at most that long a wait:
+        a live peer's moves within one), those that ended their run or stopped themselves excluded."""
+        limit, start = STOPPED_BEATS * self.interval, time.monotonic()
+        count = {peer: self.store.add(self.key("beat", peer), 0) for peer in self.seen}
+        undecided = set(count)
+        while undecided and time.monotonic() - start <= limit:
+            time.sleep(min(0.05, self.interval / 4))
+            undecided -= {peer for peer in undecided if self.store.add(self.key("beat", peer), 0) != count[peer]}
+        return sorted(peer for peer in undecided if not self.ended(peer))
+
+    def died_line(self, dead: list[int], error: BaseException) -> str:
+        first, others = dead[0], "".join(f" and {peer}" for peer in dead[1:])
+        cause = backend_message(error)
+        return (f"picofx train: error: rank{'s' if others else ''} {first}{others} died: no heartbeat for "
+                f"{STOPPED_BEATS * self.interval:g} s (killed, or its machine gone), last heard from in "
+                f"{self.last_seen(first)}; rank {self.rank}'s collective in {self.place} failed with it ({cause}). "
+                f"Every rank stops: look at why rank {first} ended (its own output, the machine's log of killed "
+                "processes)")
 
     def last_seen(self, peer: int) -> str:
         if self.seen[peer][0] <= 0:  # it never beat: its place was never written
@@ -115,3 +169,24 @@ class Watchdog:
                 f"{self.timeout:g} s, last heard from in {self.last_seen(first)}; rank {self.rank} was waiting "
                 f"in {self.place}. Every rank stops ({self.what} {self.timeout:g}): look at what stopped rank "
                 f"{first} (a stopped or frozen process, its machine gone, a debugger's breakpoint)")
+
+
+def backend_message(error: BaseException) -> str:
+    """The first sentence of an error, without the source location gloo puts before it."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[[^\]]*:\d+\] ", "", text)
+    return re.split(r"(?<=\.) ", text, maxsplit=1)[0][:200]
+
+
+def collective_error(error: BaseException | None) -> BaseException | None:
+    """`error`, or the error that caused it, where it is a collective's or the store's (torch's
+    DistError kinds, and the backends' errors that torch raises as plain RuntimeErrors); else None."""
+    import torch.distributed as dist
+
+    while error is not None:
+        text = str(error)
+        if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
+                mark in text for mark in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL"))):
+            return error
+        error = error.__cause__ or error.__context__
+    return None

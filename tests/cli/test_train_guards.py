@@ -57,6 +57,35 @@ def test_the_watchdog_names_a_rank_that_stopped_beating_within_the_timeout():
     rank0.stop()
 
 
+def test_a_collective_failing_while_a_peer_stopped_beating_is_told_as_that_peers_death():
+    store, said, stopped = dist.HashStore(), [], []
+    rank0 = Watchdog(store, 0, 3, 1.0, on_hang=lambda line, speaks: said.append((line, speaks))).start()
+    rank1 = Watchdog(store, 1, 3, 1.0, on_hang=lambda *_, **__: said.append("rank 1 stopped")).start()
+    rank2 = Watchdog(store, 2, 3, 1.0, on_hang=lambda *_, **__: said.append("rank 2 stopped")).start()
+    rank0.at(5, "forward and backward (gradient all-reduces)")
+    time.sleep(3 * rank0.interval)
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:7084: Connection reset by "
+                         "peer. This is typically caused by a remote process dying")
+    rank0.stop_if_a_peer_died(ValueError("a bug of this rank's own"))  # not a collective's: raised as it is
+    rank0.stop_if_a_peer_died(reset)  # every peer beats: the backend's error is raised as it is
+    assert said == [] and not rank0.finished.is_set()
+    rank2.stop_if_a_peer_died(reset)  # rank 2's collective failed too: it ends, and is not a dead rank
+    rank2.finished.set()
+    rank1.finished.set()  # rank 1 dies: no more beats
+    rank0.stop_if_a_peer_died(RuntimeError("saving step 5 failed"), before_stop=lambda: stopped.append(True))
+    assert said == [] and stopped == []  # no collective's error in it
+    failed = RuntimeError("saving step 5 to run/step-5 failed on rank 0: peer gone")
+    failed.__cause__ = reset
+    rank0.stop_if_a_peer_died(failed, before_stop=lambda: stopped.append(True))
+    (line, speaks), = said
+    assert speaks and stopped == [True], said
+    assert line.startswith("picofx train: error: rank 1 died: no heartbeat for ") and "rank 2" not in line, line
+    assert rank0.finished.is_set() and "rank 1 stopped" not in said
+    assert ("rank 0's collective in step 5's forward and backward (gradient all-reduces) failed with it (Read error "
+            "[127.0.0.1]:7084: Connection reset by peer.)") in line, line
+    rank2.stop()
+
+
 def poison(names_by_rank: dict, at_step: int):
     """Make the gradient of each named parameter NaN after `at_step`'s backward (after its all-reduce, so
     only the ranks named hold it), as a real divergence would land in one tensor."""
@@ -244,3 +273,33 @@ def test_a_stopped_rank_stops_the_others_within_the_timeout_under_torchrun(tmp_p
     assert len(lines) == 1 and lines[0].startswith("picofx train: error: rank 1 stopped answering: no heartbeat for "
                                                    f"{timeout} s, last heard from in step "), err[-3000:]
     assert "rank 0 was waiting in step" in lines[0] and "(gradient all-reduces)" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_others_with_one_line_naming_it_under_torchrun(tmp_path):
+    """SIGKILL: the others' collectives fail at once (gloo's connection reset), and each says which
+    rank died instead of gloo's traceback (--save: torchrun's SIGTERM to them waits for the next step)."""
+    metrics = tmp_path / "m.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "picofx",
+               "train", *FAST, "--log-every", "1000", "--steps", "100000", "--collective-timeout", "20",
+               "--metrics", str(metrics), "--save", str(tmp_path / "run"), "--save-every", "1000"]
+    with open(tmp_path / "err.txt", "w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 240)
+        ranks = {rank_of(pid): pid for pid in children(proc.pid)}
+        assert set(ranks) == {0, 1}, (ranks, proc.poll(), (tmp_path / "err.txt").read_text()[-3000:])
+        os.kill(ranks[1], signal.SIGKILL)
+        proc.wait(timeout=90)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the ranks it started, nothing else
+        except ProcessLookupError:
+            pass
+    err = (tmp_path / "err.txt").read_text()
+    lines = [line for line in err.splitlines() if "picofx train: error" in line]
+    assert proc.returncode != 0 and err.count("Traceback") <= 1, err[-3000:]  # torchrun's own
+    assert len(lines) == 1 and "picofx train: error: rank 1 died: no heartbeat for " in lines[0], err[-3000:]
+    assert "rank 0's collective in step " in lines[0] and "Connection reset by peer" in lines[0], lines[0]
+    assert "exitcode  : 1 " in err, err[-3000:]  # rank 0 stopped itself, with status 1

@@ -16,6 +16,7 @@ import torch
 from picofx.data import TokenFile, WindowLoader, Windows, token_file
 from picofx.data.windows import inputs_and_labels
 from picofx.data.tokens import MappedTokens, content_hash
+from picofx.parallel.launch import once_per_machine
 from picofx.runtime.cache import default_directory
 
 TEXT_COLUMNS = ("text", "content")
@@ -142,10 +143,15 @@ def data_key(source: str | None, max_bytes: int = STDLIB_BYTES) -> str:
 
 def tokenized(source: str, tokenizer, cache: str | None) -> tuple[TokenFile, str]:
     """`source` under the model's `tokenizer`, as a token file in `cache` (by default picofx's cache
-    directory, tokens/); and a line saying whether it was tokenized now or reused."""
+    directory, tokens/), tokenized by one rank of each machine; and a line saying whether it was
+    tokenized now or reused."""
     directory = pathlib.Path(cache) if cache else pathlib.Path(os.environ.get("PICOFX_CACHE_DIR") or
                                                                 default_directory()) / "tokens"
-    found = token_file(tokenizer, documents(source), data_key=data_key(source), cache=directory, describe=source)
+    key = data_key(source)
+
+    def make() -> TokenFile:
+        return token_file(tokenizer, documents(source), data_key=key, cache=directory, describe=source)
+    found = once_per_machine(make, f"tokens {directory.resolve()} {key}")  # the machine's other ranks map it
     how = (f"tokenized in {found.tokenized_seconds:.1f}s into" if found.tokenized_seconds is not None
            else "mapped, tokenized by an earlier run:")
     return found, f"data: {found.count:,} tokens of {source or 'the standard library'}, {how} {found.path}"

@@ -1,5 +1,6 @@
 """Run a function on several gloo ranks in spawned processes of this machine, with a hard timeout
-(the planner's measurements, the tests, the benchmarks).
+(the planner's measurements, the tests, the benchmarks); join the group torchrun launched; do a
+thing once per machine while its other ranks wait.
 
 `run_ranks(fn, world, timeout=...)` starts `world` processes that each init a gloo group (with
 a collective timeout shorter than the call's), call `fn(rank, world, *args)` and send back its
@@ -9,10 +10,13 @@ started is killed at the end, and only those.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import io
 import os
+import pickle
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -55,6 +59,48 @@ def rendezvous_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+ONCE_POLL_SECONDS = 0.05
+_once_calls: dict[str, int] = {}  # calls of once_per_machine by name in this process: every rank makes the same
+
+
+def once_per_machine(make, name: str):
+    """`make()` on one rank of each machine (the first there to ask) while the machine's other ranks
+    wait for its result (which must pickle: a file's description, say), and return it too. Without
+    a process group, make() alone. The first rank's error is raised on the others as well, so none
+    waits for ever (a first rank that dies is the watchdog's: it stops beating)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return make()
+    store = rendezvous_store()
+    _once_calls[name] = _once_calls.get(name, 0) + 1
+    digest = hashlib.sha256(f"{socket.gethostname()} {name}".encode()).hexdigest()[:16]
+    key = f"picofx/once/{digest}/{_once_calls[name]}"
+    if store.add(f"{key}/first", 1) == 1:
+        try:
+            result = make()
+        except BaseException as e:
+            store.set(f"{key}/done", pickled("error", e))
+            raise
+        store.set(f"{key}/done", pickled("ok", result))
+        return result
+    while not store.check([f"{key}/done"]):
+        time.sleep(ONCE_POLL_SECONDS)
+    status, value = pickle.loads(store.get(f"{key}/done"))
+    if status == "error":
+        raise value
+    return value
+
+
+def pickled(status: str, value) -> bytes:
+    try:
+        return pickle.dumps((status, value))
+    except Exception:  # noqa: BLE001  (an error that does not pickle goes as its text)
+        if status == "ok":
+            raise
+        return pickle.dumps((status, RuntimeError(f"{type(value).__name__}: {value}")))
 
 
 def free_port() -> int:

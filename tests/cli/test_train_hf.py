@@ -12,6 +12,7 @@ import pathlib
 import random
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -184,28 +185,38 @@ def test_bad_model_options_stop_with_one_line(options, message, files, tmp_path,
     assert stopped.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def first_step(rank: int, world: int, files: dict, layout: list) -> dict:
-    """picofx train's setup under `layout` on this rank, and its first step's loss."""
+def first_step(rank: int, world: int, files: dict, layout: list, cache: str) -> dict:
+    """picofx train's setup under `layout` on this rank, and its first step's loss; how many times
+    this rank tokenized the data (slowly: ranks that tokenized at once would both do it)."""
     from torch.distributed.tensor import DTensor
 
+    tokens = importlib.import_module("picofx.data.tokens")
+    tokenizing, calls = tokens.token_ids, []
+
+    def slowly(*args, **kwargs):
+        calls.append(rank)
+        time.sleep(1.0)
+        yield from tokenizing(*args, **kwargs)
+    tokens.token_ids = slowly
     run = importlib.import_module("picofx.cli.train")
     environ = {"RANK": str(rank), "WORLD_SIZE": str(world)}
     os.environ.update(environ)
     args = parse_args([*FAST, "--model", str(files["llama"]), "--data", str(files["corpus"]), "--data-cache",
-                       str(files["cache"]), "--microbatches", "2", "--no-measure-cuts", *layout], environ=environ)
+                       cache, "--microbatches", "2", "--no-measure-cuts", *layout], environ=environ)
     ranks = run.Ranks(args)
     s = run.setup(args, ranks)
     loss = s.opt_model.forward_backward(**s.first).item()
     dtensors = {n: isinstance(p, DTensor) for n, p in s.opt_model.named_parameters()}
     ranks.close()
-    return {"loss": loss, "dtensors": dtensors, "replica": ranks.replica}
+    return {"loss": loss, "dtensors": dtensors, "replica": ranks.replica, "tokenized": len(calls)}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(["--shard"], id="shard"),
                                     pytest.param(["--tp", "2"], id="tp", marks=pytest.mark.slow),
                                     pytest.param(["--pp", "2"], id="pp", marks=pytest.mark.slow)])
-def test_a_hugging_face_model_trains_on_two_ranks(layout, files):
-    results = run_ranks(first_step, 2, files, layout, timeout=400, collective_timeout=120)
+def test_a_hugging_face_model_trains_on_two_ranks(layout, files, tmp_path):
+    results = run_ranks(first_step, 2, files, layout, str(tmp_path / "tokens"), timeout=400, collective_timeout=120)
+    assert sum(r["tokenized"] for r in results) == 1, results  # one rank tokenized, the other mapped its file
     model = random_model(files["llama"])
     names = [n for n, _ in model.named_parameters()]
     for result in results:  # each replica on its own batches, the first drawn at seed + replica
@@ -215,3 +226,31 @@ def test_a_hugging_face_model_trains_on_two_ranks(layout, files):
         assert held == [n for n in names if n in held] and held, held
         if layout[0] != "--pp":  # sharded, or tensor-parallel pieces (norms replicated): DTensors all
             assert held == names and all(result["dtensors"].values()), result["dtensors"]
+
+
+def test_the_first_ranks_tokens_or_error_are_every_ranks_on_its_machine(monkeypatch):
+    """The machine's other ranks never tokenize: they take the first rank's token file, or its
+    error (and so never wait for a file that will not come)."""
+    import torch.distributed as dist
+
+    from picofx.cli.train_data import DataError
+    from picofx.parallel import launch
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(launch, "rendezvous_store", lambda: store)
+    monkeypatch.setattr(launch, "_once_calls", {})
+
+    def other_rank(name: str):
+        launch._once_calls.clear()  # the same call, made in the other rank's process
+        return launch.once_per_machine(lambda: pytest.fail("the other rank tokenized too"), name)
+
+    assert launch.once_per_machine(lambda: "tokens.bin", "tokens a") == "tokens.bin"
+    assert other_rank("tokens a") == "tokens.bin"
+
+    def no_text_column():
+        raise DataError("--data rows: no text column")
+    for take in (lambda: launch.once_per_machine(no_text_column, "tokens b"), lambda: other_rank("tokens b")):
+        with pytest.raises(DataError, match="no text column"):
+            take()

@@ -64,7 +64,9 @@ def run_cell(cell: Cell, backend: str) -> dict:
     loss = opt.forward_backward(**batch)
     return {"loss": loss.detach().clone(), "replica": index, "replicas": replicas,
             "grads": {n: whole(p.grad) for n, p in opt.named_parameters() if p.grad is not None},
-            "ran": [r.name for r in opt.report.records]}
+            "ran": [r.name for r in opt.report.records],
+            "tokens_per_rank": [r.notes["tokens_per_rank"] for r in opt.report.records
+                                if r.name == "context_parallel" and "tokens_per_rank" in r.notes]}
 
 
 def run_cells(rank: int, world: int, cells: list, backend: str = "eager", say: bool = False) -> dict:

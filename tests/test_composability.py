@@ -73,6 +73,10 @@ def assert_matches_one_process(cell: Cell, ranks: list, references: dict) -> Non
     errors = [r["error"] for r in ranks if "error" in r]
     assert not errors, f"{cell.describe()} ({cell.mesh_text()}) failed: {errors[0]}"
     reference = references["precision" if "precision" in cell.features else "fp32"]
+    if "context_parallel" in cell.features:  # each rank (each pipeline stage of it) computed half the tokens
+        length = tiny().example_inputs["input_ids"].shape[1]
+        assert all(r["tokens_per_rank"] and set(r["tokens_per_rank"]) == {length // 2} for r in ranks), \
+            [r["tokens_per_rank"] for r in ranks]
     by_replica = {}
     for r in ranks:  # ranks of one replica (its tp and pp ranks) see the same batch and loss
         by_replica.setdefault(r["replica"], r["loss"])

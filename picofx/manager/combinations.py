@@ -57,15 +57,14 @@ def refusal(features: str, reason: str, raised: str = "") -> Refusal:
 # of the mesh's dimensions that picofx train's layouts use most.
 CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "async_tp", "sequence_parallel",
             "pipeline checkpoint", "overlap int8", "shard sparse_rows", "overlap powersgd", "fuse precision",
-            "hsdp", "tensor_parallel pipeline", "overlap pipeline")
+            "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel")
 CODECS = ("bf16", "int8", "topk", "powersgd")  # one per exchange; sparse_rows pairs with one of them
 REFUSALS = (
-    *(refusal(f"context_parallel {other}", "context_parallel composes with data parallelism (overlap or shard) so "
-              "far; tensor_parallel, pipeline and HSDP do not know the split sequence yet: give the other ranks to "
-              "dp_replicate or dp_shard, or use tensor_parallel with sequence_parallel for long sequences")
-      for other in ("hsdp", "tensor_parallel", "pipeline")),
-    *(refusal(f"context_parallel {kind}", "a compressed gradient exchange beside context_parallel is not checked "
-              "yet: drop the compressor") for kind in COMPRESSION),
+    refusal("context_parallel hsdp", "HSDP beside context_parallel is not checked yet: shard over dp_shard alone "
+            "(dp_shard x cp), or replicate the data-parallel ranks (Overlap)"),
+    *(refusal(f"context_parallel {a} {b}", "context_parallel on three mesh dimensions or more is not checked yet: "
+              "pair it with one of data parallelism, tensor_parallel or pipeline")
+      for a, b in itertools.combinations(("overlap", "shard", "tensor_parallel", "pipeline"), 2)),
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "

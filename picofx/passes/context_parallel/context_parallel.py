@@ -28,10 +28,12 @@ import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp
 from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import USER, input_kind, is_parameter
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
+from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import resolve_dim
 from picofx.passes.context_parallel.attention import Attention
 from picofx.passes.context_parallel.positions import Positions, check_divisible
-from picofx.passes.context_parallel.split import KEYS, PARTIAL, Local, SequenceSplit
+from picofx.passes.context_parallel.split import KEYS, PARTIAL, Local, SequenceSplit, is_pointwise
+from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
@@ -51,7 +53,7 @@ class ContextParallel:
     method: str = "allgather"
     load_balance: bool = True
     info = PassInfo(Stage.FORWARD, also_at=(Stage.PARTITIONED,), mesh_dims=("cp",), communicates=True,
-                    runs_before=("fuse", "precision", "shard", "overlap"))
+                    runs_before=("fuse", "precision", "shard", "overlap"), runs_after=("pipeline",))
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -64,24 +66,31 @@ class ContextParallel:
             notes = lower_collectives(gm, dim.group_name, backward=False)
             return PassResult(bool(notes["lowered"]), notes)
         graph, mode = gm.graph, fake_mode_of(gm)
-        lookups = token_lookups(graph)
-        length = lookups[0].args[1].meta["val"].shape[1]
-        for lookup in lookups:
-            ids = lookup.args[1]
-            check_divisible(ids.meta["val"].shape[1], dim.size, self.load_balance,
-                            f"input {ids.name} {tuple(ids.meta['val'].shape)}")
-        if any(lookup.args[1].meta["val"].shape[1] != length for lookup in lookups):
+        token_ids, stage = token_lookups(graph), recorded(gm).stage
+        received = received_sequence_shards(gm, 1, 1)  # a later pipeline stage's activations (sized as they are)
+        if not token_ids and not received:
+            raise ValueError("ContextParallel: found no embedding lookup of (batch, sequence) token ids given to the "
+                             "model; the sequence is split where the tokens enter it.")
+        starts = list(token_ids) + received
+        length = starts[0].meta["val"].shape[1]
+        for start in starts:
+            check_divisible(start.meta["val"].shape[1], dim.size, self.load_balance,
+                            f"input {start.name} {tuple(start.meta['val'].shape)}")
+        if any(start.meta["val"].shape[1] != length for start in starts):
             raise ValueError("ContextParallel: the token lookups read sequences of different lengths; give one.")
-        anchor = next(n for n in graph.nodes if n.op != "placeholder")
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1].next  # after every input
         positions = Positions(graph, length, dim.size, dim.rank, self.load_balance,
-                              lookups[0].args[1].meta["val"].device, anchor, mode)
+                              starts[0].meta["val"].device, anchor, mode)
         attention = Attention(graph, positions, dim)
-        if not attention.attentions:
+        if not attention.attentions and stage is None:
             raise ValueError("ContextParallel: found no attention (aten.scaled_dot_product_attention) in the graph; "
                              "context parallelism splits attention written with F.scaled_dot_product_attention.")
         split = SequenceSplit(gm, positions, attention, mode)
-        split.run(lookups)
-        outputs = combine_outputs(graph, split, dim)
+        for node in received_sequence_shards(gm, 1, dim.size):  # sent as this rank's tokens by the stage before
+            split.states[node] = Local(1)
+        split.run(token_ids)
+        last = stage is None or stage.index == stage.num_stages - 1
+        outputs = combine_outputs(graph, split, dim) if last else {"sent_local": len(graph.output_node().args[0])}
         summed = sum_parameter_gradients(graph, dim.group_name)
         return PassResult(True, {"ranks": dim.size, "tokens_per_rank": length // dim.size,
                                  "load_balance": self.load_balance, "attentions": len(attention.attentions),
@@ -89,13 +98,24 @@ class ContextParallel:
                                  "outputs": outputs, "gradients_summed": summed})
 
 
-def token_lookups(graph: fx.Graph) -> list[fx.Node]:
-    """The embedding lookups of (batch, sequence) token ids the model is called with."""
-    found = [n for n in graph.nodes if n.target is aten.embedding.default and n.args[1].op == "placeholder"
-             and input_kind(n.args[1]) == USER and n.args[1].meta["val"].dim() == 2]
-    if not found:
-        raise ValueError("ContextParallel: found no embedding lookup of (batch, sequence) token ids given to the "
-                         "model; the sequence is split where the tokens enter it.")
+def token_lookups(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """The (batch, sequence) token ids the model is called with, each with the nodes that lead it to
+    an embedding lookup: the lookup itself, or tensor_parallel's vocabulary-parallel shift and mask
+    on the way (elementwise)."""
+    found: dict[fx.Node, list[fx.Node]] = {}
+    for lookup in (n for n in graph.nodes if n.target is aten.embedding.default):
+        readers, pending, sources = set(), [lookup], set()
+        while pending:
+            node = pending.pop()
+            index = node.args[1] if node is lookup else None
+            for arg in ([index] if index is not None else node.all_input_nodes):
+                if arg.op == "placeholder":
+                    sources.add(arg)
+                    readers.add(node)
+                elif arg is index or is_pointwise(arg.target):
+                    pending.append(arg)
+        if len(sources) == 1 and input_kind(ids := sources.pop()) == USER and ids.meta["val"].dim() == 2:
+            found.setdefault(ids, []).extend(sorted(readers - set(found.get(ids, ())), key=list(graph.nodes).index))
     return found
 
 
@@ -137,7 +157,7 @@ def sum_parameter_gradients(graph: fx.Graph, group: str) -> int:
     count = 0
     for node in list(graph.nodes):
         if is_parameter(node) and node.users:
-            with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+            with graph.inserting_after(node):  # tensor_parallel may read it in a node among the inputs
                 summed = graph.call_function(torch.ops.picofx.tp_copy.default, (node, group))
             summed.meta["val"] = node.meta["val"]
             node.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not summed)

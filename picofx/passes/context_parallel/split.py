@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+import picofx.parallel.collectives  # noqa: F401  (registers the picofx collectives)
+
 aten = torch.ops.aten
 
 
@@ -42,6 +44,8 @@ LINEAR_IN_PARTIAL = {aten.neg.default, aten.mul.Tensor, aten.div.Tensor, aten.ad
                      *SAME_SHAPE}
 NORMS = {aten.native_layer_norm.default, aten.layer_norm.default, aten.rms_norm.default}
 SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+# tensor_parallel's collectives over the other ranks of a token: elementwise across ranks, shapes kept
+TP_ELEMENTWISE = {torch.ops.picofx.tp_copy.default, torch.ops.picofx.tp_reduce.default, torch.ops.picofx.tp_max.default}
 
 
 class CannotSplit(ValueError):
@@ -57,7 +61,7 @@ def shape(node) -> tuple:
 
 
 def is_pointwise(target) -> bool:
-    return torch.Tag.pointwise in getattr(target, "tags", ()) or target in SAME_SHAPE or \
+    return torch.Tag.pointwise in getattr(target, "tags", ()) or target in SAME_SHAPE or target in TP_ELEMENTWISE or \
         target in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther)
 
 
@@ -104,21 +108,22 @@ class SequenceSplit:
     def local_size(self, split: Local) -> int:
         return split.outer * self.positions.local_length * split.inner
 
-    def run(self, lookups: list[fx.Node]) -> None:
-        """Split from the token lookups `lookups` on, through the whole graph."""
+    def run(self, token_ids: dict[fx.Node, list[fx.Node]]) -> None:
+        """Split from the token ids on (`token_ids`: each ids input -> the nodes on its way to an
+        embedding lookup), through the whole graph."""
+        for ids, readers in token_ids.items():
+            self.start(ids, readers)
         for node in list(self.graph.nodes):
-            if node in lookups:
-                self.start(node)
             if node.op == "call_function":
                 self.visit(node)
 
-    def start(self, lookup: fx.Node) -> None:
-        """The lookup reads this rank's token ids (batch, T/cp): its tokens from here on."""
-        ids, kept = lookup.args[1], self.positions.kept()
+    def start(self, ids: fx.Node, readers: list[fx.Node]) -> None:
+        """`readers` read this rank's token ids (batch, T/cp): its tokens from here on."""
         with self.graph.inserting_before(self.positions.anchor):
-            local = self.graph.call_function(aten.index_select.default, (ids, 1, kept))
-        lookup.replace_input_with(ids, local)
-        self.states[local] = Local(1)
+            local = self.graph.call_function(aten.index_select.default, (ids, 1, self.positions.kept()))
+        for reader in readers:
+            reader.replace_input_with(ids, local)
+        self.states[local], self.whole[local] = Local(1), self.whole[ids]
         self.refresh(local)
 
     def select(self, node: fx.Node, dim: int, split: Local, before: fx.Node) -> fx.Node:
@@ -183,6 +188,10 @@ class SequenceSplit:
         d = split.dim
         if target is aten.scaled_dot_product_attention.default:
             raise CannotSplit(node, "its keys or values are local and no all-gather point was found for them")
+        if target in (torch.ops.picofx.sp_scatter.default, torch.ops.picofx.sp_gather.default):
+            # sequence parallelism's shards of this rank's tokens, and back: per-token ops between them
+            # (a view or a whole table meeting them there would not match the shard's size, and fails)
+            return split
         if is_pointwise(target):
             return self.pointwise(node)
         if target in RESHAPES:

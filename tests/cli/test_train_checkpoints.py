@@ -291,6 +291,9 @@ def test_sigterm_to_torchrun_saves_every_rank_and_the_same_command_goes_on(tmp_p
     assert 3 <= stopped < 24 and f"stopped by SIGTERM after step {stopped}" in out, out[-3000:]
     code, out = finished(torchrun(*options), timeout=400)
     assert code == 0 and f"resumed from {root}/step-{stopped} at step {stopped}" in out, out[-3000:]
+    logged = losses_by_step(metrics)  # the stopped run's steps, then the resumed run's (appended)
+    assert [step for step, _ in logged] == list(range(1, 25)), logged
+    assert all(loss == uninterrupted[step] for step, loss in logged), logged
     logged = losses_by_step(metrics)
     assert [step for step, _ in logged] == list(range(1, 25)), logged
     assert all(loss == uninterrupted[step] for step, loss in logged), logged

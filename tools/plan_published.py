@@ -19,9 +19,9 @@ import torch
 
 from picofx.cost import gpus
 from picofx.cost.model import CostModel
-from picofx.planner import costs
+from picofx.planner import costs as planner_costs
 from picofx.planner.costs import ModelCosts, model_costs
-from picofx.planner.layouts import Run, predict
+from picofx.planner.layouts import MAX_MEMORY_FRACTION, Run, predict
 from picofx.planner.models import model_config
 from published_runs import NOT_EXPRESSIBLE, RUNS, Published  # tools/published_runs.py
 from results import write_json  # tools/results.py
@@ -35,33 +35,77 @@ def passes(run: Published) -> tuple:
     return ("fuse", "precision") if run.compiled else ("precision",)
 
 
+def weights_kept_in_bf16(costs: ModelCosts) -> ModelCosts:
+    """Megatron keeps the model's weights in half precision (the fp32 master copy is the optimizer's)
+    and FSDP2 casts each shard once before gathering it: no run casts its weights per call, as
+    picofx's precision pass does."""
+    return dataclasses.replace(costs, layer_call_forward_s=0.0, layer_call_backward_s=0.0, rest_call_forward_s=0.0,
+                               rest_call_backward_s=0.0)
+
+
 def every_second_matmul(costs: ModelCosts) -> ModelCosts:
     """torchtitan's op-level selective checkpointing: of a layer's matmuls (q, k, v, o, gate, up,
-    down) every second one is recomputed too and its output not kept."""
+    down) the 1st, 3rd, 5th and 7th outputs are kept (q, v, gate, down) with attention's output and
+    the layer's input; k, o and up are recomputed with the memory-bound kernels."""
     c = costs.config
     h, kv, mlp = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
     share = (h * kv + h * h + h * mlp) / (h * (2 * h + 2 * kv) + 3 * h * mlp)
     recomputed = share * costs.layer_matmul_forward_s
+    kept = costs.seq * (2 * (4 * h + kv + mlp) + 4 * c.num_attention_heads)  # bf16, and attention's fp32 logsumexp
     return dataclasses.replace(costs, layer_cheap_forward_s=costs.layer_cheap_forward_s + recomputed,
-                               layer_cheap_saved=costs.layer_cheap_saved + costs.seq * (kv + h + mlp) * 2)
+                               layer_cheap_saved=costs.layer_saved - kept)
+
+
+def loss_on_fp32_logits(costs: ModelCosts) -> ModelCosts:
+    """Cross-entropy outside the compiled region on an fp32 copy of the logits: the log-softmax's
+    fp32 output is kept for the backward, which starts with its gradient and the logits' gradient
+    beside it (three fp32 vocabulary-wide tensors per token at once)."""
+    logits = costs.seq * costs.config.vocab_size * 4
+    return dataclasses.replace(costs, rest_saved=logits + costs.seq * costs.config.hidden_size * 2,
+                               transient=2 * logits)
+
+
+def unfused_attention(costs: ModelCosts, device, cost_model: CostModel, passes_run: tuple) -> ModelCosts:
+    """Attention as Megatron ran it before FlashAttention: two batched matmuls of head_dim's depth
+    over the whole score matrix (no causal half skipped) around a fused scale-mask-softmax and a
+    dropout, each reading and writing the fp16 scores (forward 13 bytes per score: the first matmul's
+    write, softmax, dropout with its mask, the second matmul's read; backward 19). Its selective
+    recomputation runs this core again, not the memory-bound kernels around it."""
+    c = costs.config
+    fa = [{d: sum(k.seconds(device) for k in getattr(step, d) if k.attention) for d in ("forward", "backward")}
+          for step in (planner_costs.capture(c, n, costs.seq, cost_model, passes_run) for n in (1, 2))]
+    fa_fw, fa_bw = (fa[1][d] - fa[0][d] for d in ("forward", "backward"))
+    scores = c.num_attention_heads * costs.seq ** 2
+    flops = 4 * scores * c.head_dim
+    rate, bandwidth = device.matmul_rate(torch.bfloat16, c.head_dim), device.pointwise_bandwidth()
+    fw, bw = flops / rate + 13 * scores / bandwidth, 2 * flops / rate + 19 * scores / bandwidth
+    return dataclasses.replace(costs, layer_forward_s=costs.layer_forward_s + fw - fa_fw,
+                               layer_backward_s=costs.layer_backward_s + bw - fa_bw, layer_cheap_forward_s=fw)
 
 
 def row(run: Published, profiles: dict) -> dict:
     device = profiles[run.gpu]
     config = run.model if not isinstance(run.model, str) else model_config(run.model)
-    costs = model_costs(config, run.seq, CostModel(device), passes(run))
+    cost_model = CostModel(device)
+    costs = weights_kept_in_bf16(model_costs(config, run.seq, cost_model, passes(run)))
     if run.every_second_matmul:
         costs = every_second_matmul(costs)
+    if run.loss_on_fp32_logits:
+        costs = loss_on_fp32_logits(costs)
+    if run.unfused_attention:
+        costs = unfused_attention(costs, device, cost_model, passes(run))
     p = predict(Run(costs, device, run.gpus, 8, run.global_batch), run.layout)
     tokens = p.tokens_per_s / run.gpus
     published = run.tokens_per_gpu or run.mfu * device.flops_per_second(torch.bfloat16) / costs.flops_per_token
-    memory = p.memory_per_gpu / GiB
+    # torch's reserved peak: the allocated peak the planner predicts and the caching allocator's share
+    # it keeps beyond that (the same share a plan keeps free to fit)
+    memory = p.memory_per_gpu / MAX_MEMORY_FRACTION / GiB
     return {"run": run.name, "source": run.source, "gpu": run.gpu, "layout": p.layout.describe(),
             "fitted_on": run.fit, "predicted_tokens_per_s_per_gpu": tokens, "published_tokens_per_s_per_gpu": published,
             "error": tokens / published - 1, "predicted_mfu": p.mfu, "published_mfu": run.mfu,
             "predicted_memory_gib": memory, "published_memory_gib": run.memory_gib,
             "memory_error": memory / run.memory_gib - 1 if run.memory_gib else None, "fits": p.fits,
-            "bottleneck": p.bottleneck}
+            "bottleneck": p.bottleneck, "time": p.time, "memory": p.memory}
 
 
 def rows(profiles: dict | None = None) -> list[dict]:
@@ -128,7 +172,7 @@ def main(argv=None) -> list[dict]:
                                                      "from it next time: the captures are most of the run's time")
     args = p.parse_args(argv)
     if args.captures and Path(args.captures).exists():
-        costs.CAPTURED.update(pickle.loads(Path(args.captures).read_bytes()))
+        planner_costs.CAPTURED.update(pickle.loads(Path(args.captures).read_bytes()))
     if args.fit:
         fitted = fit()
         print(f"FITTED = {fitted}: set these in picofx/cost/gpus.py, then run again for the table")
@@ -137,7 +181,7 @@ def main(argv=None) -> list[dict]:
     for run in RUNS:
         table.append(row(run, gpus.GPUS))
         if args.captures:
-            Path(args.captures).write_bytes(pickle.dumps(costs.CAPTURED))
+            Path(args.captures).write_bytes(pickle.dumps(planner_costs.CAPTURED))
     print(markdown(table))
     write_json(table, args.json, "plan_published.json")
     if args.write_docs:

@@ -47,20 +47,23 @@ class Published:
     compiled: bool = True  # torch.compile (fused pointwise kernels) or eager
     fit: bool = False
     every_second_matmul: bool = False  # torchtitan's op-level selective checkpointing: recomputes those too
+    loss_on_fp32_logits: bool = False  # cross-entropy outside any compiled region, on an fp32 copy of the logits
+    unfused_attention: bool = False  # attention as two batched matmuls around a softmax and dropout kernel
 
 
 def titan_op_sac(gpus: int) -> dict:
-    return {"layout": fsdp(gpus, "selective"), "every_second_matmul": True}
+    return {"layout": fsdp(gpus, "selective"), "every_second_matmul": True, "loss_on_fp32_logits": True}
 
 
 def fsdp(gpus: int, checkpoint: str, microbatches: int = 1) -> Layout:
     return Layout(gpus, 1, 1, shard=True, microbatches=microbatches, checkpoint=checkpoint)
 
 
-def megatron(tp: int, pp: int, gpus: int, batch: int, micro: int, selective: bool) -> Layout:
+def megatron(tp: int, pp: int, gpus: int, batch: int, micro: int, selective: bool) -> dict:
     """Tensor parallel with full recomputation, or (the paper's method) sequence parallel with selective."""
-    return Layout(gpus // (tp * pp), tp, pp, microbatches=batch // (gpus // (tp * pp) * micro),
-                  checkpoint="selective" if selective else "full", sequence_parallel=selective)
+    layout = Layout(gpus // (tp * pp), tp, pp, microbatches=batch // (gpus // (tp * pp) * micro),
+                    checkpoint="selective" if selective else "full", sequence_parallel=selective)
+    return {"layout": layout, "unfused_attention": True}  # the paper's runs predate FlashAttention in Megatron
 
 
 RUNS = [
@@ -74,31 +77,31 @@ RUNS = [
               tokens_per_gpu=5605, memory_gib=67.0, compiled=False, **titan_op_sac(128)),
     Published("Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing", TITAN_405B, "llama3-405b", "h100-96gb", 128,
               8192, 32, Layout(16, 8, 1, shard=True, checkpoint="full", sequence_parallel=True), mfu=0.290,
-              compiled=False),
+              compiled=False, loss_on_fp32_logits=True),
     Published("Llama 3 8B, selective op checkpointing", TITAN_A100, "llama3-8b", "a100-80gb", 64, 8192, 64,
               tokens_per_gpu=2973, mfu=0.582, compiled=False, fit=True, **titan_op_sac(64)),
     Published("Llama 3 70B, full checkpointing", TITAN_A100, "llama3-70b", "a100-80gb", 64, 8192, 64,
-              fsdp(64, "full"), 331, 0.517, compiled=False),
+              fsdp(64, "full"), 331, 0.517, compiled=False, loss_on_fp32_logits=True),
     Published("Llama 2 13B, batch 2, no checkpointing", TITAN_A100, "llama2-13b", "a100-80gb", 64, 4096, 128,
-              fsdp(64, "none"), 2162, 0.611, compiled=False),
+              fsdp(64, "none"), 2162, 0.611, compiled=False, loss_on_fp32_logits=True),
     Published("Llama 2 13B, batch 2, selective op checkpointing", TITAN_A100, "llama2-13b", "a100-80gb", 64, 4096,
               128, tokens_per_gpu=1904, mfu=0.538, compiled=False, **titan_op_sac(64)),
     Published("Llama 2 70B, batch 1, selective op checkpointing", TITAN_A100, "llama2-70b", "a100-80gb", 64, 4096,
               64, tokens_per_gpu=355, mfu=0.508, compiled=False, **titan_op_sac(64)),
     Published("Llama 2 70B, batch 2, full checkpointing", TITAN_A100, "llama2-70b", "a100-80gb", 64, 4096, 128,
-              fsdp(64, "full"), 353, 0.505, compiled=False),
+              fsdp(64, "full"), 353, 0.505, compiled=False, loss_on_fp32_logits=True),
     Published("GPT 22B, TP 8, full recomputation", MEGATRON_SP, GPT_22B, "a100-80gb", 8, 2048, 4,
-              megatron(8, 1, 8, 4, 4, False), mfu=0.415 / 1.42 * 1.10),
+              **megatron(8, 1, 8, 4, 4, False), mfu=0.415 / 1.42 * 1.10),
     Published("GPT 22B, TP 8, sequence parallel + selective", MEGATRON_SP, GPT_22B, "a100-80gb", 8, 2048, 4,
-              megatron(8, 1, 8, 4, 4, True), mfu=0.415),
+              **megatron(8, 1, 8, 4, 4, True), mfu=0.415),
     Published("GPT 175B, TP 8 x PP 8, full recomputation", MEGATRON_SP, GPT_175B, "a100-80gb", 64, 2048, 64,
-              megatron(8, 8, 64, 64, 1, False), mfu=0.514 / 18.13 * 13.75),
+              **megatron(8, 8, 64, 64, 1, False), mfu=0.514 / 18.13 * 13.75),
     Published("GPT 175B, TP 8 x PP 8, sequence parallel + selective", MEGATRON_SP, GPT_175B, "a100-80gb", 64, 2048,
-              64, megatron(8, 8, 64, 64, 1, True), mfu=0.514, fit=True),
+              64, **megatron(8, 8, 64, 64, 1, True), mfu=0.514, fit=True),
     Published("GPT 530B, TP 8 x PP 35, full recomputation", MEGATRON_SP, GPT_530B, "a100-80gb", 280, 2048, 280,
-              megatron(8, 35, 280, 280, 1, False), mfu=0.560 / 49.05 * 37.83),
+              **megatron(8, 35, 280, 280, 1, False), mfu=0.560 / 49.05 * 37.83),
     Published("GPT 530B, TP 8 x PP 35, sequence parallel + selective", MEGATRON_SP, GPT_530B, "a100-80gb", 280, 2048,
-              280, megatron(8, 35, 280, 280, 1, True), mfu=0.560),
+              280, **megatron(8, 35, 280, 280, 1, True), mfu=0.560),
 ]
 
 NOT_EXPRESSIBLE = [

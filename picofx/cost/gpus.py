@@ -64,11 +64,19 @@ class GpuProfile(Device):
 
 
 # Fitted to published runs (tools/plan_published.py --fit): the runs named in FIT_RUNS, no others.
-FITTED = {"sustained": 0.97, "h100-96gb clock": 0.75}
+FITTED = {"sustained": 0.94, "h100-96gb clock": 0.79}
 FIT_RUNS = ("Llama 3 8B, selective op checkpointing", "GPT 175B, TP 8 x PP 8, sequence parallel + selective",
             "Llama 3.1 8B, FSDP + compile, 8 GPUs")
 
 _BF16 = (torch.bfloat16, torch.float16)
+
+
+def clock_at_power(clock: float, watts: float, other_watts: float) -> float:
+    """The sustained clock a part power-capped at `other_watts` keeps, from the same die's `clock` at
+    `watts`: under a power cap the voltage follows the clock down, so dynamic power goes as the clock
+    cubed (capped at the datasheet's boost clock)."""
+    return min(1.0, clock * (other_watts / watts) ** (1 / 3))
+
 
 H100 = GpuProfile(
     name="NVIDIA H100 SXM 80GB (700 W)",
@@ -76,9 +84,9 @@ H100 = GpuProfile(
                 torch.float8_e4m3fn: 1979e12},
     memory_bandwidth=3.35e12, memory_capacity=80 * GB,
     link_bandwidth=460e9, link_latency=3e-6, network_bandwidth=45e9, network_latency=8e-6,
-    op_overhead=2e-6, matmul_efficiency=0.80, matmul_half_dim=128, attention_efficiency=(0.37, 0.30),
-    pointwise_efficiency=0.85, sustained=FITTED["sustained"], source="profile",
-    link_name="NVLink 4 (NCCL bus bandwidth)",
+    op_overhead=2e-6, matmul_efficiency=0.80, matmul_half_dim=512, attention_efficiency=(0.37, 0.30),
+    pointwise_efficiency=0.85, sustained=FITTED["sustained"], clock=clock_at_power(FITTED["h100-96gb clock"], 500, 700),
+    source="profile", link_name="NVLink 4 (NCCL bus bandwidth)",
     network_name="InfiniBand NDR 400 Gb/s per GPU", link_source="nccl-tests bus bandwidth",
     sources="docs/planner.md#gpu-profiles")
 

@@ -1,6 +1,7 @@
-"""The planner against published runs (docs/PLANNER_ACCURACY.md): every run's error stays within 2
-points of the one recorded, the runs the profiles were fitted on are apart from those that check
-them, and the table in the docs is the tool's."""
+"""The planner against published runs (docs/PLANNER_ACCURACY.md): every run's error stays within a
+point of the one recorded, the checked runs' mean under 10% and memory within 15% where published;
+the runs the profiles were fitted on are apart from those that check them, and the table in the
+docs is the tool's."""
 from __future__ import annotations
 
 import importlib
@@ -10,27 +11,27 @@ from pathlib import Path
 import pytest
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
-GROWTH = 0.02
+GROWTH = 0.01  # a point: what the captures' order of summation may move, not a real change
 
 # |error| of tokens/s per GPU and of memory per GPU (None: not published), as the docs record them
 RECORDED = {
-    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.01, 0.48),
-    'Llama 3.1 8B, FSDP, 8 GPUs': (0.12, 0.44),
-    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.03, 0.58),
-    'Llama 3.1 8B, FSDP, 128 GPUs': (0.10, 0.52),
-    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.14, None),
-    'Llama 3 8B, selective op checkpointing': (0.01, None),
-    'Llama 3 70B, full checkpointing': (0.05, None),
-    'Llama 2 13B, batch 2, no checkpointing': (0.05, None),
-    'Llama 2 13B, batch 2, selective op checkpointing': (0.04, None),
-    'Llama 2 70B, batch 1, selective op checkpointing': (0.16, None),
-    'Llama 2 70B, batch 2, full checkpointing': (0.04, None),
-    'GPT 22B, TP 8, full recomputation': (0.41, None),
-    'GPT 22B, TP 8, sequence parallel + selective': (0.34, None),
-    'GPT 175B, TP 8 x PP 8, full recomputation': (0.03, None),
-    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.05, None),
-    'GPT 530B, TP 8 x PP 35, full recomputation': (0.08, None),
-    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.12, None),
+    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.002, 0.02),
+    'Llama 3.1 8B, FSDP, 8 GPUs': (0.141, 0.085),
+    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.023, 0.021),
+    'Llama 3.1 8B, FSDP, 128 GPUs': (0.116, 0.094),
+    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.134, None),
+    'Llama 3 8B, selective op checkpointing': (0.005, None),
+    'Llama 3 70B, full checkpointing': (0.035, None),
+    'Llama 2 13B, batch 2, no checkpointing': (0.037, None),
+    'Llama 2 13B, batch 2, selective op checkpointing': (0.023, None),
+    'Llama 2 70B, batch 1, selective op checkpointing': (0.179, None),
+    'Llama 2 70B, batch 2, full checkpointing': (0.024, None),
+    'GPT 22B, TP 8, full recomputation': (0.155, None),
+    'GPT 22B, TP 8, sequence parallel + selective': (0.068, None),
+    'GPT 175B, TP 8 x PP 8, full recomputation': (0.072, None),
+    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.021, None),
+    'GPT 530B, TP 8 x PP 35, full recomputation': (0.018, None),
+    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.002, None),
 }
 
 
@@ -68,9 +69,14 @@ def test_the_docs_table_names_every_run_and_what_cannot_be_expressed(tool):
 
 @pytest.mark.slow
 def test_no_published_run_is_predicted_worse_than_recorded(tool):
-    for row in tool.rows():
+    table = tool.rows()
+    for row in table:
         tokens, memory = RECORDED[row["run"]]
         assert abs(row["error"]) <= tokens + GROWTH, (row["run"], row["error"], tokens)
         if memory is not None:
             assert abs(row["memory_error"]) <= memory + GROWTH, (row["run"], row["memory_error"], memory)
         assert 0 < row["predicted_mfu"] < 1
+        if row["memory_error"] is not None:
+            assert abs(row["memory_error"]) <= 0.15, (row["run"], row["memory_error"])
+    checked = [abs(r["error"]) for r in table if not r["fitted_on"]]
+    assert sum(checked) / len(checked) < 0.10

@@ -12,12 +12,27 @@ from picofx.passes import ContextParallel
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 GATHER = torch.ops.picofx.sp_gather.default
+RING = torch.ops.picofx.cp_ring_attention.default
+ATTENTIONS = {"forward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+              "backward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+TRANSFER = torch.ops._c10d_functional.all_to_all_single.default
 
 # (model builder, ContextParallel's options) per case; the test builds the same models in one process
 MODELS = {"reference": ("llama-tiny", {}), "reference unbalanced": ("llama-tiny", {"load_balance": False}),
           "hf": ("hf llama", {}), "hf unbalanced": ("hf llama", {"load_balance": False}),
           "qwen2": ("hf qwen2", {}), "gpt2": ("gpt2-tiny", {}), "titan": ("titan llama3", {}),
-          "hf left-padded": ("hf llama padded", {})}
+          "hf left-padded": ("hf llama padded", {}),
+          "reference ring": ("llama-tiny", {"method": "ring"}),
+          "reference ring unbalanced": ("llama-tiny", {"method": "ring", "load_balance": False}),
+          "hf left-padded ring": ("hf llama padded", {"method": "ring"}),
+          "qwen2 ring": ("hf qwen2", {"method": "ring"}), "titan ring": ("titan llama3", {"method": "ring"})}
+# on 4 ranks (slow): the ring on every model, with and without load balance, beside the all-gather
+FOUR_RANKS = {f"{case}{tag}{suffix}": (name, {"method": method, **extra})
+              for case, name in (("reference", "llama-tiny"), ("hf", "hf llama"), ("hf left-padded", "hf llama padded"),
+                                 ("qwen2", "hf qwen2"), ("titan", "titan llama3"))
+              for method, tag in (("ring", " ring"), ("allgather", ""))
+              for suffix, extra in (("", {}), (" unbalanced", {"load_balance": False}))
+              if method == "ring" or case == "reference"}
 
 
 def build(name: str, **kwargs) -> zoo.ZooModel:
@@ -51,7 +66,20 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", others=(), **options) -> d
             "collectives": {role: sorted(n.target.__name__ for n in opt.graphs[role].graph.nodes
                                          if getattr(n.target, "namespace", None) in ("_c10d_functional", "picofx"))
                             for role in ("forward", "backward")},
+            "rings": [tuple(tuple(a.meta["val"].shape) for a in n.args[:3]) for n in graph.nodes if n.target is RING],
+            "transfers": {role: transfers(opt.graphs[role].graph, ATTENTIONS[role]) for role in ATTENTIONS},
             "notes": next(r.notes for r in opt.report.records if r.name == "context_parallel")}
+
+
+def transfers(graph, attention) -> list[int]:
+    """For each ring transfer (issue) of `graph`, in order: how many attentions run after its
+    issue and before its wait."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = []
+    for issue in (n for n in graph.nodes if n.target is TRANSFER):
+        wait = min(issue.users, key=order.__getitem__)
+        found.append(sum(1 for n in graph.nodes if n.target is attention and order[issue] < order[n] < order[wait]))
+    return found
 
 
 class ScoresAttention(nn.Module):
@@ -103,7 +131,18 @@ def scenarios(rank: int, world: int) -> dict:
         "sequence unbalanced": refusal(*odd(31), load_balance=False),
         "no attention": refusal(ScoresAttention(), {"input_ids": ids, "labels": ids}),
         "mask": refusal(ScoresAttention(mask_from_tokens=True), {"input_ids": ids, "labels": ids}),
+        "ring mask": refusal(ScoresAttention(mask_from_tokens=True), {"input_ids": ids, "labels": ids},
+                             method="ring"),
     }
+    return out
+
+
+def four_ranks(rank: int, world: int) -> dict:
+    out = {}
+    for case, (name, options) in FOUR_RANKS.items():
+        torch.manual_seed(0)
+        result = one_step(build(name), **options)
+        out[case] = {k: result[k] for k in ("loss", "grads", "logits", "transfers", "rings")}
     return out
 
 

@@ -1,6 +1,6 @@
-"""context_parallel: two gloo ranks (spawned once, hard timeout), each called with the same whole
-batch, against one process on the whole sequence: loss rtol 1e-5, gradients (summed over cp)
-rtol 1e-4 (DESIGN §9)."""
+"""context_parallel: two gloo ranks (spawned once, hard timeout; four in a slow test), each called
+with the same whole batch, against one process on the whole sequence: loss rtol 1e-5, gradients
+(summed over cp) rtol 1e-4 (DESIGN §9). Both methods: the all-gather and the ring."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from picofx.passes import ContextParallel
 from picofx.passes.context_parallel.positions import kept_ranges
 
 import context_parallel_ranks
-from context_parallel_ranks import MODELS, build
+from context_parallel_ranks import FOUR_RANKS, MODELS, build
 from spawn_ranks import run_ranks
 
 LOSS = dict(rtol=1e-5, atol=1e-7)
@@ -34,10 +34,9 @@ def cp_ranks():
     return run_ranks(context_parallel_ranks.scenarios, 2, timeout=600, collective_timeout=120)
 
 
-@pytest.mark.parametrize("case", [*MODELS, "fuse"])
-def test_loss_and_gradients_summed_over_cp_equal_one_process_on_the_whole_sequence(cp_ranks, case):
-    loss, grads, logits = single(MODELS[case][0] if case in MODELS else "llama-tiny")
-    for rank in cp_ranks:
+def assert_equal_to_one_process(ranks, case: str, name: str) -> None:
+    loss, grads, logits = single(name)
+    for rank in ranks:
         result = rank[case]
         torch.testing.assert_close(result["loss"], loss, **LOSS)
         assert result["grads"].keys() == grads.keys()
@@ -45,6 +44,45 @@ def test_loss_and_gradients_summed_over_cp_equal_one_process_on_the_whole_sequen
             torch.testing.assert_close(result["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")
         if logits is not None:  # the logits come back whole, in sequence order
             torch.testing.assert_close(result["logits"], logits, **LOSS)
+
+
+@pytest.mark.parametrize("case", [*MODELS, "fuse"])
+def test_loss_and_gradients_summed_over_cp_equal_one_process_on_the_whole_sequence(cp_ranks, case):
+    assert_equal_to_one_process(cp_ranks, case, MODELS[case][0] if case in MODELS else "llama-tiny")
+
+
+@pytest.mark.slow
+def test_on_four_ranks_the_ring_and_the_all_gather_equal_one_process():
+    ranks = run_ranks(context_parallel_ranks.four_ranks, 4, timeout=900, collective_timeout=300)
+    for case, (name, _) in FOUR_RANKS.items():
+        assert_equal_to_one_process(ranks, case, name)
+        if "ring" in case and "unbalanced" not in case:  # every step has blocks: each transfer overlaps one
+            assert len(ranks[0][case]["transfers"]["forward"]) == 3 * len(ranks[0][case]["rings"]), case
+            assert all(ranks[0][case]["transfers"]["forward"]), case
+
+
+@pytest.mark.parametrize("case", ["reference ring", "qwen2 ring"])
+def test_the_ring_attends_with_this_ranks_queries_and_passes_only_kv_heads(cp_ranks, case):
+    result = cp_ranks[0][case]
+    z = build(MODELS[case][0])
+    seq = z.example_inputs["labels"].shape[1]
+    assert result["rings"] and not result["queries"]  # no scaled_dot_product_attention left
+    assert not [shape for shape in result["gathered"] if len(shape) == 4]  # no keys or values all-gathered
+    for query, key, value in result["rings"]:
+        assert query[2] == key[2] == value[2] == seq // 2
+        assert key[1] == value[1] < query[1]  # grouped-query attention: the kv heads travel, repeated per block
+
+
+def test_the_graphs_that_run_issue_each_ring_transfer_before_an_attention_and_wait_after_it(cp_ranks):
+    """Read from opt.graphs: in the forward, each layer's keys and values are sent on before the
+    attention of the block at hand and waited after it; in the backward, the keys and values again
+    and the gradients of the block, on their way back, over the next block's attention backward."""
+    result = cp_ranks[0]["reference ring"]
+    layers = len(result["rings"])
+    forward, backward = result["transfers"]["forward"], result["transfers"]["backward"]
+    assert len(forward) == layers and all(attentions >= 1 for attentions in forward)
+    assert len(backward) == 3 * layers  # keys and values, then the gradients of two blocks
+    assert sum(1 for attentions in backward if attentions >= 1) == 2 * layers
 
 
 @pytest.mark.parametrize("case", ["reference", "hf"])
@@ -84,15 +122,16 @@ def test_load_balance_gives_every_rank_the_same_causal_work():
     ("sequence", "30 tokens, which the 2·cp = 4 head-tail chunks do not divide"),
     ("sequence unbalanced", "31 tokens, which the cp = 2 ranks do not divide"),
     ("no attention", "found no attention"),
-    ("mask", "its mask is computed from the split tokens")])
+    ("mask", "its mask is computed from the split tokens"),
+    ("ring mask", "its mask is computed from the split tokens")])
 def test_what_it_cannot_split_is_refused_by_name_before_any_rank_waits(cp_ranks, case, says):
     for rank in cp_ranks:  # each rank raised alone and returned: none waited in a collective
         assert says in rank["refused"][case], rank["refused"][case]
 
 
 def test_an_unknown_method_is_refused_when_the_pass_is_made():
-    with pytest.raises(ValueError, match="the ring method is not built yet"):
-        ContextParallel(method="ring")
+    with pytest.raises(ValueError, match=r"the methods are \('allgather', 'ring'\)"):
+        ContextParallel(method="ulysses")
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""Attention under context parallelism, the all-gather method (Llama 3's): each rank's queries
-attend over every key and value, all-gathered over the cp ranks.
+"""Attention under context parallelism. The all-gather method (Llama 3's): each rank's queries
+attend over every key and value, all-gathered over the cp ranks. The ring method: see
+picofx.passes.context_parallel.ring; `RingAttention` puts its operator in place of each attention.
 
 The gather sits before the views that repeat key/value heads for grouped-query attention, so only
 the kv heads travel; its backward is a reduce-scatter (picofx::sp_gather), which sums into each
@@ -10,11 +11,14 @@ built from its inputs (whole on every rank) is indexed to the same rows and colu
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.sp_gather)
+from picofx.passes.context_parallel.ring import cp_ring_attention
 from picofx.passes.context_parallel.split import KEY_VIEWS, CannotSplit, Local
 
 aten = torch.ops.aten
@@ -59,20 +63,99 @@ class Attention:
                                     "head_dim)")
         if mask is None:
             mask = self.positions.causal_mask() if a.get("is_causal", False) else None
-        elif split.states.get(mask) is None:
-            whole = split.whole[mask]
-            picked = mask
-            for at, index in ((len(whole) - 2, self.positions.kept()), (len(whole) - 1, self.positions.keys())):
-                if whole[at] != 1:
-                    with self.graph.inserting_before(node):
-                        picked = self.graph.call_function(aten.index_select.default, (picked, at, index))
-                    split.refresh(picked)
-            mask = picked
         else:
-            raise CannotSplit(node, "its mask is computed from the split tokens; context parallelism splits a "
-                                    "mask built from the inputs (positions, padding) or is_causal")
+            mask = self.indexed_mask(split, node, mask)
         node.args = (query, a["key"], a["value"])
         node.kwargs = {**{k: v for k, v in a.items() if k not in ("query", "key", "value")},
                        "attn_mask": mask, "is_causal": False}
         split.refresh(node)
         return Local(rows)
+
+    def indexed_mask(self, split, node: fx.Node, mask: fx.Node) -> fx.Node:
+        """A mask built from the inputs (whole on every rank), indexed to this rank's query rows and
+        to the key columns in the order the ranks' keys come (rank 0's positions, then rank 1's...)."""
+        if split.states.get(mask) is not None:
+            raise CannotSplit(node, "its mask is computed from the split tokens; context parallelism splits a "
+                                    "mask built from the inputs (positions, padding) or is_causal")
+        whole = split.whole[mask]
+        for at, index in ((len(whole) - 2, self.positions.kept()), (len(whole) - 1, self.positions.keys())):
+            if whole[at] != 1:
+                with self.graph.inserting_before(node):
+                    mask = self.graph.call_function(aten.index_select.default, (mask, at, index))
+                split.refresh(mask)
+        return mask
+
+
+class RingAttention(Attention):
+    """The ring method: each attention becomes picofx::cp_ring_attention of this rank's queries and
+    its own keys and values (the kv heads, before the views that repeat them, whose head order it
+    checks), which the operator passes around the ring."""
+
+    def __init__(self, graph: fx.Graph, positions, dim):
+        super().__init__(graph, positions, dim)
+        self.sources = {}
+        for attention in self.attentions:
+            for kv in attention.args[1:3]:
+                chain = []
+                while kv.target in KEY_VIEWS and len(kv.users) == 1:
+                    chain.append(kv)
+                    kv = kv.args[0]
+                check_heads_repeated(attention, chain[::-1], kv)
+                if chain:
+                    attention.replace_input_with(chain[0], kv)
+                for view in chain:
+                    graph.erase_node(view)
+            self.sources[attention] = list(attention.args[1:3])
+
+    def gather(self, consumer: fx.Node, source: fx.Node, state) -> fx.Node:
+        """Nothing travels here: the keys or values, marked for the attention that passes them around."""
+        if state != Local(len(source.meta["val"].shape) - 2):
+            raise CannotSplit(consumer, f"the keys or values {source.name} are not this rank's tokens laid out "
+                                        "(batch, kv heads, sequence, head_dim)")
+        with self.graph.inserting_before(consumer):
+            marked = self.graph.call_function(aten.alias.default, (source,))
+        consumer.replace_input_with(source, marked)
+        return marked
+
+    def rewrite(self, split, node: fx.Node) -> Local:
+        a = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        query, mask = a["query"], a.get("attn_mask")
+        rows = len(split.whole[query]) - 2
+        if split.states.get(query) != Local(rows):
+            raise CannotSplit(node, "its queries are not this rank's tokens laid out (batch, heads, sequence, "
+                                    "head_dim)")
+        if a.get("dropout_p", 0.0):
+            raise CannotSplit(node, "it drops attention weights out, which the ring's blocks do not; set the "
+                                    "attention's dropout to 0 or use ContextParallel(method=\"allgather\")")
+        if mask is not None:
+            mask = self.indexed_mask(split, node, mask)
+        scale = a.get("scale") or query.meta["val"].shape[-1] ** -0.5
+        with self.graph.inserting_before(node):
+            ring = self.graph.call_function(cp_ring_attention._opoverload, (
+                query, a["key"], a["value"], mask, scale, mask is None and a.get("is_causal", False),
+                self.dim.rank, self.dim.size, self.positions.load_balance, self.dim.group_name))
+            split.refresh(ring)
+            out = self.graph.call_function(operator.getitem, (ring, 0))
+            split.refresh(out)
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+        split.states[out], split.whole[out] = Local(rows), split.whole[node]
+        return Local(rows)
+
+
+def check_heads_repeated(attention: fx.Node, chain: list[fx.Node], source: fx.Node) -> None:
+    """The views from the kv heads to attention repeat each kv head for consecutive query heads
+    (query head h reads kv head h // repeat), as the ring repeats them in each block: checked by
+    running the views on head numbers."""
+    heads = attention.args[0].meta["val"].shape[1]
+    value = source.meta["val"]
+    x = torch.arange(value.shape[1], dtype=torch.float32).view(1, -1, *[1] * (value.dim() - 2))
+    x = x.expand(value.shape).contiguous()
+    for view in chain:
+        x = view.target(x, *view.args[1:], **view.kwargs)
+    repeat = heads // value.shape[1]
+    expected = (torch.arange(heads) // repeat).float().view(1, -1, *[1] * (x.dim() - 2))
+    if tuple(x.shape) != tuple(attention.args[0].meta["val"].shape[:2]) + tuple(x.shape[2:]) or \
+            heads % value.shape[1] or not torch.equal(x, expected.expand(x.shape)):
+        raise CannotSplit(attention, f"its keys or values reach it through views ({[v.name for v in chain]}) that "
+                                     "do not repeat each key head for consecutive query heads")

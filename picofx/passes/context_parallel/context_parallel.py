@@ -30,14 +30,15 @@ from picofx.capture.vocabulary import USER, input_kind, is_parameter
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import resolve_dim
-from picofx.passes.context_parallel.attention import Attention
+from picofx.passes.context_parallel.attention import Attention, RingAttention
 from picofx.passes.context_parallel.positions import Positions, check_divisible
+from picofx.passes.context_parallel.ring import lower_ring
 from picofx.passes.context_parallel.split import KEYS, PARTIAL, Local, SequenceSplit, is_pointwise
 from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
-METHODS = ("allgather",)
+METHODS = {"allgather": Attention, "ring": RingAttention}
 
 
 @register_pass("context_parallel")
@@ -45,7 +46,8 @@ METHODS = ("allgather",)
 class ContextParallel:
     """mesh: the ranks that split the sequence: a mesh dimension's name, a one-dimensional
     DeviceMesh or a ProcessGroup (None: the run's mesh's cp dimension, else every rank).
-    method: "allgather" (each attention all-gathers the keys and values). load_balance: the
+    method: "allgather" (each attention all-gathers the keys and values) or "ring" (key/value
+    blocks passed around the cp ring, merged by log-sum-exp). load_balance: the
     head-tail split (rank i keeps chunks i and 2·cp−1−i of 2·cp), so that causal attention costs
     every rank the same; without it, rank i keeps chunk i of cp."""
 
@@ -57,14 +59,14 @@ class ContextParallel:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"ContextParallel(method={self.method!r}): the methods are {METHODS}; the ring "
-                             "method is not built yet.")
+            raise ValueError(f"ContextParallel(method={self.method!r}): the methods are {tuple(METHODS)}.")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim = resolve_dim(self.mesh, ctx.mesh, "cp", "the context_parallel pass")
         if ctx.stage is Stage.PARTITIONED:
+            rings = lower_ring(gm)
             notes = lower_collectives(gm, dim.group_name, backward=False)
-            return PassResult(bool(notes["lowered"]), notes)
+            return PassResult(bool(notes["lowered"]) or bool(rings), {**notes, "rings": rings})
         graph, mode = gm.graph, fake_mode_of(gm)
         token_ids, stage = token_lookups(graph), recorded(gm).stage
         received = received_sequence_shards(gm, 1, 1)  # a later pipeline stage's activations (sized as they are)
@@ -81,7 +83,7 @@ class ContextParallel:
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1].next  # after every input
         positions = Positions(graph, length, dim.size, dim.rank, self.load_balance,
                               starts[0].meta["val"].device, anchor, mode)
-        attention = Attention(graph, positions, dim)
+        attention = METHODS[self.method](graph, positions, dim)
         if not attention.attentions and stage is None:
             raise ValueError("ContextParallel: found no attention (aten.scaled_dot_product_attention) in the graph; "
                              "context parallelism splits attention written with F.scaled_dot_product_attention.")
@@ -94,7 +96,8 @@ class ContextParallel:
         summed = sum_parameter_gradients(graph, dim.group_name)
         return PassResult(True, {"ranks": dim.size, "tokens_per_rank": length // dim.size,
                                  "load_balance": self.load_balance, "attentions": len(attention.attentions),
-                                 "gathered": sum(len(s) for s in attention.sources.values()),
+                                 "method": self.method, "gathered": sum(len(s) for s in attention.sources.values())
+                                 if self.method == "allgather" else 0,
                                  "outputs": outputs, "gradients_summed": summed})
 
 

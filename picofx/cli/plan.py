@@ -68,10 +68,11 @@ def plan_command(args) -> dict:
     if args.gpu != "cpu":
         gpu_profile(args.gpu)  # an unknown profile is refused before the model is read
     layout = args.layout and parse_layout(args.layout, args.gpus)
-    if layout and args.gpus and layout.dp * layout.tp * layout.pp != args.gpus:
-        raise ValueError(f"--layout {args.layout!r} is {layout.dp * layout.tp * layout.pp} GPUs (dp x tp x pp), "
+    if layout and args.gpus and layout.gpus != args.gpus:
+        raise ValueError(f"--layout {args.layout!r} is {layout.gpus} GPUs (dp x tp x pp"
+                         f"{' x cp' if layout.cp > 1 else ''}), "
                          f"--gpus {args.gpus}: leave --gpus out or make them agree")
-    gpus = args.gpus or layout.dp * layout.tp * layout.pp
+    gpus = args.gpus or layout.gpus
     here = args.measure and args.gpu == "cpu"  # plans run on this machine: predict for it as its ranks share it
     config, compute = model_config(args.model), ("fuse",) if here else PASSES
     check_run(config, args.model, gpus=gpus, gpus_per_node=args.gpus_per_node, seq=args.seq,

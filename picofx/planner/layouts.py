@@ -9,7 +9,8 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
 - tensor parallel: 4 ring all-reduces per layer of b x T x hidden bf16 activations (the same bytes
   as all-gather + reduce-scatter under sequence parallelism), one more for the head's input gradient
   and one for the embedding's output, and the vocabulary-parallel loss's three of b x T fp32 numbers;
-  not overlapped;
+  not overlapped; full checkpointing's recompute runs each layer's two again; each rank's matmuls
+  at their split shapes (`picofx.planner.tensor_parallel`);
 - pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
   (pp - 1) / (m + pp - 1) of the step; each slot sends its activations on and receives their
   gradient back, a link latency and b x T x hidden bf16 bytes each, not overlapped;
@@ -22,7 +23,10 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   all on CPU ranks sharing cores);
 - memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
-  with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded.
+  with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;
+- context parallel (cp > 1, where the sequence is long): compute and activations per rank / cp, each
+  layer's K/V all-gather and gradient reduce-scatter, gradients summed over dp x cp
+  (`picofx.planner.context`).
 """
 from __future__ import annotations
 
@@ -35,8 +39,10 @@ import torch
 from picofx.cost.comm import all_reduce_seconds, send_seconds
 from picofx.cost.device import Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
+from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
+from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
 ADAMW_TRAFFIC = 28            # bytes an AdamW step moves per fp32 parameter: reads p, g, m, v; writes p, m, v
@@ -46,7 +52,7 @@ BOTTLENECKS = {  # the step's time terms, as the bottleneck each names
     "compute": "compute", "recompute": "recompute", "tensor_parallel_comm": "tensor-parallel communication",
     "pipeline_sends": "pipeline activation sends", "bubble": "pipeline bubble",
     "data_parallel_exposed": "exposed dp communication", "compression": "gradient compression",
-    "optimizer": "optimizer step",
+    "optimizer": "optimizer step", "context_parallel_comm": "context-parallel K/V communication",
 }
 DOES_NOT_FIT = "memory: does not fit"
 
@@ -88,13 +94,19 @@ class Layout:
     checkpoint: Checkpointing = Checkpointing.NONE  # a bool or a name is converted
     sequence_parallel: bool = False
     compress: str | None = None
+    cp: int = 1  # context-parallel ranks: each sequence split over them (picofx.planner.context)
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint", Checkpointing.of(self.checkpoint))
 
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
     def describe(self) -> str:
         parts = [f"dp{self.dp}" + (" shard" if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
                                                                                   else ""), f"pp{self.pp}"]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
         return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
             (f", {self.compress}" if self.compress else "")
@@ -137,33 +149,36 @@ class Run:
 
 
 def predict(run: Run, layout: Layout) -> Prediction:
-    c, L = run.costs, run.costs.layers
+    c, L = split_layer_costs(run.costs, run.device, layout.tp), run.costs.layers
     b = run.global_batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
-    tp, pp = layout.tp, layout.pp
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    share = b / cp  # the sequences' worth of tokens a rank computes: its 1/cp of each
     stage_layers = -(-L // pp)
     overhead = run.device.op_overhead * (stage_layers * c.layer_ops + c.rest_ops)  # per call, whatever b is
-    fw = (b * (stage_layers * c.layer_forward_s + c.rest_forward_s)  # per call too: the weights' casts
+    fw = (share * (stage_layers * c.layer_forward_s + c.rest_forward_s)  # per call too: the weights' casts
           + stage_layers * c.layer_call_forward_s + c.rest_call_forward_s) / tp + overhead / 3
-    bw = (b * (stage_layers * c.layer_backward_s + c.rest_backward_s)
+    bw = (share * (stage_layers * c.layer_backward_s + c.rest_backward_s)
           + stage_layers * c.layer_call_backward_s + c.rest_call_backward_s) / tp + 2 * overhead / 3
     full = layout.checkpoint is Checkpointing.FULL
-    recompute = b * stage_layers * c.recompute_s(layout.checkpoint) / tp + (overhead / 3 if full else 0.0)
-    activation_bytes = b * c.seq * c.config.hidden_size * 2
+    recompute = share * stage_layers * c.recompute_s(layout.checkpoint) / tp + (overhead / 3 if full else 0.0)
+    activation_bytes = share * c.seq * c.config.hidden_size * 2
     tp_comm = 0.0
     if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
-        activations_all_reduced = 4 * stage_layers + (2 if pp == 1 else 1)
+        activations_all_reduced = (4 + (RECOMPUTED_ALL_REDUCES if full else 0)) * stage_layers + (2 if pp == 1 else 1)
         tp_comm = activations_all_reduced * all_reduce_seconds(activation_bytes, tp, run.link(tp)) + \
-            3 * all_reduce_seconds(b * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
-    neighbours = run.link(2 * layout.dp * tp)  # the next stage's rank is dp x tp ranks away
+            3 * all_reduce_seconds(share * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
+    neighbours = run.link(2 * layout.dp * cp * tp)  # the next stage's rank is dp x cp x tp ranks away
     sends = 2 * send_seconds(activation_bytes, neighbours) if pp > 1 else 0.0
-    micro = fw + bw + recompute + tp_comm + sends
+    cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp), full)
+    micro = fw + bw + recompute + tp_comm + sends + cp_comm
     slots = layout.microbatches + pp - 1
     compute_step = slots * micro
     bubble = (pp - 1) * micro
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
-    dp_link = run.link(layout.dp * tp)
+    data = layout.dp * cp  # the ranks a gradient is summed over (sharded: the shard group)
+    dp_link = run.link(data * tp)
     compression = 0.0
-    if layout.dp == 1:
+    if data == 1:
         dp_exposed, dp_what = 0.0, ""
     elif layout.shard:
         ends = 2 if pp == 1 else 1  # the embedding and the head are units of their own, gathered apart
@@ -173,33 +188,34 @@ def predict(run: Run, layout: Layout) -> Prediction:
         layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units)
                    for i in range(stage_layers)]
         sent = scatter_exchange(c.config, layout, b * c.seq, run.device) if layout.compress else None
-        sharded = predict_sharded(layers, 0, layout.dp, dp_link, gather_bytes_per_parameter=2,
+        sharded = predict_sharded(layers, 0, data, dp_link, gather_bytes_per_parameter=2,
                                   reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
         compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         # ranks sharing cores: as for the all-reduce below, nothing hides
         exposed = sharded.communication_s if run.device.cpu_share < 1 else sharded.exposed_s
         dp_exposed, dp_what = layout.microbatches * exposed, "parameter all-gathers and gradient reduce-scatters"
     else:
-        sent = gradient_exchange(c.config, layout, b * c.seq, run.device, dp_link)
+        sent = gradient_exchange(c.config, dataclasses.replace(layout, dp=data), b * c.seq, run.device, dp_link)
         all_reduce, compression = sent.link_s, sent.compute_s
         # ranks sharing cores: gloo's threads take the cores the backward would use, nothing hides
         dp_exposed = all_reduce if run.device.cpu_share < 1 else max(0.0, all_reduce - bw)
         dp_what = f"gradient exchange ({layout.compress})" if layout.compress else "gradient all-reduce"
-    optimizer = ADAMW_TRAFFIC * stage_params / (layout.dp if layout.shard else 1) / run.device.memory_bandwidth
+    optimizer = ADAMW_TRAFFIC * stage_params / (data if layout.shard else 1) / run.device.memory_bandwidth
     tensor_cost = run.device.optimizer_tensor_overhead + \
         (run.device.dtensor_parameter_overhead if tp > 1 or layout.shard else 0.0)  # the parameters are DTensors
     optimizer += (stage_layers * c.layer_tensors + c.rest_tensors) * tensor_cost
     step = compute_step + dp_exposed + compression + optimizer
 
-    states = ADAMW_STATE_BYTES * stage_params / (layout.dp if layout.shard else 1)
+    states = ADAMW_STATE_BYTES * stage_params / (data if layout.shard else 1)
     in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
     split = 1 / tp if layout.sequence_parallel else (1 - TP_SPLIT_FRACTION) + TP_SPLIT_FRACTION / tp
     if full:  # each layer's input (split by sequence parallelism), and one layer recomputed at a time
         kept = c.saved_bytes(layout.checkpoint) / (tp if layout.sequence_parallel else 1)
-        activations = in_flight * stage_layers * b * kept + b * c.layer_saved * split
+        activations = in_flight * stage_layers * share * kept + share * c.layer_saved * split
     else:
-        activations = in_flight * stage_layers * b * c.saved_bytes(layout.checkpoint) * split
-    activations += b * (c.rest_saved + c.transient) / tp
+        activations = in_flight * stage_layers * share * c.saved_bytes(layout.checkpoint) * split
+    activations += share * (c.rest_saved + c.transient) / tp
+    activations += gathered_kv_kept(c.config, c.seq, b, 1 if full else in_flight * stage_layers, tp, cp)
     gathered = 3 * c.layer_parameters / tp * 2 + c.layer_parameters / tp * 4 if layout.shard else 0
     memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
     total = sum(memory.values())
@@ -207,7 +223,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
     fits = total <= capacity
     tokens_per_s = run.global_batch * c.seq / step
     peak = run.device.flops_per_second(torch.bfloat16)
-    time = {"compute": compute_step - bubble - slots * (recompute + tp_comm + sends), "recompute": slots * recompute,
+    time = {"compute": compute_step - bubble - slots * (recompute + tp_comm + sends + cp_comm),
+            "recompute": slots * recompute, "context_parallel_comm": slots * cp_comm,
             "tensor_parallel_comm": slots * tp_comm, "pipeline_sends": slots * sends, "bubble": bubble,
             "data_parallel_exposed": dp_exposed,
             "compression": compression, "optimizer": optimizer}
@@ -228,7 +245,8 @@ def bottleneck(p: Prediction, dp_what: str) -> str:
     where it takes more than 15% of the step, else compute."""
     if not p.fits:
         return DOES_NOT_FIT
-    overheads = ("bubble", "data_parallel_exposed", "tensor_parallel_comm", "recompute", "pipeline_sends")
+    overheads = ("bubble", "data_parallel_exposed", "tensor_parallel_comm", "recompute", "pipeline_sends",
+                 "context_parallel_comm")
     term = max(overheads, key=lambda t: p.time[t])
     if p.time[term] <= 0.15 * p.step_s:
         return BOTTLENECKS["compute"]
@@ -238,8 +256,12 @@ def bottleneck(p: Prediction, dp_what: str) -> str:
 def valid(run: Run, layout: Layout) -> str | None:
     """Why `layout` cannot run at all (None: it can)."""
     config = run.costs.config
-    if layout.dp * layout.tp * layout.pp != run.gpus:
+    if layout.gpus != run.gpus:
         return "the layout's product is not the number of GPUs"
+    if cp_refusal(run.costs.seq, layout.cp):
+        return cp_refusal(run.costs.seq, layout.cp)
+    if layout.cp > 1 and layout.compress:
+        return "a compressed gradient exchange beside context parallelism is not planned: drop the compressor"
     if layout.tp > run.gpus_per_node:
         return f"tp {layout.tp} spans more than a node ({run.gpus_per_node} GPUs)"
     if config.num_attention_heads % layout.tp or config.num_key_value_heads % layout.tp:
@@ -257,19 +279,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(run: Run, compress: tuple = ()) -> list[Layout]:
+def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> list[Layout]:
     """Every valid layout; replicated data parallel also with each compressor named in `compress`
-    that changes its bytes (sparse_rows only where the embedding goes as rows)."""
+    that changes its bytes (sparse_rows only where the embedding goes as rows). `context`: also each
+    cp of the GPUs left after tp and pp that splits the sequence (picofx.planner.context)."""
     layouts = []
     for tp in [d for d in divisors(run.gpus) if d <= run.gpus_per_node]:
-        for pp in divisors(run.gpus // tp):
-            dp = run.gpus // (tp * pp)
+        for pp, cp in [(pp, cp) for pp in divisors(run.gpus // tp)
+                       for cp in [1, *(cp_degrees(run.costs.seq, run.gpus // (tp * pp)) if context else [])]]:
+            dp = run.gpus // (tp * pp * cp)
             per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
             for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
-                for shard in ((False, True) if dp > 1 else (False,)):
+                for shard in ((False, True) if dp * cp > 1 else (False,)):
                     for checkpoint in CHECKPOINTS:
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp)
+                            layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp)
                             if valid(run, layout) is None:
                                 layouts.append(layout)
                                 layouts += compressed(run, layout, compress)
@@ -279,7 +303,7 @@ def enumerate_layouts(run: Run, compress: tuple = ()) -> list[Layout]:
 def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
     """`layout` with each compressor of `kinds` that applies: dp > 1, replicated or sharded,
     sparse_rows where the embedding goes as rows."""
-    if layout.dp == 1 or layout.compress:
+    if layout.dp == 1 or layout.compress or layout.cp > 1:
         return []
     out = []
     for kind in kinds:
@@ -295,8 +319,12 @@ def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
 
 
 def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
-    """Every valid layout predicted (replicated ones also with each compressor of `compress`):
-    those that fit first, fastest first; then the rest."""
+    """Every valid layout predicted (replicated ones also with each compressor of `compress`), with
+    cp where the sequence is long or where nothing fits without it: those that fit first, fastest
+    first; then the rest."""
     predictions = [predict(run, layout) for layout in enumerate_layouts(run, compress)]
+    if run.costs.seq >= LONG_SEQUENCE or not any(p.fits for p in predictions):
+        predictions += [predict(run, layout) for layout in enumerate_layouts(run, compress, context=True)
+                        if layout.cp > 1]
     predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
     return predictions

@@ -12,14 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from picofx.cost.balance import INTERLEAVED_SCHEDULES
-from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
+from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
 from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout
 
 
 @dataclass(frozen=True)
 class Recipe:
     passes: list
-    mesh_shape: dict  # ParallelMesh.build's sizes: pp, dp_replicate, dp_shard, tp
+    mesh_shape: dict  # ParallelMesh.build's sizes: pp, dp_replicate, dp_shard, tp (and cp where it splits)
 
     def mesh(self, device_type: str = "cpu"):
         """The ParallelMesh of `mesh_shape` (under torch.distributed, every rank builds it at once)."""
@@ -59,6 +59,9 @@ def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpo
         passes = [*tensor_parallel, *compute, *checkpoint, *pipeline, *data]
     shape = {"pp": layout.pp, "dp_replicate": 1 if layout.shard else layout.dp,
              "dp_shard": layout.dp if layout.shard else 1, "tp": layout.tp}
+    if layout.cp > 1:  # each rank of the cp group keeps its part of every sequence, first of all
+        passes.insert(0, ContextParallel())
+        shape["cp"] = layout.cp
     return Recipe(passes, shape)
 
 

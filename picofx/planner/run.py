@@ -68,7 +68,7 @@ def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int 
                 global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, Prediction]:
     """`layout` of `model` predicted as `plan_run` predicts it among the others, with its suggestions
     (its neighbours compared with the compressors `compress`); ValueError where the run cannot have it."""
-    gpus = layout.dp * layout.tp * layout.pp
+    gpus = layout.gpus
     run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
                    device=device, passes=passes)
     why = valid(run, layout)
@@ -80,11 +80,12 @@ def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int 
 
 def table(predictions: list[Prediction], top: int) -> str:
     """The first `top` plans, a row each, with the best suggestion under it."""
-    head = (f"{'#':>3} {'layout':42s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
+    width = max([42] + [len(p.layout.describe()) for p in predictions[:top]])  # cp layouts spell one more dimension
+    head = (f"{'#':>3} {'layout':{width}s} {'GB/GPU':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
             f"{'fits':4s}  bottleneck")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(predictions[:top]):
-        rows.append(f"{i:>3} {p.layout.describe():42s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
+        rows.append(f"{i:>3} {p.layout.describe():{width}s} {p.memory_per_gpu / 1e9:7.1f} {p.step_s:8.3f} "
                     f"{p.tokens_per_s:10,.0f} {p.mfu:6.1%}  {'yes' if p.fits else 'no':4s}  {p.bottleneck}")
         if p.suggestions:
             rows.append(f"{'':>4}  -> {p.suggestions[0].describe(p)}")

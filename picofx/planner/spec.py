@@ -1,7 +1,8 @@
 """A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
-as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective".
+as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective"
+(cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full").
 
-Left out, tp and pp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
+Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.layouts import Checkpointing, Layout
 
-WHOLE = ("dp", "tp", "pp", "microbatches")
+WHOLE = ("dp", "tp", "pp", "microbatches", "cp")
 YES_NO = ("shard", "sequence_parallel")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 FIELDS = [f.name for f in dataclasses.fields(Layout)]
@@ -59,6 +60,6 @@ def parse_layout(spec: str, gpus: int | None = None) -> Layout:
             given[key] = parse_value(key, text)
         except ValueError as e:
             raise ValueError(f"--layout: {e}") from None
-    tp, pp = given.setdefault("tp", 1), given.setdefault("pp", 1)
-    given.setdefault("dp", max(1, (gpus or 1) // (tp * pp)))
+    tp, pp, cp = given.setdefault("tp", 1), given.setdefault("pp", 1), given.setdefault("cp", 1)
+    given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
     return Layout(**given)

@@ -4,7 +4,7 @@ first, each naming the bottleneck it addresses: the time term it shrinks most, o
 
 Neighbours: twice or half the micro-batches, sequence parallelism on or off, each other checkpointing
 (none, selective, full), sharded or replicated data parallelism, each other compressor planned, and
-another tp or pp (twice or half, the data-parallel ranks making up the GPUs; the micro-batches the
+another tp, pp or cp (twice or half, the data-parallel ranks making up the GPUs; the micro-batches the
 fastest of those that divide the replicas' batch). A neighbour the run cannot have (its batch does
 not divide, tp past a node) is left out. Every neighbour is predicted as it would be planned on its
 own, so a suggestion's gains are those of `picofx plan --layout` of the two layouts."""
@@ -67,7 +67,7 @@ class Neighbourhood:
                             replace(layout, sequence_parallel=not layout.sequence_parallel)))
         changes += [(CHECKPOINT_CHANGES[c], replace(layout, checkpoint=c)) for c in CHECKPOINTS
                     if c is not layout.checkpoint]
-        if layout.dp > 1:
+        if layout.dp * layout.cp > 1:
             changes.append(("replicated data parallel" if layout.shard else "sharded data parallel",
                             replace(layout, shard=not layout.shard, compress=None)))
         plain = replace(layout, compress=None)
@@ -76,28 +76,39 @@ class Neighbourhood:
         changes += [(f"{other.compress} gradient exchange", other) for other in compressed(self.run, plain, self.kinds)
                     if other != layout]
         out = [(what, p) for what, other in changes if (p := self.prediction(other)) is not None]
-        for tp, pp in ((2 * layout.tp, layout.pp), (layout.tp // 2, layout.pp),
-                       (layout.tp, 2 * layout.pp), (layout.tp, layout.pp // 2)):
-            p = self.best_with(layout, tp, pp)
+        for tp, pp, cp in self.other_shapes(layout):
+            p = self.best_with(layout, tp, pp, cp)
             if p is not None:
-                what = f"tp {tp}" if tp != layout.tp else f"pp {pp}"
+                what = f"tp {tp}" if cp == layout.cp else f"{'more' if cp > layout.cp else 'less'} cp: cp {cp}" + \
+                    (f", tp {tp}" if tp != layout.tp else "")
+                what = f"pp {pp}" if pp != layout.pp else what
                 if p.layout.microbatches != m:
                     what += f", {micro_batches(p.layout.microbatches)}"
                 out.append((what, p))
         return out
 
-    def best_with(self, layout: Layout, tp: int, pp: int) -> Prediction | None:
-        """`layout` over `tp` x `pp` (the data-parallel ranks making up the GPUs) with the micro-batches
-        that make it fastest (fit first), or None where the run cannot have it."""
-        gpus = layout.dp * layout.tp * layout.pp
-        if tp < 1 or pp < 1 or gpus % (tp * pp):
+    def other_shapes(self, layout: Layout) -> list[tuple[int, int, int]]:
+        """(tp, pp, cp) of the neighbours: tp or pp twice or half; cp twice or half, the data-parallel
+        ranks making up the GPUs, else tp (half or twice) where dp cannot."""
+        tp, pp, cp, dp = layout.tp, layout.pp, layout.cp, layout.dp
+        shapes = [(2 * tp, pp, cp), (tp // 2, pp, cp), (tp, 2 * pp, cp), (tp, pp // 2, cp)]
+        shapes.append((tp, pp, 2 * cp) if dp % 2 == 0 else (tp // 2, pp, 2 * cp))
+        if cp > 1:
+            shapes.append((tp, pp, cp // 2) if self.run.global_batch % (2 * dp) == 0 else (2 * tp, pp, cp // 2))
+        return shapes
+
+    def best_with(self, layout: Layout, tp: int, pp: int, cp: int = 1) -> Prediction | None:
+        """`layout` over `tp` x `pp` x `cp` (the data-parallel ranks making up the GPUs) with the
+        micro-batches that make it fastest (fit first), or None where the run cannot have it."""
+        gpus = layout.gpus
+        if min(tp, pp, cp) < 1 or gpus % (tp * pp * cp):
             return None
-        dp = gpus // (tp * pp)
+        dp = gpus // (tp * pp * cp)
         if self.run.global_batch % dp:
             return None
-        same = dataclasses.replace(layout, dp=dp, tp=tp, pp=pp, shard=layout.shard and dp > 1,
+        same = dataclasses.replace(layout, dp=dp, tp=tp, pp=pp, cp=cp, shard=layout.shard and dp * cp > 1,
                                    sequence_parallel=layout.sequence_parallel and tp > 1,
-                                   compress=layout.compress if dp > 1 else None)
+                                   compress=layout.compress if dp > 1 and cp == 1 else None)
         found = [self.prediction(dataclasses.replace(same, microbatches=m))
                  for m in divisors(self.run.global_batch // dp) if m >= pp]
         return best_of([p for p in found if p is not None])

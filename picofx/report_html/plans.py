@@ -31,8 +31,9 @@ def percent(share: float) -> str:
 
 
 def plan_label(p: dict) -> str:
+    cp = f" x cp{p['cp']}" if p.get("cp", 1) > 1 else ""
     text = (f"dp{p['dp']}{' shard' if p.get('shard') else ''} x tp{p['tp']}"
-            f"{' sp' if p.get('sequence_parallel') else ''} x pp{p['pp']}, {p['microbatches']} mb")
+            f"{' sp' if p.get('sequence_parallel') else ''} x pp{p['pp']}{cp}, {p['microbatches']} mb")
     checkpoint = {True: "full", False: "none", None: "none"}.get(p.get("checkpoint"), p.get("checkpoint"))  # old JSON: a bool
     checkpoint = {"none": "", "full": ", ckpt"}.get(checkpoint, f", {checkpoint} ckpt")
     return text + checkpoint + (f", {p['compress']}" if p.get("compress") else "")

@@ -107,8 +107,8 @@ RUNS = [
 NOT_EXPRESSIBLE = [
     ("Llama 3.1 8B/70B/405B with Float8 linears", TITAN_H100 + ", Tables 1-6",
      "the planner's models run their matmuls in bf16; Float8 linears (torchao) are not a picofx precision"),
-    ("Llama 3.1 8B and 405B with context parallelism", TITAN_H100 + ", Tables 2 and 6",
-     "no context-parallel dimension in a layout (and these runs use Float8 too)"),
+    ("Llama 3.1 405B, 4-D with context parallelism", TITAN_H100 + ", Table 6",
+     "TP 8 x PP 8 x FSDP x CP with Float8 and async TP; Table 2 (8B, FSDP x CP) is predicted below, apart"),
     ("Llama 3 8B and Llama 2 13B, selective layer checkpointing", TITAN_A100,
      "checkpointing every other layer: a layout checkpoints all of its layers alike"),
     ("Picotron, Llama-2-7B on 64 H100 (~38% MFU) and SmolLM-1.7B on 8 H100 (~50%)", "Picotron README",

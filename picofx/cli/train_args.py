@@ -16,7 +16,7 @@ from picofx.cost.units import check_budget, format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
 from picofx.cli.train_guards import add_guard_options, check_guard_options
-from picofx.cli.train_model import check_model
+from picofx.cli.train_model import check_model, planned_shape
 from picofx.cli.train_state import saved_run
 from picofx.runtime.checkpoints import checkpoint_to_resume
 from picofx.manager import resolve_pass
@@ -78,13 +78,14 @@ def memory_budget(text: str):
     return value
 
 
-def step_bytes(config, batch: int, seq: int) -> int:
+def step_bytes(config, batch: int, seq: int, tied: bool = False) -> int:
     """A step's memory, roughly: fp32 weights, gradients and AdamW's two moments (16 bytes per
     parameter), saved activations of 2 x (34 x hidden + 5 x heads x seq) bytes per token and layer
-    (Korthikanti et al.'s 16-bit estimate, doubled for fp32), and the logits with their gradient."""
+    (Korthikanti et al.'s 16-bit estimate, doubled for fp32), and the logits with their gradient.
+    `tied`: the output head is the embedding's matrix."""
     h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     kv = config.num_key_value_heads * config.head_dim
-    params = 2 * config.vocab_size * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+    params = (1 if tied else 2) * config.vocab_size * h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
     tokens = batch * seq
     activations = tokens * layers * 2 * (34 * h + 5 * config.num_attention_heads * seq)
     return 16 * params + activations + 2 * 4 * tokens * config.vocab_size
@@ -192,11 +193,13 @@ def parse_args(argv=None, doc: str = "", environ=None):
         check_model(args)
     except ValueError as e:
         p.error(str(e))
-    if not fits(args.size, args.batch, args.seq, args.device):
-        config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
-        p.error(f"--size {args.size} needs about {format_bytes(step_bytes(config, args.batch, args.seq))} per step "
+    config, tied = planned_shape(args)  # --size's reference LLaMA, or --model's config
+    if step_bytes(config, args.batch, args.seq, tied) > device_for(args.device).memory_capacity:
+        model = f"--model {args.model}" if args.model else f"--size {args.size}"
+        p.error(f"{model} needs about {format_bytes(step_bytes(config, args.batch, args.seq, tied))} per step "
                 f"at batch {args.batch}, seq {args.seq}; {args.device} has "
-                f"{format_bytes(device_for(args.device).memory_capacity)}: pick a smaller size, batch or sequence")
+                f"{format_bytes(device_for(args.device).memory_capacity)}: pick a smaller "
+                f"{'model' if args.model else 'size'}, batch or sequence")
     return args
 
 

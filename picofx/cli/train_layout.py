@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from picofx.manager.combinations import COMPRESSION, closed, refused
-from picofx.models.llama import CONFIGS
+from picofx.cli.train_model import planned_shape
 from picofx.passes import ContextParallel, TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import Recipe, recipe
@@ -125,8 +125,7 @@ def choose_layout(args, rank: int) -> str:
 
     from picofx.cost.device import calibrate_link
 
-    positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
-    config = dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions)
+    config, _ = planned_shape(args)  # --size's reference LLaMA, or --model's shape
     link = calibrate_link(None) if args.device == "cpu" else None  # every rank takes part
     choice = [planned_choice(args, config, link) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)

@@ -12,7 +12,7 @@ import typing
 import torch
 
 from picofx.cli.train_data import load_tokens, tokenized
-from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from picofx.models.llama import CONFIGS, Llama, LlamaConfig, causal_lm_loss
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
@@ -62,9 +62,6 @@ def check_model(args) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise ValueError(f"--model {args.model} needs transformers: pip install 'picofx[hf]'") from None
-    if getattr(args, "layout", None) == "auto":
-        raise ValueError("--layout auto plans the reference LLaMA of --size; with --model give the layout "
-                         "(--dp, --shard, --tp, --pp)")
     config = hf_config(args.model)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -84,6 +81,24 @@ def check_model(args) -> None:
         raise ValueError(f"--init-from-hf: {args.model} holds no weights (no .safetensors or pytorch_model.bin "
                          "file): save them there with save_pretrained, or leave --init-from-hf out to train "
                          "from a random initialisation")
+
+
+def planned_shape(args) -> tuple[LlamaConfig, bool]:
+    """The run's model as the planner and the memory estimate describe one (a LlamaConfig's shapes:
+    vocabulary, hidden size, MLP width, layers, heads, positions), and whether its output head is
+    its embedding (tied, one matrix fewer). The reference LLaMA at --size on the byte tokenizer, or
+    --model's config (a model of another kind is planned as the LLaMA of its shape)."""
+    if args.model is None:
+        positions = args.max_positions or CONFIGS[args.size].max_position_embeddings
+        return dataclasses.replace(CONFIGS[args.size], vocab_size=256, max_position_embeddings=positions), False
+    config = hf_config(args.model)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    width = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    shape = LlamaConfig(vocab_size=config.vocab_size, hidden_size=hidden, intermediate_size=width,
+                        num_hidden_layers=config.num_hidden_layers, num_attention_heads=heads,
+                        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+                        max_position_embeddings=getattr(config, "max_position_embeddings", None) or args.seq)
+    return shape, bool(getattr(config, "tie_word_embeddings", False))
 
 
 def build(args) -> TrainedModel:

@@ -6,11 +6,13 @@ maps; the windows are contiguous pieces of the documents' token stream, each doc
 batches prepared by DataLoader workers are those drawn one at a time, and a resumed run goes on bit
 for bit. On 2 ranks (--shard; --tp and --pp among the slow tests) the first loss is the model's own
 and the parameters keep the model's names."""
+import dataclasses
 import importlib
 import os
 import pathlib
 import random
 import re
+import subprocess
 import sys
 import time
 
@@ -23,7 +25,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from picofx.cli import train  # noqa: E402
 from picofx.cli.train_args import parse_args  # noqa: E402
-from picofx.cli.train_data import Batches, documents, tokenized  # noqa: E402
+from picofx.cli.train_data import Batches, DataError, documents, tokenized  # noqa: E402
 from picofx.data import token_file  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
@@ -116,6 +118,25 @@ def test_documents_are_packed_into_one_stream_each_ended_by_eos(files, tmp_path)
             assert (spans == row).all(axis=1).any(), row  # a contiguous piece of the stream
 
 
+def test_a_saved_dataset_trains_each_row_a_document(files, tmp_path, capsys):
+    """--data DIR written by datasets' save_to_disk (needs the datasets package, not in picofx[hf]:
+    skipped without it)."""
+    datasets = pytest.importorskip("datasets")
+    rows = files["corpus"].read_text().splitlines()
+    datasets.Dataset.from_dict({"id": list(range(len(rows))), "text": rows}).save_to_disk(str(tmp_path / "rows"))
+    tokenizer = tiny_tokenizer()
+    found, line = tokenized(str(tmp_path / "rows"), tokenizer, str(tmp_path / "tokens"))
+    eos = tokenizer.eos_token_id
+    assert found.array().tolist() == [t for row in rows for t in tokenizer(row)["input_ids"] + [eos]], line
+    result = train.main([*FAST, "--model", str(files["llama"]), "--data", str(tmp_path / "rows"), "--data-cache",
+                         str(tmp_path / "tokens"), "--steps", "1"])
+    assert "mapped, tokenized by an earlier run" in capsys.readouterr().out and np.isfinite(result["losses"][0])
+
+    datasets.Dataset.from_dict({"body": rows}).save_to_disk(str(tmp_path / "untitled"))
+    with pytest.raises(DataError, match="no text column .* it has body"):
+        tokenized(str(tmp_path / "untitled"), tokenizer, str(tmp_path / "tokens"))
+
+
 def same(batch: dict, expected: dict) -> bool:
     return batch.keys() == expected.keys() and all(torch.equal(batch[k], expected[k]) for k in batch)
 
@@ -183,6 +204,49 @@ def test_bad_model_options_stop_with_one_line(options, message, files, tmp_path,
         parse_args(given, environ={})
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def resized(files, root: pathlib.Path, **fields) -> pathlib.Path:
+    """The tiny Llama's directory with other shapes in its config (the tokenizer kept)."""
+    config = transformers.AutoConfig.from_pretrained(files["llama"])
+    for name, value in fields.items():
+        setattr(config, name, value)
+    directory = root / "resized"
+    config.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_the_device_fit_check_and_the_plan_take_the_models_own_shape(files, tmp_path, capsys, monkeypatch):
+    from picofx.cli import train_layout
+    from picofx.cli.train_args import step_bytes
+    from picofx.cli.train_model import planned_shape
+    from picofx.planner.layouts import Layout
+
+    huge = resized(files, tmp_path, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                   num_attention_heads=128, num_key_value_heads=8)
+    with pytest.raises(SystemExit) as stopped:  # --size tiny fits anywhere; this model's step does not fit 17 GB
+        parse_args(["--model", str(huge), "--seq", "16"], environ={})
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"--model {huge} needs about " in err and "pick a smaller model" in err, err
+
+    args = parse_args(["--model", str(files["llama"]), "--layout", "auto", "--seq", "16"],
+                      environ={"RANK": "0", "WORLD_SIZE": "2"})
+    shape, tied = planned_shape(args)
+    config = transformers.AutoConfig.from_pretrained(files["llama"])
+    assert (shape.vocab_size, shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers,
+            shape.num_attention_heads, shape.num_key_value_heads) == (
+        config.vocab_size, 32, 64, 2, 4, 2) and not tied
+    planned = []
+    monkeypatch.setattr("picofx.cost.device.calibrate_link", lambda _: None)
+    monkeypatch.setattr("torch.distributed.broadcast_object_list", lambda *_, **__: None)  # rank 0's own choice
+    monkeypatch.setattr(train_layout, "planned_choice", lambda args, config, link: planned.append(config) or (
+        dataclasses.asdict(Layout(dp=2, tp=1, pp=1)), "layout auto: dp2"))
+    assert train_layout.choose_layout(args, 0) == "layout auto: dp2" and planned == [shape]
+
+    tied_model = resized(files, tmp_path / "tied", tie_word_embeddings=True)
+    shape, tied = planned_shape(parse_args(["--model", str(tied_model), "--seq", "16"], environ={}))
+    assert tied and step_bytes(shape, 2, 16) - step_bytes(shape, 2, 16, tied) == 16 * shape.vocab_size * 32
 
 
 def first_step(rank: int, world: int, files: dict, layout: list, cache: str) -> dict:
@@ -254,3 +318,17 @@ def test_the_first_ranks_tokens_or_error_are_every_ranks_on_its_machine(monkeypa
     for take in (lambda: launch.once_per_machine(no_text_column, "tokens b"), lambda: other_rank("tokens b")):
         with pytest.raises(DataError, match="no text column"):
             take()
+
+
+@pytest.mark.slow
+def test_layout_auto_plans_a_hugging_face_model_and_every_rank_trains_with_it(files, tmp_path):
+    """Under torchrun (the planner measures in processes of its own, which spawned ranks cannot start)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "picofx",
+               "train", *FAST, "--batch", "4", "--steps", "4", "--model", str(files["llama"]), "--data",
+               str(files["corpus"]), "--data-cache", str(tmp_path / "tokens"), "--layout", "auto", "--no-measure-cuts"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PICOFX_CACHE": "0", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    chosen = re.search(r"^layout auto: dp(\d+)( shard)? x tp(\d+)( sp)? x pp(\d+)", done.stdout, re.M)
+    assert chosen and int(chosen[1]) * int(chosen[3]) * int(chosen[5]) == 2, done.stdout[-3000:]
+    assert f"{files['llama']} model, 4 steps" in done.stdout and "summary:" in done.stdout, done.stdout[-3000:]

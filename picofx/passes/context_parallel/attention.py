@@ -18,7 +18,7 @@ from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.sp_gather)
-from picofx.passes.context_parallel.ring import cp_ring_attention
+import picofx.passes.context_parallel.ring  # noqa: F401  (registers torch.ops.picofx.cp_ring_attention)
 from picofx.passes.context_parallel.split import KEY_VIEWS, CannotSplit, Local
 
 aten = torch.ops.aten
@@ -131,7 +131,7 @@ class RingAttention(Attention):
             mask = self.indexed_mask(split, node, mask)
         scale = a.get("scale") or query.meta["val"].shape[-1] ** -0.5
         with self.graph.inserting_before(node):
-            ring = self.graph.call_function(cp_ring_attention._opoverload, (
+            ring = self.graph.call_function(torch.ops.picofx.cp_ring_attention.default, (
                 query, a["key"], a["value"], mask, scale, mask is None and a.get("is_causal", False),
                 self.dim.rank, self.dim.size, self.positions.load_balance, self.dim.group_name))
             split.refresh(ring)

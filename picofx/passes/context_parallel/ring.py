@@ -252,7 +252,8 @@ def _backward(ctx, grad, _lse_grad):
 
 cp_ring_attention.register_autograd(_backward, setup_context=_save)
 
-IMPLEMENTATIONS = {cp_ring_attention._opoverload: ring_forward, cp_ring_attention_backward._opoverload: ring_backward}
+IMPLEMENTATIONS = {torch.ops.picofx.cp_ring_attention.default: ring_forward,
+                   torch.ops.picofx.cp_ring_attention_backward.default: ring_backward}
 
 
 def lower_ring(gm: fx.GraphModule) -> int:

@@ -14,7 +14,7 @@ import dataclasses
 
 from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.cli.train_model import planned_shape
-from picofx.passes import ContextParallel, TensorParallel
+from picofx.passes import TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import Recipe, recipe
 
@@ -25,7 +25,7 @@ def args_layout(args) -> Layout:
     return Layout(dp=args.dp, tp=args.tp, pp=args.pp, shard=args.shard,
                   microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
                   checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
-                  compress=args.compress)
+                  compress=args.compress, cp=getattr(args, "cp", 1))
 
 
 def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
@@ -40,7 +40,7 @@ def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
     if layout.sequence_parallel:
         found.add("sequence_parallel" if getattr(args, "async_tp", None) is False else "async_tp")
     found |= {"pipeline"} if layout.pp > 1 else set()
-    found |= {"context_parallel"} if getattr(args, "cp", 1) > 1 else set()
+    found |= {"context_parallel"} if layout.cp > 1 else set()
     kinds = (layout.compress or "").split("+")
     found |= {k for k in COMPRESSION if any(kind.split(":")[0] == k for kind in kinds)}
     return closed(found)
@@ -56,9 +56,6 @@ def train_recipe(args) -> Recipe:
     passes, shape = list(made.passes), dict(made.mesh_shape)
     if args.async_tp is False:
         passes = [dataclasses.replace(p, async_overlap=False) if isinstance(p, TensorParallel) else p for p in passes]
-    if getattr(args, "cp", 1) > 1:  # each rank of the cp group computes its part of every sequence
-        passes.insert(0, ContextParallel())
-        shape["cp"] = args.cp
     if args.dp_replicate > 1:  # HSDP: the shard pass on (dp_replicate, dp_shard), averaging across replicas too
         shape["dp_replicate"] = args.dp_replicate
     return Recipe(passes, shape)
@@ -134,7 +131,7 @@ def choose_layout(args, rank: int) -> str:
         raise ValueError(line)
     layout = Layout(**fields)
     args.dp, args.tp, args.pp, args.shard = layout.dp, layout.tp, layout.pp, layout.shard
-    args.sequence_parallel, args.schedule = layout.sequence_parallel, layout.schedule
+    args.sequence_parallel, args.schedule, args.cp = layout.sequence_parallel, layout.schedule, layout.cp
     args.batch //= layout.dp  # sequences per replica
     if layout.pp > 1:
         args.microbatches = layout.microbatches

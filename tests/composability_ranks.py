@@ -83,3 +83,29 @@ def run_cells(rank: int, world: int, cells: list, backend: str = "eager", say: b
         if say and rank == 0:
             print(f"cell {cell.describe()}: {out[cell]['seconds']:.1f}s {out[cell].get('error', 'ran')}", flush=True)
     return out
+
+
+def adamw_and_checkpoint(rank: int, world: int, cells: list, root: str) -> dict:
+    """Per cell: three AdamW steps on this rank's replica's batch (the losses), the parameters
+    after them, whole, and a DCP checkpoint of the model from every rank, under root/<cell>."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    out = {}
+    for cell in cells:
+        mesh = ParallelMesh.build(**cell.mesh)
+        index, replicas = replica(mesh)
+        z = tiny()
+        batch = {k: v.chunk(replicas)[index].contiguous() for k, v in z.example_inputs.items()}
+        opt = picofx.optimize(z.model, batch, cell_passes(cell), backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+        optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            losses.append(opt.forward_backward(**batch).detach().clone())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        dcp.save(get_model_state_dict(z.model), checkpoint_id=f"{root}/{cell.describe().replace(' + ', '+')}")
+        out[cell] = {"losses": losses, "replica": index, "replicas": replicas, "tokens_per_rank": [
+                         r.notes["tokens_per_rank"] for r in opt.report.records if "tokens_per_rank" in r.notes],
+                     "parameters": {n: whole(p) for n, p in z.model.named_parameters()}}
+    return out

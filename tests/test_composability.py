@@ -192,3 +192,46 @@ def test_the_docs_show_the_table():
     assert shown.strip() == combinations.render_markdown().strip(), (
         "docs/parallelism.md's table differs from the table: run python -c \"from picofx.manager.combinations "
         "import write_into; write_into('docs/parallelism.md')\"")
+
+
+TRAINED_CELLS = (frozenset({"context_parallel", "tensor_parallel"}), frozenset({"context_parallel", "shard"}))
+
+
+@pytest.mark.slow
+def test_context_parallel_cells_train_three_adamw_steps_and_save_what_the_plain_model_loads(tmp_path):
+    """cp x tp and cp x shard on 4 ranks: each step's loss equals one process's on the full batch, the
+    parameters after three AdamW steps too (atol 1e-5: AdamW divides by the root of the second
+    moment, so a gradient's last bits move the step's), and the ranks' DCP checkpoint loads into the
+    plain model with those values."""
+    import torch.distributed.checkpoint as dcp
+
+    cells = [Cell(f) for f in TRAINED_CELLS]
+    results = run_ranks(composability_ranks.adamw_and_checkpoint, 4, cells, str(tmp_path), timeout=600,
+                        collective_timeout=120)
+    z = tiny()
+    optimizer = torch.optim.AdamW(z.model.parameters(), lr=1e-3)
+    expected_losses = []
+    for _ in range(3):
+        inputs = {k: v for k, v in z.example_inputs.items() if k != "labels"}
+        loss = z.loss_fn(z.model(**inputs), z.example_inputs["labels"])
+        loss.backward()
+        expected_losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    expected = {n: p.detach() for n, p in z.model.named_parameters()}
+    for cell in cells:
+        ranks = [r[cell] for r in results]
+        assert all(r["tokens_per_rank"] == [tiny().example_inputs["input_ids"].shape[1] // 2] for r in ranks)
+        for step, want in enumerate(expected_losses):
+            by_replica = {r["replica"]: r["losses"][step] for r in ranks}
+            assert len(by_replica) == ranks[0]["replicas"]
+            torch.testing.assert_close(torch.stack(list(by_replica.values())).mean(), want, rtol=1e-5, atol=1e-6)
+        for r in ranks:
+            for name, value in expected.items():
+                torch.testing.assert_close(r["parameters"][name], value, rtol=0, atol=1e-5, msg=name)
+        plain = tiny().model
+        state = plain.state_dict()
+        dcp.load(state, checkpoint_id=str(tmp_path / cell_id(cell)), no_dist=True)
+        plain.load_state_dict(state, strict=True)
+        for name, value in expected.items():
+            torch.testing.assert_close(plain.get_parameter(name), value, rtol=0, atol=1e-5, msg=name)

@@ -28,7 +28,8 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
 # what a resumed run must repeat to go on as the saved run would have
 RUN_OPTIONS = ("size", "model", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp",
-               "microbatches", "shard", "tp", "sequence_parallel", "async_tp", "compress")
+               "microbatches", "shard", "tp", "sequence_parallel", "async_tp", "compress", "cp")
+OPTIONS_ADDED_LATER = {"cp": "1"}  # what a checkpoint saved before the option existed was run with
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -334,6 +335,7 @@ def check_paths(args) -> None:
         args.resume = checkpoint_to_resume(args.resume, args.save)  # auto with none saved yet: a fresh start
     if args.resume is not None:
         step, saved = saved_run(args.resume, RUN_OPTIONS)
+        saved = {name: OPTIONS_ADDED_LATER.get(name) if value is None else value for name, value in saved.items()}
         if getattr(args, "layout", None) == "auto" and args.world > 1:
             adopt_saved_layout(args, saved)
         changed = [f"--{name.replace('_', '-')} {saved[name]} there, {value} here" for name, value in
@@ -353,11 +355,12 @@ def adopt_saved_layout(args, saved: dict) -> None:
     """--layout auto with --resume: the layout the saved run chose, not a new plan (one made now,
     on other timings, could differ, and the checkpoint is of that layout). --batch stays the global
     batch, as the saved run was given it."""
-    dp, tp, pp = (int(saved[name]) for name in ("dp", "tp", "pp"))
-    if dp * tp * pp != args.world:
-        raise ValueError(f"--resume {args.resume} was saved by a run on {dp * tp * pp} ranks (dp {dp} x tp {tp} x "
-                         f"pp {pp}), and torchrun started {args.world}: launch with --nproc-per-node {dp * tp * pp}")
-    args.layout, args.dp, args.tp, args.pp = None, dp, tp, pp
+    dp, tp, pp, cp = (int(saved[name]) for name in ("dp", "tp", "pp", "cp"))
+    if dp * tp * pp * cp != args.world:
+        raise ValueError(f"--resume {args.resume} was saved by a run on {dp * tp * pp * cp} ranks (dp {dp} x tp {tp} "
+                         f"x pp {pp} x cp {cp}), and torchrun started {args.world}: launch with --nproc-per-node "
+                         f"{dp * tp * pp * cp}")
+    args.layout, args.dp, args.tp, args.pp, args.cp = None, dp, tp, pp, cp
     args.shard, args.sequence_parallel = saved["shard"] == "True", saved["sequence_parallel"] == "True"
     args.microbatches, args.batch = int(saved["microbatches"]), args.batch // dp
     args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"

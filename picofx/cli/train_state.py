@@ -13,6 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from picofx.runtime.checkpoints import AsyncSaver, Preemption
@@ -92,10 +93,10 @@ class PeriodicSaves:
 
 def saved_run(directory: str, option_names) -> tuple[int, dict]:
     """The step a checkpoint was saved at and the options it was saved with (read on this process
-    alone, before any process group)."""
+    alone, before any process group); an option the checkpoint does not hold is None."""
     state = {"step": torch.tensor(0), "options": {name: None for name in option_names}}
     with single_process_quiet():
-        dcp.load(state, checkpoint_id=directory, no_dist=True)
+        dcp.load(state, checkpoint_id=directory, no_dist=True, planner=DefaultLoadPlanner(allow_partial_load=True))
     return int(state["step"]), state["options"]
 
 

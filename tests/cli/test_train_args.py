@@ -73,7 +73,6 @@ def test_one_process_is_one_replica():
     (["--tp", "2", "--pp", "2", "--dp", "2"],
      "the layout --dp 2 x --tp 2 x --pp 2 is 8 ranks, but torchrun started 4"),
     (["--shard", "--dp-replicate", "2", "--compress", "int8"], "HSDP's all-reduce across the replicas is not compressed"),
-    (["--cp", "2", "--tp", "2"], "context_parallel composes with data parallelism (overlap or shard) so far"),
     (["--dp-replicate", "2"], "--dp-replicate 2 is HSDP's replicas of a sharded group: add --shard"),
     (["--tp", "2", "--no-async-tp"], "--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel"),
     (["--sequence-parallel"], "--sequence-parallel splits the sequence over the --tp ranks"),
@@ -89,6 +88,12 @@ def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, mess
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv, environ=TORCHRUN_4)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_context_parallel_beside_hsdp_is_refused_before_the_process_group(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--cp", "2", "--shard", "--dp", "2", "--dp-replicate", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
+    assert exit_.value.code == 2 and "HSDP beside context_parallel" in capsys.readouterr().err
 
 
 def test_only_rank_0_prints_a_refused_option(capsys):

@@ -35,6 +35,19 @@ def test_a_resume_with_other_options_or_no_steps_left_is_refused(tmp_path, capsy
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_value_it_ran_with(tmp_path, monkeypatch):
+    """A checkpoint from before --cp holds no cp option: it ran with cp 1, and resumes so."""
+    from picofx.cli import train_args
+
+    current = train_args.RUN_OPTIONS
+    monkeypatch.setattr(train_args, "RUN_OPTIONS", tuple(name for name in current if name != "cp"))
+    load_script().main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
+    monkeypatch.setattr(train_args, "RUN_OPTIONS", current)
+    step, saved = train_args.saved_run(str(tmp_path / "run" / "step-1"), current)
+    assert step == 1 and saved["cp"] is None and saved["batch"] == "2"
+    assert train_args.parse_args([*FAST, "--steps", "2", "--resume", str(tmp_path / "run")], environ={}).cp == 1
+
+
 def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):
     import torch.distributed.checkpoint as dcp
 

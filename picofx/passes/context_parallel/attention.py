@@ -55,12 +55,7 @@ class Attention:
 
     def rewrite(self, split, node: fx.Node) -> Local:
         """This rank's queries over the gathered keys and values, under the mask indexed to them."""
-        a = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-        query, mask = a["query"], a.get("attn_mask")
-        rows = len(split.whole[query]) - 2
-        if split.states.get(query) != Local(rows):
-            raise CannotSplit(node, "its queries are not this rank's tokens laid out (batch, heads, sequence, "
-                                    "head_dim)")
+        a, query, mask, rows = self.local_query(split, node)
         if mask is None:
             mask = self.positions.causal_mask() if a.get("is_causal", False) else None
         else:
@@ -70,6 +65,18 @@ class Attention:
                        "attn_mask": mask, "is_causal": False}
         split.refresh(node)
         return Local(rows)
+
+    @staticmethod
+    def local_query(split, node: fx.Node):
+        """The attention's arguments by name, its queries, its mask and the queries' sequence dimension,
+        checked to hold this rank's tokens."""
+        a = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        query, mask = a["query"], a.get("attn_mask")
+        rows = len(split.whole[query]) - 2
+        if split.states.get(query) != Local(rows):
+            raise CannotSplit(node, "its queries are not this rank's tokens laid out (batch, heads, sequence, "
+                                    "head_dim)")
+        return a, query, mask, rows
 
     def indexed_mask(self, split, node: fx.Node, mask: fx.Node) -> fx.Node:
         """A mask built from the inputs (whole on every rank), indexed to this rank's query rows and
@@ -118,12 +125,7 @@ class RingAttention(Attention):
         return marked
 
     def rewrite(self, split, node: fx.Node) -> Local:
-        a = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-        query, mask = a["query"], a.get("attn_mask")
-        rows = len(split.whole[query]) - 2
-        if split.states.get(query) != Local(rows):
-            raise CannotSplit(node, "its queries are not this rank's tokens laid out (batch, heads, sequence, "
-                                    "head_dim)")
+        a, query, mask, rows = self.local_query(split, node)
         if a.get("dropout_p", 0.0):
             raise CannotSplit(node, "it drops attention weights out, which the ring's blocks do not; set the "
                                     "attention's dropout to 0 or use ContextParallel(method=\"allgather\")")

@@ -147,12 +147,10 @@ def merged(earlier, part):
     return out, top + total.log()
 
 
-def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool,
-                 group: str):
-    """(out, lse) of this rank's queries over every rank's keys (the module docstring's forward)."""
-    length, heads = q.shape[2], q.shape[1]
-    mask = additive(mask, q.dtype)
-    rows = {span: None for span in segments(length, load_balance)}
+def ring_steps(k, v, rank: int, ranks: int, group: str):
+    """(step, keys, values, the rank they came from), step by step round the ring: the next step's
+    transfer is issued before this step's blocks are handed out and waited when the next step
+    begins, so it overlaps this step's attention."""
     flat, sending = pack(k, v), None
     for step in range(ranks):
         if step:
@@ -160,7 +158,16 @@ def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: in
         if step < ranks - 1:
             sending = shift(flat, rank, ranks, group)
         keys, values = unpack(flat, k)
-        source = (rank - step) % ranks
+        yield step, keys, values, (rank - step) % ranks
+
+
+def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool,
+                 group: str):
+    """(out, lse) of this rank's queries over every rank's keys (the module docstring's forward)."""
+    length, heads = q.shape[2], q.shape[1]
+    mask = additive(mask, q.dtype)
+    rows = {span: None for span in segments(length, load_balance)}
+    for step, keys, values, source in ring_steps(k, v, rank, ranks, group):
         for q_rows, k_cols, diagonal in blocks(step, rank, ranks, length, load_balance, causal):
             m = mask_block(mask, q_rows, k_cols, source, length)
             out, lse = FLASH(q.narrow(2, q_rows[0], q_rows[1] - q_rows[0]),
@@ -184,14 +191,8 @@ def ring_backward(grad, q, k, v, mask, out, lse, scale: float, causal: bool, ran
     mask, grad = additive(mask, q.dtype), grad.contiguous()
     spans = segments(length, load_balance)
     dq = Pieces(spans, q)
-    flat, sending, returning = pack(k, v), None, None
-    for step in range(ranks):
-        if step:
-            flat = c10d.wait_tensor(sending)
-        if step < ranks - 1:
-            sending = shift(flat, rank, ranks, group)
-        keys, values = unpack(flat, k)
-        source = (rank - step) % ranks
+    returning = None
+    for step, keys, values, source in ring_steps(k, v, rank, ranks, group):
         dk, dv = Pieces(spans, k.float()), Pieces(spans, v.float())
         for q_rows, k_cols, diagonal in blocks(step, rank, ranks, length, load_balance, causal):
             r, c = (q_rows[0], q_rows[1] - q_rows[0]), (k_cols[0], k_cols[1] - k_cols[0])

@@ -232,23 +232,17 @@ def main(argv=None) -> dict:
         message = str(e)
     ranks.stop_if_failed(message)
     try:
-        return run(args, ranks, session)
+        return train_steps(args, ranks, session)
+    except Exception as e:  # a collective failed because a rank died (its heartbeat stopped): one line, status 1
+        if ranks.watchdog is not None:
+            ranks.watchdog.stop_if_a_peer_died(e, before_stop=session.batches.stop)
+        raise
     finally:
         session.batches.stop()  # the DataLoader workers end here, whether the run returned or raised
 
 
-def run(args, ranks: Ranks, s: Session) -> dict:
-    """The steps, the saves and the summary of a set-up run; where a collective failed because a rank
-    died (its heartbeat stopped), this rank stops with one line saying so (exit status 1)."""
-    try:
-        return train_steps(args, ranks, s)
-    except Exception as e:
-        if ranks.watchdog is not None:
-            ranks.watchdog.stop_if_a_peer_died(e, before_stop=s.batches.stop)
-        raise
-
-
 def train_steps(args, ranks: Ranks, s: Session) -> dict:
+    """The steps, the saves and the summary of a set-up run."""
     resumed = f"; resumed from {args.resume} at step {s.start_step}" if args.resume else ""
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")

@@ -12,14 +12,11 @@ no Float8 precision in picofx), so its tokens/s are a bf16 run's of the same lay
 from __future__ import annotations
 
 import argparse
-import pickle
 import re
 from pathlib import Path
 
-from picofx.cost import gpus
-from picofx.planner import costs
 from picofx.planner.layouts import Layout
-from plan_published import DOCS, END, row  # tools/plan_published.py
+from plan_published import DOCS, END, predicted, read_captures  # tools/plan_published.py
 from published_runs import TITAN_H100, Published  # tools/published_runs.py
 from results import write_json  # tools/results.py
 
@@ -42,7 +39,7 @@ CONTEXT_RUNS = [Published(f"Llama 3.1 8B, FSDP {8 // cp} x CP {cp}, {seq:,} toke
 
 
 def rows() -> list[dict]:
-    return [row(run, gpus.GPUS) for run in CONTEXT_RUNS]
+    return predicted(CONTEXT_RUNS, None)
 
 
 def markdown(table: list[dict]) -> str:
@@ -95,13 +92,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--captures", metavar="FILE", help="keep the captured steps in FILE (a pickle) and read them "
                                                      "from it next time: the captures are most of the run's time")
     args = p.parse_args(argv)
-    if args.captures and Path(args.captures).exists():
-        costs.CAPTURED.update(pickle.loads(Path(args.captures).read_bytes()))
-    table = []
-    for run in CONTEXT_RUNS:
-        table.append(row(run, gpus.GPUS))
-        if args.captures:
-            Path(args.captures).write_bytes(pickle.dumps(costs.CAPTURED))
+    read_captures(args.captures)
+    table = predicted(CONTEXT_RUNS, args.captures)
     print(markdown(table))
     write_json(table, args.json, "plan_context_published.json")
     if args.write_docs:

@@ -163,6 +163,22 @@ def write_docs(table: list[dict]) -> None:
     print(f"wrote the table into {DOCS}")
 
 
+def read_captures(captures: str | None) -> None:
+    """The captured steps a run before kept in `captures` (--captures), where it exists."""
+    if captures and Path(captures).exists():
+        planner_costs.CAPTURED.update(pickle.loads(Path(captures).read_bytes()))
+
+
+def predicted(runs, captures: str | None) -> list[dict]:
+    """Each run's row, the captured steps kept in `captures` after each (a stopped run loses none)."""
+    table = []
+    for run in runs:
+        table.append(row(run, gpus.GPUS))
+        if captures:
+            Path(captures).write_bytes(pickle.dumps(planner_costs.CAPTURED))
+    return table
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
@@ -171,17 +187,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--captures", metavar="FILE", help="keep the captured steps in FILE (a pickle) and read them "
                                                      "from it next time: the captures are most of the run's time")
     args = p.parse_args(argv)
-    if args.captures and Path(args.captures).exists():
-        planner_costs.CAPTURED.update(pickle.loads(Path(args.captures).read_bytes()))
+    read_captures(args.captures)
     if args.fit:
         fitted = fit()
         print(f"FITTED = {fitted}: set these in picofx/cost/gpus.py, then run again for the table")
         return []
-    table = []
-    for run in RUNS:
-        table.append(row(run, gpus.GPUS))
-        if args.captures:
-            Path(args.captures).write_bytes(pickle.dumps(planner_costs.CAPTURED))
+    table = predicted(RUNS, args.captures)
     print(markdown(table))
     write_json(table, args.json, "plan_published.json")
     if args.write_docs:

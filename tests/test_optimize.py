@@ -118,3 +118,17 @@ def test_inductor_training_step_matches_eager_and_runs_every_stage():
     assert_trains_like_eager(z, passes, backend="inductor", verify="numerics")
     assert seen == [(picofx.Stage.FORWARD, "forward"), (picofx.Stage.JOINT, "joint"),
                     (picofx.Stage.PARTITIONED, "forward"), (picofx.Stage.PARTITIONED, "backward")]
+
+
+def test_picofx_ops_inductor_does_not_decompose_are_declared_fallbacks():
+    from torch._inductor.lowering import lowerings
+
+    from picofx.runtime.compile import declare_fallbacks, inductor_decompositions
+
+    decompositions = inductor_decompositions(torch.device("cpu"))
+    declare_fallbacks(decompositions)
+    ops = [getattr(torch.ops.picofx, name.split("::")[1]).default
+           for name in torch._C._dispatch_get_all_op_names() if name.startswith("picofx::")]
+    assert torch.ops.picofx.linear_cross_entropy.default in ops
+    for op in ops:
+        assert (op in lowerings) != (op in decompositions), op

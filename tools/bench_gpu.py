@@ -114,8 +114,11 @@ def make_forward(name: str, model, batch: dict, device: torch.device, mixed: boo
     elif name == "torch.compile":
         run, scope = torch.compile(model), nullcontext
     elif name == "picofx":
+        began = time.perf_counter()
         opt = picofx.optimize(model, batch, passes=["fuse", "precision"] if mixed else ["fuse"],
                               backend="inductor")
+        print(f"picofx.optimize: {time.perf_counter() - began:.1f}s (capture {opt.report.capture_seconds:.1f}s, "
+              f"compile {opt.report.compile_seconds:.1f}s)", flush=True)
         return lambda: opt(**batch).loss
     elif name == "liger":
         rope = LigerRope()

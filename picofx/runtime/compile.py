@@ -178,6 +178,36 @@ def inductor_decompositions(device: torch.device) -> dict:
     return table
 
 
+def start_kernel_compile_workers():
+    """Start Inductor's Triton compile workers now, as torch.compile's backend does on entry: until
+    they answer, each Triton kernel compiles in this process, one after another."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without the pool compiles in this process anyway
+        return
+    maybe_warm_pool()
+
+
+def declare_fallbacks(decompositions: dict) -> None:
+    """Have Inductor call the kernels of picofx's custom ops it is not given a decomposition for,
+    declared before lowering as Inductor declares an unknown op where it first meets one. Met first
+    in the graph, each op's inputs are also written out for a log line, which some torch releases
+    (2.11) do even when the line is not logged: on a 16-layer model that took minutes."""
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, op_name = name.partition("::")
+        if namespace != "picofx":
+            continue
+        packet = getattr(torch.ops.picofx, op_name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op not in lowerings and op not in decompositions:
+                constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                make_fallback(op, layout_constraint=constraint, warn=False)
+
+
 def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context, joint=None):
     """Compile `gm` (flat inputs, flat outputs) for training; returns `fn(inputs: list) -> list`.
     `joint` (picofx.runtime.cache.JointDecisions) records what the joint passes annotate, or
@@ -196,6 +226,10 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
                 warnings.filterwarnings("ignore", message=r"`torch.jit.script_method` is deprecated",
                                         category=DeprecationWarning)
                 from torch._inductor.compile_fx import compile_fx
+            if ctx.device.type == "cuda":
+                start_kernel_compile_workers()
+            decompositions = inductor_decompositions(ctx.device)
+            declare_fallbacks(decompositions)
 
             hooks = {"joint_custom_post_pass": _JointHook(runner), "custom_partitioner_fn": _Partitioner(manager),
                      "post_grad_custom_post_pass": _PostGradHook(runner)}
@@ -205,7 +239,7 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
                 hooks.update(GATHER_OVERLAP if gathers else COMM_OVERLAP)
             with inductor_config.patch(hooks):
                 try:
-                    fn = compile_fx(gm, inputs, decompositions=inductor_decompositions(ctx.device))
+                    fn = compile_fx(gm, inputs, decompositions=decompositions)
                 except InductorError as e:  # Inductor wraps what its post-grad hook raised: a pass's PassError
                     if isinstance(e.inner_exception, PassError):
                         raise e.inner_exception from e.inner_exception.__cause__

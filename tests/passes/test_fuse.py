@@ -2,6 +2,7 @@
 L RoPEs, L attentions, one loss), training numerics against eager (fp32 and bf16), GPT-2 left
 alone, idempotence, the state_dict untouched, and one Inductor step."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -162,8 +163,11 @@ def test_bf16_trains_within_bf16_rounding(name):
 
 
 @pytest.mark.slow
-def test_one_training_step_with_inductor_returns_no_logits():
+def test_one_training_step_with_inductor_returns_no_logits(caplog):
     model = hf_model("Llama")
-    opt = assert_trains_like_eager(model, [Fuse()], backend="inductor", tolerance=(1e-4, 1e-5))
+    with caplog.at_level(logging.INFO, logger="torch._inductor.graph"):
+        opt = assert_trains_like_eager(model, [Fuse()], backend="inductor", tolerance=(1e-4, 1e-5))
+    implicit = [r.getMessage() for r in caplog.records if "implicit fallback" in r.getMessage()]
+    assert not [m for m in implicit if "picofx" in m], implicit  # declared before lowering (declare_fallbacks)
     assert opt(**model.example_inputs).logits is None
     assert fused_block_counts(opt.graph_module) == EVERY_BLOCK

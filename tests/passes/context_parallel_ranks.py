@@ -13,6 +13,7 @@ from picofx.passes import ContextParallel
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 GATHER = torch.ops.picofx.sp_gather.default
 RING = torch.ops.picofx.cp_ring_attention.default
+BLOCKWISE = torch.ops.picofx.cp_gathered_attention.default
 ATTENTIONS = {"forward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
               "backward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 TRANSFER = torch.ops._c10d_functional.all_to_all_single.default
@@ -57,11 +58,12 @@ def one_step(z: zoo.ZooModel, backend: str = "eager", others=(), **options) -> d
     loss = out if isinstance(out, torch.Tensor) else out.loss
     loss.backward()
     graph = opt.graph_module.graph
-    attentions = [n for n in graph.nodes if n.target is SDPA]
+    attentions = [n for n in graph.nodes if n.target in (SDPA, BLOCKWISE)]
     return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in z.model.named_parameters()},
             "logits": None if isinstance(out, torch.Tensor) else out.logits.detach(),
             "queries": [tuple(n.args[0].meta["val"].shape) for n in attentions],
             "keys": [tuple(n.args[1].meta["val"].shape) for n in attentions],
+            "masks": [n.kwargs.get("attn_mask") is not None for n in attentions if n.target is SDPA],
             "gathered": [tuple(n.meta["val"].shape) for n in graph.nodes if n.target is GATHER],
             "collectives": {role: sorted(n.target.__name__ for n in opt.graphs[role].graph.nodes
                                          if getattr(n.target, "namespace", None) in ("_c10d_functional", "picofx"))
@@ -147,8 +149,11 @@ def four_ranks(rank: int, world: int) -> dict:
 
 
 def inductor(rank: int, world: int) -> dict:
-    torch.manual_seed(0)
-    return one_step(build("llama-tiny"), backend="inductor")
+    out = {}
+    for method in ("allgather", "ring"):
+        torch.manual_seed(0)
+        out[method] = one_step(build("llama-tiny"), backend="inductor", method=method)
+    return out
 
 
 TRAIN = ["--backend", "eager", "--passes", "--batch", "2", "--seq", "16", "--log-every", "1", "--steps", "3"]

@@ -1,5 +1,6 @@
 """Attention under context parallelism. The all-gather method (Llama 3's): each rank's queries
-attend over every key and value, all-gathered over the cp ranks. The ring method: see
+attend over every key and value, all-gathered over the cp ranks (causal attention on the CPU is
+computed block by block as the ring does, without a mask). The ring method: see
 picofx.passes.context_parallel.ring; `RingAttention` puts its operator in place of each attention.
 
 The gather sits before the views that repeat key/value heads for grouped-query attention, so only
@@ -23,19 +24,72 @@ from picofx.passes.context_parallel.split import KEY_VIEWS, CannotSplit, Local
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
+MASK_EVALUATED_UP_TO = 2**26  # entries: a mask proven causal by evaluating it at capture (a 8192^2 one)
 
 
 class Attention:
     def __init__(self, graph: fx.Graph, positions, dim):
         self.graph, self.positions, self.dim = graph, positions, dim
         self.sources: dict[fx.Node, list[fx.Node]] = {}  # first node reading gathered keys -> what it gathers
+        self.causal_masks: dict[fx.Node, bool] = {}
         self.attentions = [n for n in graph.nodes if n.target is SDPA]
+        self.in_blocks = {attention for attention in self.attentions if self.computed_in_blocks(attention)}
         for attention in self.attentions:
+            if attention in self.in_blocks:
+                self.sources[attention] = self.kv_heads(attention)
+                continue
             for kv in attention.args[1:3]:
                 consumer, source = attention, kv
                 while source.target in KEY_VIEWS and len(source.users) == 1:  # repeat_kv's views
                     consumer, source = source, source.args[0]
                 self.sources.setdefault(consumer, []).append(source)
+
+    def computed_in_blocks(self, attention: fx.Node) -> bool:
+        """Causal attention on the CPU without dropout: computed block by block from the gathered kv
+        heads (picofx::cp_gathered_attention), no mask made."""
+        a = self.arguments(attention)
+        return self.positions.device.type == "cpu" and a.get("is_causal", False) and \
+            a.get("attn_mask") is None and not a.get("dropout_p", 0.0)
+
+    def kv_heads(self, attention: fx.Node) -> list[fx.Node]:
+        """The attention's keys and values as kv heads: the views that repeat them for grouped-query
+        attention removed (checked to repeat each kv head for consecutive query heads), for the block
+        computation repeats them per block."""
+        for kv in attention.args[1:3]:
+            chain = []
+            while kv.target in KEY_VIEWS and len(kv.users) == 1:
+                chain.append(kv)
+                kv = kv.args[0]
+            check_heads_repeated(attention, chain[::-1], kv)
+            if chain:
+                attention.replace_input_with(chain[0], kv)
+            for view in chain:
+                self.graph.erase_node(view)
+        return list(attention.args[1:3])
+
+    def drop_unread_masks(self) -> None:
+        """Erase the masks proven causal, and what only they read, once no attention reads them."""
+        pending, erased = [m for m, causal in self.causal_masks.items() if causal], set()
+        while pending:
+            node = pending.pop()
+            if node in erased or node.users or node.op not in ("call_function", "get_attr"):
+                continue
+            inputs = node.all_input_nodes
+            self.graph.erase_node(node)
+            erased.add(node)
+            pending.extend(inputs)
+
+    def arguments(self, attention: fx.Node) -> dict:
+        """The attention's arguments by name, a mask proven causal (`is_causal_mask`) as is_causal."""
+        a = normalize_function(attention.target, attention.args, attention.kwargs,
+                               normalize_to_only_use_kwargs=True).kwargs
+        mask = a.get("attn_mask")
+        if mask is not None and not a.get("is_causal", False):
+            if mask not in self.causal_masks:
+                self.causal_masks[mask] = is_causal_mask(self.graph, mask)
+            if self.causal_masks[mask]:
+                a["attn_mask"], a["is_causal"] = None, True
+        return a
 
     def gathered_before(self, node: fx.Node) -> list[fx.Node]:
         return self.sources.get(node, [])
@@ -54,8 +108,14 @@ class Attention:
         return gathered
 
     def rewrite(self, split, node: fx.Node) -> Local:
-        """This rank's queries over the gathered keys and values, under the mask indexed to them."""
+        """This rank's queries over the gathered keys and values: causal attention on the CPU block by
+        block (picofx::cp_gathered_attention), no mask made; otherwise under the mask indexed to them."""
         a, query, mask, rows = self.local_query(split, node)
+        if node in self.in_blocks:
+            scale = a.get("scale") or query.meta["val"].shape[-1] ** -0.5
+            return self.in_place(split, node, torch.ops.picofx.cp_gathered_attention.default, (
+                query, a["key"], a["value"], None, scale, True, self.dim.rank, self.dim.size,
+                self.positions.load_balance), rows)
         if mask is None:
             mask = self.positions.causal_mask() if a.get("is_causal", False) else None
         else:
@@ -66,11 +126,22 @@ class Attention:
         split.refresh(node)
         return Local(rows)
 
-    @staticmethod
-    def local_query(split, node: fx.Node):
-        """The attention's arguments by name, its queries, its mask and the queries' sequence dimension,
-        checked to hold this rank's tokens."""
-        a = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    def in_place(self, split, node: fx.Node, op, args: tuple, rows: int) -> Local:
+        """`op(*args)`'s first output (this rank's queries' attention) in place of the attention `node`."""
+        with self.graph.inserting_before(node):
+            call = self.graph.call_function(op, args)
+            split.refresh(call)
+            out = self.graph.call_function(operator.getitem, (call, 0))
+            split.refresh(out)
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+        split.states[out], split.whole[out] = Local(rows), split.whole[node]
+        return Local(rows)
+
+    def local_query(self, split, node: fx.Node):
+        """The attention's arguments by name, its queries, its mask (None where it is the causal mask,
+        then `is_causal`) and the queries' sequence dimension, checked to hold this rank's tokens."""
+        a = self.arguments(node)
         query, mask = a["query"], a.get("attn_mask")
         rows = len(split.whole[query]) - 2
         if split.states.get(query) != Local(rows):
@@ -98,21 +169,8 @@ class RingAttention(Attention):
     its own keys and values (the kv heads, before the views that repeat them, whose head order it
     checks), which the operator passes around the ring."""
 
-    def __init__(self, graph: fx.Graph, positions, dim):
-        super().__init__(graph, positions, dim)
-        self.sources = {}
-        for attention in self.attentions:
-            for kv in attention.args[1:3]:
-                chain = []
-                while kv.target in KEY_VIEWS and len(kv.users) == 1:
-                    chain.append(kv)
-                    kv = kv.args[0]
-                check_heads_repeated(attention, chain[::-1], kv)
-                if chain:
-                    attention.replace_input_with(chain[0], kv)
-                for view in chain:
-                    graph.erase_node(view)
-            self.sources[attention] = list(attention.args[1:3])
+    def computed_in_blocks(self, attention: fx.Node) -> bool:
+        return True
 
     def gather(self, consumer: fx.Node, source: fx.Node, state) -> fx.Node:
         """Nothing travels here: the keys or values, marked for the attention that passes them around."""
@@ -132,17 +190,41 @@ class RingAttention(Attention):
         if mask is not None:
             mask = self.indexed_mask(split, node, mask)
         scale = a.get("scale") or query.meta["val"].shape[-1] ** -0.5
-        with self.graph.inserting_before(node):
-            ring = self.graph.call_function(torch.ops.picofx.cp_ring_attention.default, (
-                query, a["key"], a["value"], mask, scale, mask is None and a.get("is_causal", False),
-                self.dim.rank, self.dim.size, self.positions.load_balance, self.dim.group_name))
-            split.refresh(ring)
-            out = self.graph.call_function(operator.getitem, (ring, 0))
-            split.refresh(out)
-        node.replace_all_uses_with(out)
-        self.graph.erase_node(node)
-        split.states[out], split.whole[out] = Local(rows), split.whole[node]
-        return Local(rows)
+        return self.in_place(split, node, torch.ops.picofx.cp_ring_attention.default, (
+            query, a["key"], a["value"], mask, scale, mask is None and a.get("is_causal", False),
+            self.dim.rank, self.dim.size, self.positions.load_balance, self.dim.group_name), rows)
+
+
+def is_causal_mask(graph: fx.Graph, mask: fx.Node) -> bool:
+    """Whether `mask` is computed from constants alone (no input of the graph) and lets each query
+    attend to exactly the keys at or before it, as a model's causal mask without padding is (Hugging
+    Face builds one from position ranges): evaluated once here, on the whole sequence."""
+    if mask.meta["val"].numel() > MASK_EVALUATED_UP_TO:
+        return False
+    needed, pending = {}, [mask]
+    while pending:
+        node = pending.pop()
+        if node in needed:
+            continue
+        if node.op == "placeholder" or node.op not in ("call_function", "get_attr"):
+            return False
+        needed[node] = None
+        pending.extend(node.all_input_nodes)
+    values = {}
+    for node in (n for n in graph.nodes if n in needed):
+        if node.op == "get_attr":
+            values[node] = getattr(graph.owning_module, node.target)
+        else:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
+    value = values[mask]
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
+        return False
+    allowed = value if value.dtype == torch.bool else value == 0
+    if value.dtype != torch.bool and not bool(((value == 0) | (value <= torch.finfo(value.dtype).min / 2)).all()):
+        return False
+    causal = torch.ones(value.shape[-2:], dtype=torch.bool).tril()
+    return bool((allowed == causal).all())
 
 
 def check_heads_repeated(attention: fx.Node, chain: list[fx.Node], source: fx.Node) -> None:

@@ -64,7 +64,9 @@ class ContextParallel:
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim = resolve_dim(self.mesh, ctx.mesh, "cp", "the context_parallel pass")
         if ctx.stage is Stage.PARTITIONED:
-            rings = lower_ring(gm)
+            if ctx.backend == "inductor":
+                from torch._inductor.decomposition import select_decomp_table
+            rings = lower_ring(gm, select_decomp_table() if ctx.backend == "inductor" else None)
             notes = lower_collectives(gm, dim.group_name, backward=False)
             return PassResult(bool(notes["lowered"]) or bool(rings), {**notes, "rings": rings})
         graph, mode = gm.graph, fake_mode_of(gm)
@@ -91,6 +93,7 @@ class ContextParallel:
         for node in received_sequence_shards(gm, 1, dim.size):  # sent as this rank's tokens by the stage before
             split.states[node] = Local(1)
         split.run(token_ids)
+        attention.drop_unread_masks()
         last = stage is None or stage.index == stage.num_stages - 1
         outputs = combine_outputs(graph, split, dim) if last else {"sent_local": len(graph.output_node().args[0])}
         summed = sum_parameter_gradients(graph, dim.group_name)

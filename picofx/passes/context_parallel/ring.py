@@ -161,13 +161,21 @@ def ring_steps(k, v, rank: int, ranks: int, group: str):
         yield step, keys, values, (rank - step) % ranks
 
 
-def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool,
-                 group: str):
-    """(out, lse) of this rank's queries over every rank's keys (the module docstring's forward)."""
+def gathered_steps(k, v, rank: int, ranks: int):
+    """(step, keys, values, the rank they came from) as `ring_steps` yields them, read from keys and
+    values already gathered (every rank's, in rank order): nothing travels."""
+    length = k.shape[2] // ranks
+    for step in range(ranks):
+        source = (rank - step) % ranks
+        yield step, k.narrow(2, source * length, length), v.narrow(2, source * length, length), source
+
+
+def attend(q, steps, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool):
+    """(out, lse) of this rank's queries over the keys and values `steps` yields, block by block."""
     length, heads = q.shape[2], q.shape[1]
     mask = additive(mask, q.dtype)
     rows = {span: None for span in segments(length, load_balance)}
-    for step, keys, values, source in ring_steps(k, v, rank, ranks, group):
+    for step, keys, values, source in steps:
         for q_rows, k_cols, diagonal in blocks(step, rank, ranks, length, load_balance, causal):
             m = mask_block(mask, q_rows, k_cols, source, length)
             out, lse = FLASH(q.narrow(2, q_rows[0], q_rows[1] - q_rows[0]),
@@ -184,27 +192,41 @@ def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: in
     return out, lse.masked_fill(lse == NEG_INF, 0.0)  # rows no key reaches: as the kernel leaves them
 
 
+def step_gradients(grad, q, keys, values, mask, out, lse, dq: "Pieces", scale: float, causal: bool, step: int,
+                   source: int, rank: int, ranks: int, load_balance: bool):
+    """One step's blocks backward: their query gradients added to `dq`; returns the key and value
+    gradients of `source`'s block (kv heads, fp32)."""
+    length, heads, kv_heads = q.shape[2], q.shape[1], keys.shape[1]
+    spans = segments(length, load_balance)
+    dk, dv = Pieces(spans, keys.float()), Pieces(spans, values.float())
+    for q_rows, k_cols, diagonal in blocks(step, rank, ranks, length, load_balance, causal):
+        r, c = (q_rows[0], q_rows[1] - q_rows[0]), (k_cols[0], k_cols[1] - k_cols[0])
+        gq, gk, gv = FLASH_BACKWARD(grad.narrow(2, *r), q.narrow(2, *r),
+                                    heads_repeated(keys.narrow(2, *c), heads),
+                                    heads_repeated(values.narrow(2, *c), heads), out.narrow(2, *r),
+                                    lse.narrow(2, *r), 0.0, diagonal,
+                                    attn_mask=mask_block(mask, q_rows, k_cols, source, length), scale=scale)
+        dq.add(q_rows, gq.float())
+        dk.add(k_cols, heads_summed(gk, kv_heads).float())
+        dv.add(k_cols, heads_summed(gv, kv_heads).float())
+    return dk.whole(), dv.whole()
+
+
+def ring_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool,
+                 group: str):
+    """(out, lse) of this rank's queries over every rank's keys (the module docstring's forward)."""
+    return attend(q, ring_steps(k, v, rank, ranks, group), mask, scale, causal, rank, ranks, load_balance)
+
+
 def ring_backward(grad, q, k, v, mask, out, lse, scale: float, causal: bool, rank: int, ranks: int,
                   load_balance: bool, group: str):
     """(dq, dk, dv): the ring again (the module docstring's backward)."""
-    length, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
     mask, grad = additive(mask, q.dtype), grad.contiguous()
-    spans = segments(length, load_balance)
-    dq = Pieces(spans, q)
+    dq = Pieces(segments(q.shape[2], load_balance), q)
     returning = None
     for step, keys, values, source in ring_steps(k, v, rank, ranks, group):
-        dk, dv = Pieces(spans, k.float()), Pieces(spans, v.float())
-        for q_rows, k_cols, diagonal in blocks(step, rank, ranks, length, load_balance, causal):
-            r, c = (q_rows[0], q_rows[1] - q_rows[0]), (k_cols[0], k_cols[1] - k_cols[0])
-            gq, gk, gv = FLASH_BACKWARD(grad.narrow(2, *r), q.narrow(2, *r),
-                                        heads_repeated(keys.narrow(2, *c), heads),
-                                        heads_repeated(values.narrow(2, *c), heads), out.narrow(2, *r),
-                                        lse.narrow(2, *r), 0.0, diagonal,
-                                        attn_mask=mask_block(mask, q_rows, k_cols, source, length), scale=scale)
-            dq.add(q_rows, gq.float())
-            dk.add(k_cols, heads_summed(gk, kv_heads).float())
-            dv.add(k_cols, heads_summed(gv, kv_heads).float())
-        gradients = pack(dk.whole(), dv.whole())
+        gradients = pack(*step_gradients(grad, q, keys, values, mask, out, lse, dq, scale, causal, step, source,
+                                         rank, ranks, load_balance))
         if step:  # what the earlier ranks added to this block
             gradients = gradients + c10d.wait_tensor(returning)
         returning = shift(gradients, rank, ranks, group) if ranks > 1 else gradients
@@ -213,16 +235,31 @@ def ring_backward(grad, q, k, v, mask, out, lse, scale: float, causal: bool, ran
     return laid_out(dq.whole().to(q.dtype), q), laid_out(dk.to(k.dtype), k), laid_out(dv.to(v.dtype), v)
 
 
+def gathered_forward(q, k, v, mask, scale: float, causal: bool, rank: int, ranks: int, load_balance: bool):
+    """(out, lse) of this rank's queries over the gathered keys and values, block by block as the
+    ring computes them: causal masking by skipping and slicing blocks, no mask made."""
+    return attend(q, gathered_steps(k, v, rank, ranks), mask, scale, causal, rank, ranks, load_balance)
+
+
+def gathered_backward(grad, q, k, v, mask, out, lse, scale: float, causal: bool, rank: int, ranks: int,
+                      load_balance: bool):
+    """(dq, dk, dv) with dk and dv for every rank's keys and values (the gather's backward sums them
+    into their owners)."""
+    mask, grad = additive(mask, q.dtype), grad.contiguous()
+    dq = Pieces(segments(q.shape[2], load_balance), q)
+    parts = [None] * ranks
+    for step, keys, values, source in gathered_steps(k, v, rank, ranks):
+        parts[source] = step_gradients(grad, q, keys, values, mask, out, lse, dq, scale, causal, step, source,
+                                       rank, ranks, load_balance)
+    dk, dv = (torch.cat([part[i] for part in parts], 2) for i in (0, 1))
+    return laid_out(dq.whole().to(q.dtype), q), laid_out(dk.to(k.dtype), k), laid_out(dv.to(v.dtype), v)
+
+
 @torch.library.custom_op("picofx::cp_ring_attention", mutates_args=())
 def cp_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       causal: bool, rank: int, ranks: int, load_balance: bool,
                       group: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ring_forward(q, k, v, mask, scale, causal, rank, ranks, load_balance, group)
-
-
-@cp_ring_attention.register_fake
-def _(q, k, v, mask, scale, causal, rank, ranks, load_balance, group):
-    return flash_layout(torch.empty_like(q)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("picofx::cp_ring_attention_backward", mutates_args=())
@@ -234,8 +271,26 @@ def cp_ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Ten
     return dq, dk.clone(), dv.clone()  # views of one received buffer: an operator's outputs may not alias
 
 
-@cp_ring_attention_backward.register_fake
-def _(grad, q, k, v, mask, out, lse, scale, causal, rank, ranks, load_balance, group):
+@torch.library.custom_op("picofx::cp_gathered_attention", mutates_args=())
+def cp_gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, causal: bool, rank: int, ranks: int,
+                          load_balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return gathered_forward(q, k, v, mask, scale, causal, rank, ranks, load_balance)
+
+
+@torch.library.custom_op("picofx::cp_gathered_attention_backward", mutates_args=())
+def cp_gathered_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                                   causal: bool, rank: int, ranks: int,
+                                   load_balance: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return gathered_backward(grad, q, k, v, mask, out, lse, scale, causal, rank, ranks, load_balance)
+
+
+def _fake_attention(q, k, v, mask, *options):
+    return flash_layout(torch.empty_like(q)), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_backward(grad, q, k, v, *options):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -245,22 +300,31 @@ def _save(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, grad, _lse_grad):
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv = cp_ring_attention_backward(grad, q, k, v, mask, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _differentiable(forward, backward):
+    """`forward`'s gradient through `backward` (the options past the mask get none)."""
+    def gradient(ctx, grad, _lse_grad):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        return (*backward(grad, q, k, v, mask, out, lse, *ctx.options), None, *[None] * len(ctx.options))
+
+    forward.register_fake(_fake_attention)
+    backward.register_fake(_fake_backward)
+    forward.register_autograd(gradient, setup_context=_save)
 
 
-cp_ring_attention.register_autograd(_backward, setup_context=_save)
+_differentiable(cp_ring_attention, cp_ring_attention_backward)
+_differentiable(cp_gathered_attention, cp_gathered_attention_backward)
 
 IMPLEMENTATIONS = {torch.ops.picofx.cp_ring_attention.default: ring_forward,
-                   torch.ops.picofx.cp_ring_attention_backward.default: ring_backward}
+                   torch.ops.picofx.cp_ring_attention_backward.default: ring_backward,
+                   torch.ops.picofx.cp_gathered_attention.default: gathered_forward,
+                   torch.ops.picofx.cp_gathered_attention_backward.default: gathered_backward}
 
 
-def lower_ring(gm: fx.GraphModule) -> int:
-    """Each ring operator of the graph replaced by the nodes of its ring (traced from its
+def lower_ring(gm: fx.GraphModule, decompositions: dict | None = None) -> int:
+    """Each ring or gathered-blocks operator of the graph replaced by its nodes (traced from its
     implementation), so that the issues, waits and attentions are nodes that can be seen and
-    scheduled. Returns how many were lowered."""
+    scheduled, decomposed by `decompositions` (the compiler's, for the graph is past its
+    decomposition). Returns how many were lowered."""
     graph, count = gm.graph, 0
     for node in list(graph.nodes):
         implementation = IMPLEMENTATIONS.get(node.target)
@@ -274,7 +338,7 @@ def lower_ring(gm: fx.GraphModule) -> int:
             return implementation(*(next(it) if isinstance(a, fx.Node) else a for a in args))
 
         with detect_fake_mode(values):
-            traced = make_fx(ring)(*values)
+            traced = make_fx(ring, decomposition_table=decompositions)(*values)
         copied = dict(zip((n for n in traced.graph.nodes if n.op == "placeholder"), tensors))
         with graph.inserting_before(node):
             for n in traced.graph.nodes:

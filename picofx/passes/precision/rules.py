@@ -47,7 +47,8 @@ RULES = (
                                   "aten._scaled_dot_product_flash_attention_for_cpu",
                                   "aten._scaled_dot_product_flash_attention",
                                   "aten._scaled_dot_product_efficient_attention",
-                                  "aten._scaled_dot_product_cudnn_attention")),
+                                  "aten._scaled_dot_product_cudnn_attention",
+                                  "picofx.cp_gathered_attention", "picofx.cp_ring_attention")),
     # Fused ops run in the compute dtype; their kernels keep statistics and accumulation in fp32.
     # picofx.rope is not here: it follows its inputs, so fp32 RoPE tables keep it in fp32.
     Rule("fused", "compute", ("picofx.rms_norm", "picofx.add_rms_norm", "picofx.silu_mul",

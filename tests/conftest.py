@@ -5,9 +5,28 @@ import os
 
 os.environ.setdefault("PICOFX_CACHE", "0")
 
+import importlib  # noqa: E402
 import multiprocessing  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def import_tool():
+    """`import_tool(name, *folders)`: the module tools/name.py, imported with tools/ (and `folders`)
+    on the path while it imports."""
+    def load(name: str, *folders):
+        added = [str(ROOT / "tools"), *map(str, folders)]
+        sys.path[:0] = added
+        try:
+            return importlib.import_module(name)
+        finally:
+            del sys.path[:len(added)]
+    return load
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,8 +3,6 @@ bytes the overlap and shard passes' compressors' own, passed on to Overlap(compr
 prediction table."""
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,12 +97,8 @@ def test_a_plans_compressor_reaches_the_overlap_pass():
 
 
 @pytest.fixture(scope="module")
-def bench_compress():
-    sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tests" / "passes")]
-    try:
-        return importlib.import_module("bench_compress")
-    finally:
-        del sys.path[:2]
+def bench_compress(import_tool):
+    return import_tool("bench_compress", ROOT / "tests" / "passes")
 
 
 def test_llama2_7b_on_2_nodes_int8_is_not_slower_than_none_where_the_exchange_is_exposed(bench_compress):

@@ -3,22 +3,12 @@ Table 2's layouts, the docs hold the tool's table beside the published runs', an
 predictions stay where the docs explain them."""
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 @pytest.fixture(scope="module")
-def tool():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        yield importlib.import_module("plan_context_published")
-    finally:
-        sys.path.remove(str(TOOLS))
+def tool(import_tool):
+    return import_tool("plan_context_published")
 
 
 def test_the_runs_are_fsdp_times_cp_on_8_gpus_with_one_sequence_per_replica(tool):

@@ -4,13 +4,8 @@ the runs the profiles were fitted on are apart from those that check them, and t
 docs is the tool's."""
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 GROWTH = 0.01  # a point: what the captures' order of summation may move, not a real change
 
 # |error| of tokens/s per GPU and of memory per GPU (None: not published), as the docs record them
@@ -36,12 +31,8 @@ RECORDED = {
 
 
 @pytest.fixture(scope="module")
-def tool():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        yield importlib.import_module("plan_published")
-    finally:
-        sys.path.remove(str(TOOLS))
+def tool(import_tool):
+    return import_tool("plan_published")
 
 
 def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool):

@@ -211,12 +211,15 @@ def is_causal_mask(graph: fx.Graph, mask: fx.Node) -> bool:
         needed[node] = None
         pending.extend(node.all_input_nodes)
     values = {}
-    for node in (n for n in graph.nodes if n in needed):
-        if node.op == "get_attr":
-            values[node] = getattr(graph.owning_module, node.target)
-        else:
-            args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
-            values[node] = node.target(*args, **kwargs)
+    try:
+        for node in (n for n in graph.nodes if n in needed):
+            if node.op == "get_attr":
+                values[node] = getattr(graph.owning_module, node.target)
+            else:
+                args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
+                values[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (what cannot be evaluated here is not proven causal: the mask stays)
+        return False
     value = values[mask]
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
         return False

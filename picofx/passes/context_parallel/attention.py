@@ -206,7 +206,7 @@ def is_causal_mask(graph: fx.Graph, mask: fx.Node) -> bool:
         node = pending.pop()
         if node in needed:
             continue
-        if node.op == "placeholder" or node.op not in ("call_function", "get_attr"):
+        if node.op not in ("call_function", "get_attr"):  # an input of the graph: not a constant
             return False
         needed[node] = None
         pending.extend(node.all_input_nodes)

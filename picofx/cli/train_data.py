@@ -64,7 +64,7 @@ def check_data_source(source: str) -> None:
     if not has_datasets():
         what = "a directory" if path.is_dir() else "no such file"
         raise ValueError(f"--data {source}: {what}; a text file is read as bytes, and a dataset (saved with "
-                         "save_to_disk, or a Hugging Face name) needs the datasets package: pip install datasets")
+                         "save_to_disk, or a Hugging Face name) needs the datasets package: pip install 'picofx[hf]'")
 
 
 def dataset_text(source: str) -> bytes:

@@ -119,8 +119,7 @@ def test_documents_are_packed_into_one_stream_each_ended_by_eos(files, tmp_path)
 
 
 def test_a_saved_dataset_trains_each_row_a_document(files, tmp_path, capsys):
-    """--data DIR written by datasets' save_to_disk (needs the datasets package, not in picofx[hf]:
-    skipped without it)."""
+    """--data DIR written by datasets' save_to_disk (the datasets package is in picofx[hf])."""
     datasets = pytest.importorskip("datasets")
     rows = files["corpus"].read_text().splitlines()
     datasets.Dataset.from_dict({"id": list(range(len(rows))), "text": rows}).save_to_disk(str(tmp_path / "rows"))
@@ -135,6 +134,34 @@ def test_a_saved_dataset_trains_each_row_a_document(files, tmp_path, capsys):
     datasets.Dataset.from_dict({"body": rows}).save_to_disk(str(tmp_path / "untitled"))
     with pytest.raises(DataError, match="no text column .* it has body"):
         tokenized(str(tmp_path / "untitled"), tokenizer, str(tmp_path / "tokens"))
+
+
+def test_a_dataset_name_is_loaded_from_the_hub_and_its_failure_is_one_line(files, tmp_path, monkeypatch):
+    """A --data that is neither a file nor a directory is a Hugging Face dataset name: its train split
+    (there is no network here, so the hub's answer is a Dataset made in the test); offline, the load
+    fails with one line naming the source."""
+    datasets = pytest.importorskip("datasets")
+    rows = files["corpus"].read_text().splitlines()
+    real_load = datasets.load_dataset
+    asked = []
+
+    def from_the_hub(name, split=None, **options):
+        asked.append((name, split))
+        return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": rows})})[split]
+
+    monkeypatch.setattr(datasets, "load_dataset", from_the_hub)
+    tokenizer = tiny_tokenizer()
+    found, _ = tokenized("someone/stories", tokenizer, str(tmp_path / "tokens"))
+    assert asked == [("someone/stories", "train")]
+    assert found.array().tolist() == [t for row in rows for t in tokenizer(row)["input_ids"] + [tokenizer.eos_token_id]]
+
+    monkeypatch.setattr(datasets, "load_dataset", real_load)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    with pytest.raises(DataError, match=r"^--data nobody/no-such-dataset: datasets could not load it \(\w+") as failed:
+        tokenized("nobody/no-such-dataset", tokenizer, str(tmp_path / "other-tokens"))
+    assert "\n" not in str(failed.value)
 
 
 def same(batch: dict, expected: dict) -> bool:

@@ -215,6 +215,7 @@ def threads_note(args) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv, __doc__)
     ranks = Ranks(args)
+    ranks.stop_if_failed(train_state.resume_disagreement(args.resume, ranks.agreement))
     if args.layout == "auto" and args.world > 1:
         auto_layout(args, ranks)
     elif args.layout_chosen:

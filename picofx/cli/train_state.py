@@ -100,6 +100,21 @@ def saved_run(directory: str, option_names) -> tuple[int, dict]:
     return int(state["step"]), state["options"]
 
 
+def resume_disagreement(resume: str | None, group) -> str | None:
+    """Every rank's resolved --resume (a directory, or None for a fresh start) compared on `group`:
+    the error every rank stops with where they differ (a checkpoint still being written when they
+    looked), else None. One process: None."""
+    if not dist.is_initialized():
+        return None
+    chosen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(chosen, resume, group=group)
+    if len(set(chosen)) == 1:
+        return None
+    each = ", ".join(f"rank {rank}: {c or 'a fresh start'}" for rank, c in enumerate(chosen))
+    return (f"--resume: the ranks found different checkpoints to continue from ({each}); one was still being "
+            "written when they looked: start again once every rank of the run before has exited")
+
+
 def resume(directory: str, opt_model, optimizer, scheduler, batches, *, replica: int) -> int:
     """Load a --save checkpoint into the run, in place (the compiled step holds the parameters
     themselves); returns the step to continue from."""

@@ -193,19 +193,32 @@ class AsyncSaver:
 
     def _agree_and_mark(self, error, directory: pathlib.Path, step: int) -> None:
         try:
-            written = torch.tensor(0 if error is not None else 1)
-            if dist.is_initialized():
-                dist.all_reduce(written, op=dist.ReduceOp.MIN, group=self.group)
+            written = self._agree(error is None)
             if error is not None:
                 raise error
-            if not written.item():
+            if not written:
                 raise RuntimeError("another rank's write failed (its own error says why)")
-            if self.rank == 0:
+            if self.rank != 0:  # no rank's save ends before the marker is written: a restart finds it on every rank
+                if not self._agree(True):
+                    raise RuntimeError(f"rank 0 could not write {COMPLETE} (its own error says why)")
+                return
+            marked = False
+            try:
                 (directory / COMPLETE).write_text(f"{step}\n")
                 prune(self.root, self.keep)
+                marked = True
+            finally:
+                self._agree(marked)
         except BaseException as e:  # noqa: BLE001  (raised in the training thread by wait())
             self.failure = RuntimeError(f"saving step {step} to {directory} failed on rank {self.rank}: {e}")
             self.failure.__cause__ = e  # a peer's death under the write is told as the collectives' are
+
+    def _agree(self, mine: bool) -> bool:
+        """Whether every rank of the saver's group says so (a collective there)."""
+        flag = torch.tensor(int(mine))
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
 
     def _raise_failure(self) -> None:
         if self.failure is not None:

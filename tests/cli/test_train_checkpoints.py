@@ -146,6 +146,9 @@ def sigterm_on_third_optimizer_step(rank: int) -> None:
 
 def preempted_then_resumed(rank: int, world: int, root: str) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    from picofx.cli.train_state import resume_disagreement
+
+    alike, unlike = resume_disagreement(root, None), resume_disagreement(f"{root}/step-4" if rank else None, None)
     straight = train([*RANKS_FAST, "--steps", "5"])
     original = sigterm_on_third_optimizer_step(rank)
     try:
@@ -154,14 +157,20 @@ def preempted_then_resumed(rank: int, world: int, root: str) -> dict:
         torch.optim.AdamW.step = original
     complete = steps_in(root)
     resumed = train([*RANKS_FAST, "--steps", "5", "--save", root, "--save-every", "4", "--resume", "auto"])
-    return {"straight": straight["losses"], "stopped": stopped, "complete": complete, "resumed": resumed["losses"]}
+    return {"straight": straight["losses"], "stopped": stopped, "complete": complete, "resumed": resumed["losses"],
+            "alike": alike, "unlike": unlike}
 
 
 def test_sigterm_to_one_rank_saves_every_rank_at_the_next_step_and_resume_auto_goes_on(tmp_path):
+    """Each rank's run returns only once the checkpoint is marked complete, so every rank's --resume
+    auto finds it; ranks that found different checkpoints stop before loading, naming each one's."""
     results = run_ranks(preempted_then_resumed, 2, str(tmp_path / "run"), timeout=300, collective_timeout=120)
     for rank, result in enumerate(results):
+        assert result["alike"] is None
+        assert re.fullmatch(r"--resume: the ranks found different checkpoints to continue from \(rank 0: a fresh "
+                            r"start, rank 1: .*run/step-4\); .*", result["unlike"]), result["unlike"]
         assert result["stopped"]["preempted"] == 3, (rank, result)  # rank 0 got no signal: it stopped by agreement
-        assert result["complete"] == {3: True}, result
+        assert result["complete"] == {3: True}, result  # on rank 1 too: the marker is written before a save ends
         assert len(set(result["straight"])) == 5
         assert result["stopped"]["losses"] + result["resumed"] == result["straight"], (rank, result)
 

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from picofx.errors import DistributedError
 from picofx.manager.passes import SyncMode
@@ -155,7 +156,8 @@ def load_pending(layout: BucketLayout, gm: fx.GraphModule, model: nn.Module) -> 
             param = model.get_parameter(e.name)
             if param.grad is None:
                 buffer[offset:offset + numel].zero_()
-            else:
-                buffer[offset:offset + numel].copy_(param.grad.reshape(-1))
+            else:  # a tensor-parallel parameter's gradient is a DTensor: the bucket holds this rank's piece
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                buffer[offset:offset + numel].copy_(grad.reshape(-1))
                 param.grad = None
             offset += numel

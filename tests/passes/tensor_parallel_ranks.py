@@ -108,7 +108,8 @@ def with_fuse(rank: int, world: int, backend: str) -> dict:
 
 def with_data_parallel(rank: int, world: int) -> dict:
     """4 ranks as 2 data-parallel replicas x 2 tensor-parallel ranks: each replica its own batch,
-    gradients split over tp and averaged over the replicas (pass overlap) inside the backward."""
+    gradients split over tp and averaged over the replicas (pass overlap) inside the backward; then
+    two micro-batches accumulated, the first under no_sync."""
     from picofx.parallel import ParallelMesh
 
     mesh = ParallelMesh.build(dp_replicate=2, tp=2)
@@ -119,8 +120,13 @@ def with_data_parallel(rank: int, world: int) -> dict:
                           mesh=mesh)
     loss = opt(**batch)
     loss.backward()
-    return {"loss": loss.detach(), "replica": replica,
-            "grads": {n: _full(p.grad) for n, p in z.model.named_parameters()}}
+    grads = {n: _full(p.grad) for n, p in z.model.named_parameters()}
+    z.model.zero_grad(set_to_none=True)  # DDP's accumulation: one backward under no_sync, then one synced
+    with opt.no_sync():
+        opt(**batch).backward()
+    opt(**{k: v.roll(1, dims=-1).contiguous() for k, v in batch.items()}).backward()
+    return {"loss": loss.detach(), "replica": replica, "grads": grads,
+            "accumulated": {n: _full(p.grad) for n, p in z.model.named_parameters()}}
 
 
 def with_shard(rank: int, world: int, directory: str) -> dict:

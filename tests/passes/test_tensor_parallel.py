@@ -182,18 +182,23 @@ def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
     ranks = run_ranks(tensor_parallel_ranks.with_data_parallel, 4, timeout=600, collective_timeout=300)
     z = zoo.build("llama-tiny", batch=2, seed=0)
     batches = [{k: v.roll(r * 3, dims=-1).contiguous() for k, v in dict(z.example_inputs).items()} for r in (0, 1)]
-    losses, summed = [], {}
-    for batch in batches:  # the replicas' batches one after the other: gradients of the mean loss
+    later = [{k: v.roll(1, dims=-1).contiguous() for k, v in batch.items()} for batch in batches]
+    losses, summed, accumulated = [], {}, {}
+    for batch, next_batch in zip(batches, later):  # the replicas' batches one after the other
         z.model.zero_grad(set_to_none=True)
         loss = z.loss_fn(z.model(batch["input_ids"]), batch["labels"])
         loss.backward()
         losses.append(loss.detach())
         for n, p in z.model.named_parameters():
             summed[n] = summed.get(n, 0) + p.grad / 2
+        z.loss_fn(z.model(next_batch["input_ids"]), next_batch["labels"]).backward()  # accumulated on top
+        for n, p in z.model.named_parameters():
+            accumulated[n] = accumulated.get(n, 0) + p.grad / 2
     assert sorted(r["replica"] for r in ranks) == [0, 0, 1, 1]
     for rank in ranks:
         torch.testing.assert_close(rank["loss"], losses[rank["replica"]], **LOSS)
         assert_gradients_equal(rank["grads"], summed)
+        assert_gradients_equal(rank["accumulated"], accumulated)  # no_sync's gradients are DTensors too
 
 
 def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quarter_and_trains_as_one_process(tmp_path):

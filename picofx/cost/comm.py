@@ -9,7 +9,9 @@ the gathered result), each rank sends
     all-gather       (n-1)/n x nbytes in n-1 steps
     all-to-all       (n-1)/n x nbytes in n-1 steps (one chunk to each other rank)
     send             nbytes in one step (point to point)
-and each step pays the link's latency once.
+and each step pays the link's latency once; each collective also pays the link's call latency once
+(ranks that share cores: every peer's threads scheduled back in; zero on a GPU's link). A send pays
+only the step's: its receiver is already waiting for it.
 
 A data-parallel backward produces gradients one after another; each bucket of gradients is
 all-reduced once its last gradient exists, while the rest of the backward still computes. The
@@ -51,7 +53,7 @@ def ring_seconds(nbytes: float, world: int, steps: int, link: Link) -> float:
     """`steps` ring steps, each moving nbytes/world over the link and paying its latency once."""
     if world <= 1 or nbytes == 0:
         return 0.0
-    return steps / world * nbytes / link.bandwidth + steps * link.latency
+    return steps / world * nbytes / link.bandwidth + steps * link.latency + link.call_latency
 
 
 def all_reduce_seconds(nbytes: float, world: int, link: Link) -> float:

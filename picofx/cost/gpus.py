@@ -55,7 +55,7 @@ class GpuProfile(Device):
         """The network as a ring across nodes sees it when each node's GPUs are in it (data parallel
         with tp 1): one ring per port, all the node's ports."""
         return Link(self.network_name, self.network_bandwidth_for(self.network_ports), self.network_latency,
-                    self.link_source)
+                    self.link_source, self.collective_latency)
 
     def network_bandwidth_for(self, ranks_per_node: int) -> float:
         """Bus bandwidth of a ring across nodes with `ranks_per_node` of its ranks in each node: NCCL

@@ -18,6 +18,7 @@ class Link:
     bandwidth: float  # bytes/s one way per rank
     latency: float  # s per message (one step of a ring)
     source: str = "datasheet"
+    call_latency: float = 0.0  # s once per collective beyond its steps (ranks sharing cores: waking the peers)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Device:
     optimizer_tensor_overhead: float = 0.0  # s per parameter tensor per AdamW step beyond its bytes (calibrated)
     dtensor_parameter_overhead: float = 0.0  # s per DTensor parameter per step beyond a plain one's (calibrated)
     cpu_share: float = 1.0  # of a core each rank gets (ranks sharing cores: calibrated)
+    collective_latency: float = 0.0  # s once per collective beyond its ring steps (ranks sharing cores: calibrated)
     source: str = "datasheet"
     link_name: str = "NVLink 4"
     network_name: str = "InfiniBand NDR 400 Gb/s"
@@ -41,11 +43,12 @@ class Device:
 
     @property
     def intra_node_link(self) -> Link:
-        return Link(self.link_name, self.link_bandwidth, self.link_latency, self.link_source)
+        return Link(self.link_name, self.link_bandwidth, self.link_latency, self.link_source, self.collective_latency)
 
     @property
     def inter_node_link(self) -> Link:
-        return Link(self.network_name, self.network_bandwidth, self.network_latency, self.link_source)
+        return Link(self.network_name, self.network_bandwidth, self.network_latency, self.link_source,
+                    self.collective_latency)
 
     def flops_per_second(self, dtype: torch.dtype) -> float:
         """Peak for `dtype`; a dtype the entry does not list runs at the fp32 rate."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from picofx.cost.comm import all_reduce_seconds, send_seconds
+from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_seconds
 from picofx.cost.device import Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
@@ -165,8 +165,13 @@ def predict(run: Run, layout: Layout) -> Prediction:
     tp_comm = 0.0
     if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
         activations_all_reduced = (4 + (RECOMPUTED_ALL_REDUCES if full else 0)) * stage_layers + (2 if pp == 1 else 1)
-        tp_comm = activations_all_reduced * all_reduce_seconds(activation_bytes, tp, run.link(tp)) + \
-            3 * all_reduce_seconds(share * c.seq * 4, tp, run.link(tp))  # the vocabulary-parallel loss's per token
+        link = run.link(tp)
+        # sequence parallelism: each of them an all-gather and a reduce-scatter (the same bytes, twice the calls)
+        activation_s = (all_gather_seconds(activation_bytes, tp, link)
+                        + reduce_scatter_seconds(activation_bytes, tp, link) if layout.sequence_parallel
+                        else all_reduce_seconds(activation_bytes, tp, link))
+        tp_comm = activations_all_reduced * activation_s + \
+            3 * all_reduce_seconds(share * c.seq * 4, tp, link)  # the vocabulary-parallel loss's per token
     neighbours = run.link(2 * layout.dp * cp * tp)  # the next stage's rank is dp x cp x tp ranks away
     sends = 2 * send_seconds(activation_bytes, neighbours) if pp > 1 else 0.0
     cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp), full)

@@ -11,8 +11,8 @@ ranks' contention for the cores (oversubscription, the scheduler, cache) and the
 slowest rank are in the calibration, not scaled from one rank alone. The figures: matmul rate at the
 model's hidden size and copy bandwidth, the eager step's cost per graph op (the model's own step at
 sizes where compute is negligible: dispatch, autograd, the runtime's wrappers), AdamW's cost per
-parameter tensor and a DTensor parameter's extra; the gloo link (`calibrate_link`, the latency
-between bursts of compute, `busy_latency`). Other processes change the machine's speed between the
+parameter tensor and a DTensor parameter's extra; the gloo link (`calibrate_link`, the latencies
+between bursts of compute, `busy_latencies`). Other processes change the machine's speed between the
 calibration and a plan's run, so the same per-op probe runs before each of the plan's steps and the
 plan is predicted again at the ratio of the two.
 """
@@ -162,17 +162,17 @@ def calibrated_device(config, world: int, link: dict | None = None, say=print) -
         f"{device.op_overhead * 1e6:.0f} us per eager graph op, AdamW {device.optimizer_tensor_overhead * 1e6:.0f} us "
         f"per tensor, a DTensor parameter +{device.dtensor_parameter_overhead * 1e6:.0f} us; each rank got "
         f"{device.cpu_share:.2f} core; gloo: {device.link_bandwidth / 1e9:.2f} GB/s, "
-        f"{device.link_latency * 1e6:.0f} us per ring step")
+        f"{device.link_latency * 1e6:.0f} us per ring step and {device.collective_latency * 1e6:.0f} us per collective")
     return device
 
 
-def busy_latency(world: int, iterations: int = 20) -> float:
-    """Seconds per ring step of a small all-reduce issued between bursts of computing (about 1 ms of
-    small ops), as a training step issues them: the peers and gloo's threads must be scheduled back
-    in, and the all-reduce waits for the rank the scheduler held longest. Every rank calls it."""
+def busy_seconds(collective, iterations: int = 20) -> float:
+    """Seconds `collective` adds when issued between bursts of computing (about 1 ms of small ops), as
+    a training step issues it: the peers and gloo's threads must be scheduled back in, and it waits
+    for the rank the scheduler held longest (the slowest rank's figure). Every rank calls it."""
     import torch.distributed as dist
 
-    x, work = torch.zeros(1), torch.ones(256)
+    work = torch.ones(256)
 
     def burst():
         for _ in range(200):
@@ -185,21 +185,42 @@ def busy_latency(world: int, iterations: int = 20) -> float:
         for _ in range(iterations):
             burst()
             if communicate:
-                dist.all_reduce(x)
+                collective()
         seconds.append(time.perf_counter() - start)
     cost = torch.tensor([max(0.0, seconds[1] - seconds[0]) / iterations], dtype=torch.float64)
     dist.all_reduce(cost, op=dist.ReduceOp.MAX)
-    return cost.item() / all_reduce_steps(world)
+    return cost.item()
+
+
+def busy_latencies(world: int) -> tuple[float, float]:
+    """Per ring step and per collective, the latency of small collectives issued as a step issues
+    them (`busy_seconds`): the step's from an all-reduce over every rank (2(n-1) steps), and what a
+    collective costs beyond its steps from an all-gather over pairs of ranks (one step each), the
+    groups tensor parallelism and small shard groups use. Every rank calls it."""
+    import torch.distributed as dist
+
+    x = torch.zeros(1)
+    step = busy_seconds(lambda: dist.all_reduce(x)) / all_reduce_steps(world)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+    rank = dist.get_rank()
+    pair = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
+    gathered = torch.zeros(2)
+    if pair is None:  # an odd rank out: it takes part in the timing's barriers and all-reduces only
+        pair_gather = busy_seconds(lambda: None)
+    else:
+        pair_gather = busy_seconds(lambda: dist.all_gather_into_tensor(gathered, x, group=pair))
+    return step, max(0.0, pair_gather - step)
 
 
 def link_rates(world: int) -> dict:
-    """The gloo link's bandwidth and latency among the `world` ranks (every rank calls it; the latency
-    the larger of a tight loop's and `busy_latency`)."""
+    """The gloo link's bandwidth and latencies among the `world` ranks (every rank calls it; the step
+    latency the larger of a tight loop's and `busy_latencies`')."""
     from picofx.cost.device import calibrate_link
 
     link = calibrate_link(None)
-    latency = max(link["link_latency"], busy_latency(world))
-    return {**link, "link_latency": latency, "network_latency": latency}
+    step, call = busy_latencies(world)
+    latency = max(link["link_latency"], step)
+    return {**link, "link_latency": latency, "network_latency": latency, "collective_latency": call}
 
 
 def step_seconds(rank: int, world: int, layout, config, seq: int, global_batch: int, steps: int) -> tuple:

@@ -34,3 +34,10 @@ def test_a_compressed_exchange_is_timed_as_the_all_reduce_sending_as_much():
     assert size == pytest.approx(800) and all_reduce_bytes(int(size), 8) == 1400
     assert all_reduce_seconds(size, 8, LINK) == pytest.approx(1400 / LINK.bandwidth)
     assert all_reduce_size_sending(1400, 1) == 1400
+
+
+def test_a_call_latency_is_paid_once_per_collective_and_not_by_a_send():
+    waking = Link("ranks sharing cores", bandwidth=1e30, latency=1e-3, call_latency=5e-3)
+    assert all_reduce_seconds(8, 2, waking) == pytest.approx(2e-3 + 5e-3)
+    assert all_gather_seconds(8, 2, waking) == reduce_scatter_seconds(8, 2, waking) == pytest.approx(1e-3 + 5e-3)
+    assert send_seconds(8, waking) == pytest.approx(1e-3)  # the receiver is already waiting

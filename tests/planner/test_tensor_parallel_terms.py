@@ -46,3 +46,17 @@ def test_full_checkpointing_runs_the_layers_all_reduces_again():
     activations = 4096 * run.costs.config.hidden_size * 2  # one bf16 sequence per micro-batch
     again = 8 * RECOMPUTED_ALL_REDUCES * run.costs.layers * all_reduce_seconds(activations, 8, run.link(8))
     assert full - none == pytest.approx(again)
+
+
+def test_sequence_parallel_pays_an_all_gather_and_a_reduce_scatter_for_each_all_reduce():
+    """The same bytes on the wire; where each collective costs a call latency (ranks sharing cores),
+    twice the calls."""
+    import dataclasses
+
+    run = llama2_7b_costs(8e-3)
+    tp, sp = (Layout(1, 8, 1, microbatches=8, sequence_parallel=s) for s in (False, True))
+    assert predict(run, sp).time["tensor_parallel_comm"] == pytest.approx(predict(run, tp).time["tensor_parallel_comm"])
+    waking = dataclasses.replace(run, device=dataclasses.replace(run.device, collective_latency=1e-3))
+    more = predict(waking, sp).time["tensor_parallel_comm"] - predict(waking, tp).time["tensor_parallel_comm"]
+    activations_all_reduced = 4 * run.costs.layers + 2
+    assert more == pytest.approx(8 * activations_all_reduced * 1e-3)  # 8 micro-batch slots

@@ -9,6 +9,7 @@ import importlib.util
 import multiprocessing
 import os
 import pathlib
+import re
 import sysconfig
 
 import torch
@@ -20,6 +21,7 @@ from picofx.parallel.launch import once_per_machine
 from picofx.runtime.cache import default_directory
 
 TEXT_COLUMNS = ("text", "content")
+HUB_NAME = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")  # a dataset on the hub: NAME or OWNER/NAME
 STDLIB_BYTES = 4_000_000  # of the standard library's source, the default data
 PIECE_CHARACTERS = 1 << 20  # a long text file goes to the tokenizer in pieces of about this size, cut at line ends
 
@@ -61,6 +63,8 @@ def check_data_source(source: str) -> None:
         if path.stat().st_size == 0:
             raise ValueError(f"--data {source}: the file is empty")
         return
+    if not path.exists() and not HUB_NAME.fullmatch(source):
+        raise ValueError(f"--data {source}: no such file (nor a Hugging Face dataset name, OWNER/NAME)")
     if not has_datasets():
         what = "a directory" if path.is_dir() else "no such file"
         raise ValueError(f"--data {source}: {what}; a text file is read as bytes, and a dataset (saved with "

@@ -196,20 +196,20 @@ def busy_latencies(world: int) -> tuple[float, float]:
     """Per ring step and per collective, the latency of small collectives issued as a step issues
     them (`busy_seconds`): the step's from an all-reduce over every rank (2(n-1) steps), and what a
     collective costs beyond its steps from an all-gather over pairs of ranks (one step each), the
-    groups tensor parallelism and small shard groups use. Every rank calls it."""
+    groups tensor parallelism and small shard groups use (an odd number of ranks: over all of
+    them, n-1 steps). Every rank calls it."""
     import torch.distributed as dist
+
+    from picofx.parallel import ParallelMesh
 
     x = torch.zeros(1)
     step = busy_seconds(lambda: dist.all_reduce(x)) / all_reduce_steps(world)
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
-    rank = dist.get_rank()
-    pair = pairs[min(rank // 2, len(pairs) - 1)] if rank < 2 * len(pairs) else None
-    gathered = torch.zeros(2)
-    if pair is None:  # an odd rank out: it takes part in the timing's barriers and all-reduces only
-        pair_gather = busy_seconds(lambda: None)
-    else:
-        pair_gather = busy_seconds(lambda: dist.all_gather_into_tensor(gathered, x, group=pair))
-    return step, max(0.0, pair_gather - step)
+    pairs = world % 2 == 0
+    group = ParallelMesh.build(dp_replicate=world // 2, tp=2).dim("tp").group if pairs else None
+    size = 2 if pairs else world
+    gathered = torch.zeros(size)
+    gather = busy_seconds(lambda: dist.all_gather_into_tensor(gathered, x, group=group))
+    return step, max(0.0, gather - (size - 1) * step)
 
 
 def link_rates(world: int) -> dict:

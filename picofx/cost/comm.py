@@ -50,7 +50,8 @@ def all_to_all_bytes(nbytes: int, world: int) -> int:
 
 
 def ring_seconds(nbytes: float, world: int, steps: int, link: Link) -> float:
-    """`steps` ring steps, each moving nbytes/world over the link and paying its latency once."""
+    """`steps` ring steps, each moving nbytes/world over the link and paying its latency once, and
+    the link's call latency once for the collective."""
     if world <= 1 or nbytes == 0:
         return 0.0
     return steps / world * nbytes / link.bandwidth + steps * link.latency + link.call_latency

@@ -98,6 +98,7 @@ class ShardLayout:
     warmup: int = 0  # Shard's warmup: the first steps run a variant without lossy compression
     replicas: Any = field(default=None, compare=False)  # HSDP: the MeshDim the shards are replicated over
     mesh: Any = field(default=None, compare=False)  # HSDP: the 2-D (dp_replicate, dp_shard) DeviceMesh
+    summed: int = 1  # ranks of `dim` holding other tokens of the same sequences (cp): their gradients add up
 
     @property
     def world(self) -> int:
@@ -105,7 +106,7 @@ class ShardLayout:
 
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
-        text = repr((self.world, self.replicas.size if self.replicas else 1, self.reshard_after_forward,
+        text = repr((self.world, self.summed, self.replicas.size if self.replicas else 1, self.reshard_after_forward,
                      self.gather_dtype, self.compress, self.warmup, shared))  # local_rows differ by rank
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -174,6 +175,7 @@ class TensorParallelLayout:
 
     dim: Any = field(compare=False)  # picofx.parallel.mesh.MeshDim of the tp ranks
     entries: tuple[TensorParallelEntry, ...] = ()
+    sequence_parallel: bool = False  # the residual stream (and what a pipeline stage sends) in sequence shards
 
     @property
     def world(self) -> int:

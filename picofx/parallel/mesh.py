@@ -141,6 +141,30 @@ class ParallelMesh:
         on several dimensions (a sharded tensor-parallel parameter's (dp_shard, tp))."""
         return self.device_mesh[tuple(self._mesh_name(check_name(n)) for n in names)]
 
+    def joined(self, *names: str) -> MeshDim:
+        """Dimensions `names` (in the mesh's order) as one: their ranks in one group, as torchtitan's
+        dp_shard_cp (the ranks Shard spans beside context parallelism). Those of size 1 drop out;
+        one left is `dim(name)` itself."""
+        kept = [check_name(n) for n in DIMS if n in {check_name(m) for m in names} and self.size(n) > 1]
+        if len(kept) < 2:
+            return self.dim(kept[0] if kept else check_name(names[0]))
+        name = "_".join(kept)
+        if self.device_mesh is None:
+            return MeshDim(name, math.prod(self.size(n) for n in kept), 0)
+        flat = self.device_mesh[tuple(self._mesh_name(n) for n in kept)]._flatten(name)
+        return MeshDim(name, flat.size(), flat.get_local_rank(), flat.get_group(), flat)
+
+    @staticmethod
+    def placement_mesh(*dims: MeshDim):
+        """The DeviceMesh over `dims` (each a dimension, or a joined one, of the same run's mesh), in
+        the order given: where DTensors placed on several of them live ((dp_shard_cp, tp))."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if any(d.device_mesh is None for d in dims):
+            raise DistributedError("a DTensor placement over " + " x ".join(d.name for d in dims) + " needs the "
+                                   "run's DeviceMesh: pass optimize(..., mesh=picofx.parallel.ParallelMesh.build(...)).")
+        return dims[0].device_mesh if len(dims) == 1 else DeviceMesh._concatenate([d.device_mesh for d in dims])
+
     def rank_lists(self, name: str) -> list[list[int]]:
         """The global ranks along dimension `name`, one list per position on the other dimensions."""
         if self.device_mesh is None:

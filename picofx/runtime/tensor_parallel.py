@@ -61,13 +61,14 @@ def apply_tensor_parallel_layout(layout: TensorParallelLayout, model: nn.Module)
 
 @torch.no_grad()
 def sharded_tensor_parallel_mesh(mesh, shards: ShardLayout, placed: TensorParallelLayout):
-    """The (dp_shard, tp) DeviceMesh the parameters of a sharded tensor-parallel step (or pipeline stage) live on."""
-    if mesh is None or mesh.device_mesh is None or (mesh.size("dp_shard"), mesh.size("tp")) != (shards.world,
-                                                                                                placed.world):
+    """The (dp_shard, tp) DeviceMesh the parameters of a sharded tensor-parallel step (or pipeline
+    stage) live on; (dp_shard_cp, tp) where the shards span context parallel's ranks too."""
+    if mesh is None or mesh.device_mesh is None or shards.dim.device_mesh is None or placed.dim.device_mesh is None \
+            or mesh.size("tp") != placed.world:
         raise ValueError("Shard with TensorParallel places parameters on the run's 2-D mesh: pass "
                          "optimize(..., mesh=picofx.parallel.ParallelMesh.build(dp_shard=..., tp=...)) and leave "
                          "the passes' own meshes unset.")
-    return mesh.sub_mesh("dp_shard", "tp")
+    return mesh.placement_mesh(shards.dim, placed.dim)
 
 
 def apply_sharded_tensor_parallel_layout(shards: ShardLayout, layout: TensorParallelLayout, model: nn.Module,

@@ -343,3 +343,36 @@ def test_every_rank_places_its_backward_by_the_first_ranks_choice():
     assert agreed_choice(nodes, scatters, {first: gather}, set(), lambda v: sent[0]) == ({first: None}, {gather})
     with pytest.raises(DistributedError, match="backward graph differs from the first rank's"):
         agreed_choice(nodes, scatters, {}, set(), lambda v: [v[0] + 1, *v[1:]])
+
+
+def test_ranks_whose_graphs_differ_off_the_collectives_agree_on_the_collectives_alone():
+    """A shard group spanning context parallel's ranks: their attention nodes differ. Only the
+    collectives' sequence is compared, and a wait due before a peak node (whose place differs
+    between the ranks) is waited at once."""
+    from torch import fx
+
+    from picofx.errors import DistributedError
+    from picofx.passes.shard.schedule import agreed_choice
+
+    c10d = torch.ops._c10d_functional
+
+    def graph_with(extra: int):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        first = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 4, "0"))
+        for _ in range(extra):  # this rank's own part of the attention
+            x = graph.call_function(torch.ops.aten.neg.default, (x,))
+        second = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 4, "0"))
+        graph.output((first, second))
+        nodes = list(graph.nodes)
+        return nodes, [first, second], nodes[2]
+
+    mine, scatters, peak = graph_with(1)
+    theirs, their_scatters, _ = graph_with(3)
+    sent = []
+    agreed_choice(theirs, their_scatters, {their_scatters[0]: None}, set(), lambda v: sent.append(v) or v, exact=False)
+    assert agreed_choice(mine, scatters, {scatters[0]: peak}, set(), lambda v: sent[0], exact=False) == \
+        ({scatters[0]: None}, set())
+    assert agreed_choice(mine, scatters, {scatters[0]: peak}, set(), lambda v: v, exact=False) == ({}, set())
+    with pytest.raises(DistributedError, match="backward graph differs"):
+        agreed_choice(mine, scatters, {}, set(), lambda v: sent[0], exact=True)

@@ -12,7 +12,9 @@ is carried through the graph (picofx.passes.context_parallel.split):
     loss = tp_reduce(sum(token losses) / count)   # count: from the whole labels, the same on every rank
     w = tp_copy(w, group)                         # each parameter: its gradient summed over cp
 
-so the loss and every gradient equal one process on the whole sequence. Outputs other than the
+so the loss and every gradient equal one process on the whole sequence. Where a data-parallel
+pass's group spans cp (shard over dp_shard x cp, overlap over dp_replicate x cp), that pass takes
+the tp_copy sums out and its own bucketed collective sums over cp. Outputs other than the
 loss (logits) are gathered back into sequence order, without gradient. Partitioned stage: the
 operators become torch's functional collectives (picofx.passes.tensor_parallel.lower).
 """
@@ -38,6 +40,7 @@ from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 METHODS = {"allgather": Attention, "ring": RingAttention}
 
 
@@ -75,13 +78,17 @@ class ContextParallel:
         if not token_ids and not received:
             raise ValueError("ContextParallel: found no embedding lookup of (batch, sequence) token ids given to the "
                              "model; the sequence is split where the tokens enter it.")
-        starts = list(token_ids) + received
-        length = starts[0].meta["val"].shape[1]
-        for start in starts:
-            check_divisible(start.meta["val"].shape[1], dim.size, self.load_balance,
+        placed = recorded(gm).tensor_parallel  # sequence parallelism receives 1/tp of each sequence's tokens
+        shards = placed.world if placed is not None and placed.sequence_parallel else 1
+        lengths = {n: n.meta["val"].shape[1] for n in token_ids} | {n: n.meta["val"].shape[1] * shards
+                                                                     for n in received}
+        length = next(iter(lengths.values()))
+        for start, whole in lengths.items():
+            check_divisible(whole, dim.size, self.load_balance,
                             f"input {start.name} {tuple(start.meta['val'].shape)}")
-        if any(start.meta["val"].shape[1] != length for start in starts):
+        if any(whole != length for whole in lengths.values()):
             raise ValueError("ContextParallel: the token lookups read sequences of different lengths; give one.")
+        starts = list(lengths)
         anchor = [n for n in graph.nodes if n.op == "placeholder"][-1].next  # after every input
         positions = Positions(graph, length, dim.size, dim.rank, self.load_balance,
                               starts[0].meta["val"].device, anchor, mode)
@@ -156,6 +163,41 @@ def combine_outputs(graph: fx.Graph, split: SequenceSplit, dim) -> dict:
 
     output.args = fx.map_arg(output.args, combine)
     return done
+
+
+def forward_gradient_sums(gm: fx.GraphModule, mesh) -> list[fx.Node]:
+    """The forward graph's sums of the parameters' gradients over cp (each a tp_copy reading a
+    parameter), where every parameter read has one; [] where the run has no cp dimension or some
+    parameter none. A data-parallel pass whose group then spans cp sums them itself."""
+    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
+        return []
+    group = mesh.dim("cp").group_name
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.picofx.tp_copy.default and n.args[1] == group
+              and is_parameter(n.args[0])]
+    read = [n for n in gm.graph.nodes if is_parameter(n) and n.users]
+    return copies if len(copies) == len(read) else []
+
+
+def backward_gradient_sums(gm: fx.GraphModule, mesh, gradients: list[fx.Node]) -> list[fx.Node]:
+    """The backward graph's all-reduces over cp of the parameters' `gradients` (each gradient the
+    wait of one), where every one has one; else []."""
+    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
+        return []
+    group = mesh.dim("cp").group_name
+    sums = [g.args[0] for g in gradients if g.target is c10d.wait_tensor.default
+            and g.args[0].target is c10d.all_reduce.default and g.args[0].args[2] == group and len(g.users) == 1]
+    return sums if len(sums) == len(gradients) else []
+
+
+def drop_gradient_sums(gm: fx.GraphModule, sums: list[fx.Node]) -> None:
+    """Take `sums` (of forward_gradient_sums or backward_gradient_sums) out of the graph: what read
+    a sum reads what it summed."""
+    for node in sums:
+        for done in [u for u in node.users if u.target is c10d.wait_tensor.default]:
+            done.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(done)
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
 
 
 def sum_parameter_gradients(graph: fx.Graph, group: str) -> int:

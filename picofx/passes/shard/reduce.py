@@ -25,12 +25,20 @@ SCATTER = (c10d.reduce_scatter_tensor.default, torch.ops._c10d_functional_autogr
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
-def reduce_in(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
+def gradient_scatters(gm: fx.GraphModule, group: str | None) -> list[fx.Node]:
+    """The shard pass's gradient reduce-scatters: those over its group (None: every one). Other
+    passes' reduce-scatters (context parallel's of the gathered keys' gradients, sequence
+    parallelism's) are left alone."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCATTER
+            and (group is None or n.args[3] == group)]
+
+
+def reduce_in(gm: fx.GraphModule, dtype: torch.dtype, group: str | None = None) -> PassResult:
     """Reduce-scatter each gradient in `dtype` instead of the dtype it was
     gathered in: the reduce-scatter reads the gradient before its cast down to the wire dtype (or a
     cast of it to `dtype`), and what waits for it is cast back to the dtype its readers expect."""
     recast = 0
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCATTER]:
+    for node in gradient_scatters(gm, group):
         grad = node.args[0]
         before = grad.meta["val"].dtype
         source = grad.args[0] if grad.target in CASTS else None
@@ -66,12 +74,12 @@ def reduce_in(gm: fx.GraphModule, dtype: torch.dtype) -> PassResult:
     return PassResult(recast > 0, {"recast_reductions": recast})
 
 
-def all_reduce_across(gm: fx.GraphModule, replicas: MeshDim) -> PassResult:
-    """After each reduce-scatter's wait, sum the shard over the replicas: the all-reduce is issued
-    where the shard arrives, its wait read by what read the scatter's."""
+def all_reduce_across(gm: fx.GraphModule, replicas: MeshDim, group: str | None = None) -> PassResult:
+    """After each gradient reduce-scatter's wait, sum the shard over the replicas: the all-reduce is
+    issued where the shard arrives, its wait read by what read the scatter's."""
     graph, mode = gm.graph, fake_mode_of(gm)
     summed = 0
-    for scatter in [n for n in graph.nodes if n.op == "call_function" and n.target in SCATTER]:
+    for scatter in gradient_scatters(gm, group):
         for wait in [u for u in scatter.users if u.target is c10d.wait_tensor.default]:
             readers = list(wait.users)
             with graph.inserting_after(wait):
@@ -106,9 +114,11 @@ def exchanged(node: fx.Node, replicas: int) -> tuple[fx.Node | None, int]:
         node = issued.args[0]
 
 
-def average_gradients(gm: fx.GraphModule, replicas: int = 1) -> PassResult:
+def average_gradients(gm: fx.GraphModule, replicas: int = 1, summed: int = 1) -> PassResult:
     """Divide each exchanged gradient output by the ranks it sums (`replicas` x the shard group's
-    size where it is also summed across replicas): DDP's average."""
+    size where it is also summed across replicas): DDP's average. `summed` of the shard group's
+    ranks hold parts of the same sequences (context parallel's), whose gradients add up: the
+    average is over the others."""
     graph = gm.graph
     output = graph.output_node()
     outputs = list(output.args[0])
@@ -120,22 +130,20 @@ def average_gradients(gm: fx.GraphModule, replicas: int = 1) -> PassResult:
         if scatter is None:
             continue
         with graph.inserting_before(output):
-            outputs[pos] = graph.call_function(aten.div.Tensor, (node, ranks))
+            outputs[pos] = graph.call_function(aten.div.Tensor, (node, ranks // summed))
         averaged += 1
     output.args = (outputs,)
     return PassResult(averaged > 0, {"averaged_gradients": averaged})
 
 
-def describe_reductions(gm: fx.GraphModule) -> list[dict]:
+def describe_reductions(gm: fx.GraphModule, group: str | None = None) -> list[dict]:
     """Each gradient reduce-scatter of the backward: bytes it reduces over all ranks (its input),
     their dtype, the node it is issued after, the node its wait follows, and how many matmuls run
     while it is in flight."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     out = []
-    for node in nodes:
-        if node.op != "call_function" or node.target not in SCATTER:
-            continue
+    for node in gradient_scatters(gm, group):
         grad = node.args[0].meta["val"]
         waits = [u for u in node.users if u.target is c10d.wait_tensor.default]
         waited = min(order[w] for w in waits) if waits else len(nodes) - 1

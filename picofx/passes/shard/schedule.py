@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import zlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,6 +31,7 @@ from torch import fx
 from picofx.cost.liveness import Timeline
 from picofx.errors import DistributedError
 from picofx.parallel.mesh import measured_on_first_rank
+from picofx.passes.shard.reduce import gradient_scatters
 
 c10d = torch.ops._c10d_functional
 autograd_c10d = torch.ops._c10d_functional_autograd
@@ -80,14 +82,16 @@ def replica_chain(wait: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 
 def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.GraphModule], Timeline] | None,
-                      agree: Callable[[list[float]], list[float]] | None = None) -> dict:
+                      agree: "Agreement | None" = None, group: str | None = None) -> dict:
     """Reorder the backward graph as the module doc says; `timeline`: the cost model's live bytes
     of a backward graph (None: no memory check); `agree`: the numbers one rank chose, on every rank
     whose collectives interleave with this one's (None: one process). Ranks must issue their
     collectives in one order, so the memory guard's choice, which each rank's own shapes and cost
-    model could make differently, is taken from one rank. Returns what it did, for the pass's notes."""
+    model could make differently, is taken from one rank. `group`: the shard group, whose
+    reduce-scatters are the buckets' (None: every reduce-scatter). Returns what it did, for the
+    pass's notes."""
     graph = gm.graph
-    scatters = [n for n in graph.nodes if n.op == "call_function" and n.target in SCATTERS and waits_of(n)]
+    scatters = [n for n in gradient_scatters(gm, group) if waits_of(n)]
     if not scatters:
         return {}
     mutating = [n.name for n in graph.nodes if n.op == "call_function" and n.target not in COLLECTIVES
@@ -116,7 +120,7 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
     else:
         late, early = {}, set()
     if agree is not None:
-        late, early = agreed_choice(original, scatters, late, early, agree)
+        late, early = agreed_choice(original, scatters, late, early, agree, agree.same_graphs)
     place(graph, original, scatters, needs, late, early, prefetch)
     gm.recompile()
     line = timeline(gm) if timeline is not None else None
@@ -125,33 +129,48 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
             "predicted_backward_peak": {"before": before, "after": line.peak if line is not None else None}}
 
 
-def agreement(layout, mesh):
+@dataclass(frozen=True)
+class Agreement:
     """The first rank's numbers on every rank whose backward collectives interleave with this one's:
-    along the shard dimension, the replicas' (HSDP) and tensor parallelism's, in turn."""
+    along each of `dims` in turn. `same_graphs`: those ranks' backward graphs are the same node for
+    node; a shard group spanning context parallel's ranks is not (each rank's attention is its own
+    part of the sequence), and there only the collectives are the same."""
+
+    dims: tuple
+    same_graphs: bool = True
+
+    def __call__(self, values: list[float]) -> list[float]:
+        for dim in self.dims:
+            values = measured_on_first_rank(lambda chosen=values: chosen, len(values), dim)
+        return values
+
+
+def agreement(layout, mesh) -> Agreement | None:
+    """Along the shard dimension, the replicas' (HSDP) and tensor parallelism's."""
     if layout is None:
         return None
     dims = [layout.dim, *([layout.replicas] if layout.replicas is not None else []),
             *([mesh.dim("tp")] if mesh is not None and mesh.size("tp") > 1 else [])]
     dims = [d for d in dims if d.size > 1 and d.group is not None]
-    if len(dims) < 2:  # one group: its ranks' orders of gathers and scatters did not diverge in practice
+    if len(dims) < 2 and layout.summed == 1:  # one group of equal graphs: its ranks' orders did not diverge in practice
         return None
-
-    def agree(values: list[float]) -> list[float]:
-        for dim in dims:
-            values = measured_on_first_rank(lambda chosen=values: chosen, len(values), dim)
-        return values
-    return agree
+    return Agreement(tuple(dims), same_graphs=layout.summed == 1)
 
 
 NOT_LATE, AFTER_NEXT_BUCKET = -1.0, -2.0
 
 
-def agreed_choice(original: list, scatters: list, late: dict, early: set, agree) -> tuple[dict, set]:
+def agreed_choice(original: list, scatters: list, late: dict, early: set, agree, exact: bool = True
+                  ) -> tuple[dict, set]:
     """`late` and `early` as the first rank chose them, as positions in autograd's order. The graph
-    itself must be the same on every rank: its operators' sequence travels with the choice."""
+    itself must be the same on every rank (`exact`), or at least its collectives: their sequence
+    travels with the choice."""
     index = {n: i for i, n in enumerate(original)}
     gathers = [n for n in original if n.op == "call_function" and n.target in GATHERS]
-    shape = float(zlib.crc32(" ".join(str(n.target) for n in original).encode()))
+    compared = original if exact else [n for n in original if n.op == "call_function" and n.target in COLLECTIVES]
+    shape = float(zlib.crc32(" ".join(str(n.target) for n in compared).encode()))
+    if not exact:  # a node's place differs between the ranks: a wait due before the peak node is waited at once
+        late = {s: at for s, at in late.items() if at is None}
     mine = [shape] + [NOT_LATE if s not in late else AFTER_NEXT_BUCKET if late[s] is None else float(index[late[s]])
                       for s in scatters] + [float(g in early) for g in gathers]
     chosen = agree(mine)

@@ -42,6 +42,7 @@ from picofx.cost.liveness import schedule_of
 from picofx.errors import DistributedError
 from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
 from picofx.compression import CompressionState, Dense
+from picofx.passes.context_parallel.context_parallel import drop_gradient_sums, forward_gradient_sums
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
 from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward
@@ -121,26 +122,33 @@ class Shard:
         """The backward graph: reduce in reduce_dtype, compress, sum across replicas (HSDP), average,
         then the order the exchange runs in (schedule.py)."""
         layout = self.layouts.get(ctx.model)
+        group = layout.dim.group_name if layout is not None and layout.dim.group is not None else None
         gather, reduce = precision_policy(self.mixed_precision)
-        recast = reduce_in(gm, reduce) if reduce != gather else PassResult(False, {})
+        recast = reduce_in(gm, reduce, group) if reduce != gather else PassResult(False, {})
         compressed = PassResult(False, {})
         if self.compress is not None and layout is not None:
             compressed = compress_scatters(gm, ctx, self.compress, layout, layout.state)
         replicas = layout.replicas if layout is not None else None
-        summed = all_reduce_across(gm, replicas) if replicas is not None else PassResult(False, {})
-        averaged = average_gradients(gm, replicas.size if replicas else 1)  # compress_scatters' are averaged
+        summed = all_reduce_across(gm, replicas, group) if replicas is not None else PassResult(False, {})
+        averaged = average_gradients(gm, replicas.size if replicas else 1,  # compress_scatters' are averaged
+                                     layout.summed if layout is not None else 1)
         plain_collectives(gm)
         if compressed.changed:  # a codec places its own exchange
             scheduled = {}
         else:
             scheduled = schedule_backward(gm, self.prefetch if self.reshard_after_forward else 0,
-                                          backward_timeline(ctx), agreement(layout, ctx.mesh))
+                                          backward_timeline(ctx), agreement(layout, ctx.mesh), group)
         gm.graph.lint()
         return PassResult(True, {**averaged.notes, **recast.notes, **compressed.notes, **summed.notes,
-                                 "schedule": scheduled, "reductions": describe_reductions(gm)})
+                                 "schedule": scheduled, "reductions": describe_reductions(gm, group)})
 
     def shard_forward(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         dim, replicas, placed_on = shard_dims(self, ctx.mesh)
+        sums = forward_gradient_sums(gm, ctx.mesh) if self.mesh is None and self.compress is None else []
+        if sums:  # the cp ranks' gradients are summed by the reduce-scatter itself: shard over dp_shard x cp
+            drop_gradient_sums(gm, sums)
+            dim = ctx.mesh.joined("dp_shard", "cp")
+            placed_on = ctx.mesh.placement_mesh(replicas, dim) if replicas is not None else None
         mode = fake_mode_of(gm)
         placeholders_first(gm.graph)  # a bucket's gather reads all its shards where the first is read
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -172,10 +180,11 @@ class Shard:
         state = None if self.compress is None else kept.state if kept is not None else CompressionState.for_dim(dim)
         layouts_of(gm).shards = ShardLayout(dim, self.reshard_after_forward, tuple(entries), wire_text,
                                             self.compress, state, self.warmup if self.spec.other != Dense() else 0,
-                                            replicas, placed_on)
+                                            replicas, placed_on, ctx.mesh.size("cp") if sums else 1)
         self.layouts[ctx.model] = layouts_of(gm).shards
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
-                                 "replicas": replicas.size if replicas else 1,
+                                 "replicas": replicas.size if replicas else 1, "spans": dim.name,
+                                 "context_sums_absorbed": len(sums),
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
                                  "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
                                  "reshard_after_forward": self.reshard_after_forward,

@@ -112,7 +112,7 @@ class TensorParallel:
                     notes.setdefault("padded", []).append(f"{name}: {node.meta['full_shape'][axis]} rows padded "
                                                           f"to {local * dim.size}")
                 entries.append(TensorParallelEntry(name, style, axis, tuple(node.meta["full_shape"]), why, local))
-        layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries))
+        layouts_of(gm).tensor_parallel = TensorParallelLayout(dim, tuple(entries), self.sequence_parallel)
         counts = {style: sum(1 for e in entries if e.style == style) for style in STYLES}
         return PassResult(True, {"ranks": dim.size, **counts, **notes})
 

@@ -44,7 +44,7 @@ class Dense(Codec):
     def mean(self, em: Emitter, b: Bucket, summed: fx.Node) -> fx.Node:
         if self.cast:
             summed = em(convert, summed, b.dtype)
-        return em(aten.div.Tensor, summed, em.world)
+        return em(aten.div.Tensor, summed, em.averaged)
 
 
 def widened(em: Emitter, x: fx.Node, narrow: torch.dtype, dtype: torch.dtype) -> fx.Node:

@@ -175,9 +175,10 @@ class Emitter:
     """Writes nodes into a backward graph at its insertion point, for the ranks of one mesh dimension,
     and holds the codecs' state as the graph's buffers."""
 
-    def __init__(self, gm: fx.GraphModule, dim, state: CompressionState):
+    def __init__(self, gm: fx.GraphModule, dim, state: CompressionState, summed: int = 1):
         self.gm, self.graph, self.state, self.dim = gm, gm.graph, state, dim
         self.world, self.rank, self.group = dim.size, dim.rank, dim.group_name
+        self.averaged = dim.size // summed  # the ranks a mean divides by: `summed` of them hold parts of one sum
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
         return self.graph.call_function(target, args, kwargs)

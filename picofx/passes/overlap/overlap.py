@@ -11,7 +11,10 @@ and just before the graph returns (as late as the gradients' consumers allow):
     flat = wait_tensor(work) / world                  # gloo has no "avg": sum, then divide
     grads = [piece.view(shape) for piece in split(flat, numels)]
 
-so the all-reduce of one bucket runs while the backward computes the next. With `compress`, a
+so the all-reduce of one bucket runs while the backward computes the next. Beside context
+parallelism the group spans dp_replicate x cp: the all-reduce also sums what the cp ranks computed
+from their parts of the sequences (taken out of the graph as context_parallel wrote it), and the
+average is over dp_replicate. With `compress`, a
 codec of picofx.compression writes each bucket's exchange instead (bf16, int8 blocks, top-k,
 PowerSGD, the embedding's gradient as rows): its issue step where the bucket is ready, its finish
 steps before the graph returns; their state between steps lives in a CompressionState the runtime
@@ -40,6 +43,7 @@ from picofx.cost.units import parse_budget
 from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, SyncMode, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import resolve_dim
+from picofx.passes.context_parallel.context_parallel import backward_gradient_sums, drop_gradient_sums
 
 aten = torch.ops.aten
 
@@ -81,9 +85,12 @@ class Overlap:
         if ctx.graph_role is not GraphRole.BACKWARD:
             return PassResult(False, {})
         mode = ctx.gradient_sync
+        summed = self.take_context_sums(gm, ctx)
         if mode is SyncMode.LOCAL:
-            return PassResult(False, {"gradient_sync": "local (no_sync): no all-reduce"})
+            return PassResult(summed > 1, {"gradient_sync": "local (no_sync): no all-reduce"})
         dim = resolve_dim(self.group, ctx.mesh, "dp_replicate", "the overlap pass")
+        if summed > 1:
+            dim = ctx.mesh.joined("dp_replicate", "cp")
         if self.warmup and ctx.mesh is not None and "pp" in ctx.mesh.used():
             raise ValueError(f"Overlap(warmup={self.warmup}): a pipeline's stages have no uncompressed variant to "
                              "warm up with; drop warmup under Pipeline (picofx train: --compress-warmup with --pp)")
@@ -99,15 +106,30 @@ class Overlap:
         plan = self.plan(gm, grads, ctx, dim.size, rows, rows_bytes, other)
         codecs = [SparseRows() if rows is not None and b.first == rows else other for b in plan.buckets]
         state = self.states.setdefault(ctx.model, CompressionState.for_dim(dim))
-        layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state), source, accumulate)
+        layout, wire = self.rewrite(gm, grads, plan, codecs, Emitter(gm, dim, state, summed), source, accumulate)
         steps = (self.warmup or start_steps) if self.spec.other != Dense() else 0
         layouts_of(gm).buckets = dataclasses.replace(layout, warmup=steps)
-        notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, **wire}
+        notes = {**plan.notes(), "compress": self.compress, "gradient_sync": mode, "spans": dim.name, **wire}
         if start_steps:
             notes["start"] = f"the first {start_steps} synced steps as {first.label}"
         if self.spec.rows:
             notes["embedding_rows"] = rows_note
         return PassResult(True, notes)
+
+    def take_context_sums(self, gm: fx.GraphModule, ctx: Context) -> int:
+        """Beside context parallelism (the run's cp ranks, this pass given no group and no compress),
+        take its all-reduce of each gradient over cp out of the backward: the buckets' all-reduce
+        spans dp_replicate x cp and sums them, averaging over dp_replicate only. Returns how many
+        ranks' gradients the all-reduce then sums beside the averaged ones (cp; 1: none taken)."""
+        if self.group is not None or self.compress is not None:
+            return 1
+        grads = gradients_in_order(gm, ctx.input_names)
+        sums = backward_gradient_sums(gm, ctx.mesh, [node for _, node, _ in grads]) if grads else []
+        if not sums:
+            return 1
+        drop_gradient_sums(gm, sums)
+        gm.recompile()
+        return ctx.mesh.size("cp")
 
     def sparse_rows(self, grads, accumulate: bool, world: int):
         """Which gradient goes as rows (its index in `grads`), its Rows, the bytes they send, and why

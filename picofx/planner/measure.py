@@ -166,10 +166,12 @@ def calibrated_device(config, world: int, link: dict | None = None, say=print) -
     return device
 
 
-def busy_seconds(collective, iterations: int = 20) -> float:
+def busy_seconds(collective, iterations: int = 20, rounds: int = 5) -> float:
     """Seconds `collective` adds when issued between bursts of computing (about 1 ms of small ops), as
     a training step issues it: the peers and gloo's threads must be scheduled back in, and it waits
-    for the rank the scheduler held longest (the slowest rank's figure). Every rank calls it."""
+    for the rank the scheduler held longest (the slowest rank's figure). The median of `rounds`
+    paired runs, the bursts alone beside the bursts with the collective: one pair varied 3x between
+    runs on a shared CPU. Every rank calls it."""
     import torch.distributed as dist
 
     work = torch.ones(256)
@@ -178,16 +180,17 @@ def busy_seconds(collective, iterations: int = 20) -> float:
         for _ in range(200):
             work.mul_(1.0)
 
-    seconds = []
-    for communicate in (False, True):
+    def run(communicate: bool) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iterations):
             burst()
             if communicate:
                 collective()
-        seconds.append(time.perf_counter() - start)
-    cost = torch.tensor([max(0.0, seconds[1] - seconds[0]) / iterations], dtype=torch.float64)
+        return time.perf_counter() - start
+
+    added = sorted(max(0.0, run(True) - run(False)) / iterations for _ in range(rounds))
+    cost = torch.tensor([added[rounds // 2]], dtype=torch.float64)
     dist.all_reduce(cost, op=dist.ReduceOp.MAX)
     return cost.item()
 

@@ -37,7 +37,7 @@ def cell_passes(cell: Cell) -> list:
     if "pipeline" in f:
         passes.append(Pipeline(stages=2, microbatches=2))
     if "context_parallel" in f:
-        passes.append(ContextParallel())
+        passes.append(ContextParallel(method="ring" if "ring" in f else "allgather"))
     if "shard" in f:  # HSDP too: the mesh's dp_replicate and dp_shard
         passes.append(Shard(compress=cell.compress))
     if "overlap" in f:
@@ -66,7 +66,20 @@ def run_cell(cell: Cell, backend: str) -> dict:
             "grads": {n: whole(p.grad) for n, p in opt.named_parameters() if p.grad is not None},
             "ran": [r.name for r in opt.report.records],
             "tokens_per_rank": [r.notes["tokens_per_rank"] for r in opt.report.records
-                                if r.name == "context_parallel" and "tokens_per_rank" in r.notes]}
+                                if r.name == "context_parallel" and "tokens_per_rank" in r.notes],
+            "shard_spans": spans(opt, "shard"), "overlap_spans": spans(opt, "overlap"),
+            "local_fraction": local_fraction(opt)}
+
+
+def spans(opt, pass_name: str) -> list[str]:
+    """The mesh dimensions a data-parallel pass said its collectives span."""
+    return sorted({r.notes["spans"] for r in opt.report.records if r.name == pass_name and "spans" in r.notes})
+
+
+def local_fraction(opt) -> float:
+    """The share of the model's parameter elements this rank holds."""
+    held = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p in opt.parameters()]
+    return sum(held) / sum(p.numel() for p in opt.parameters())
 
 
 def run_cells(rank: int, world: int, cells: list, backend: str = "eager", say: bool = False) -> dict:

@@ -59,7 +59,8 @@ def group(world: int, slow: bool, backend: str = "eager") -> dict:
     if key not in GROUPS:
         cells = [c for c in WORKING if c.world == world and c.slow == slow
                  and (backend == "eager" or c.features in INDUCTOR_CELLS)]
-        results = run_ranks(composability_ranks.run_cells, world, cells, backend, timeout=240 + 60 * len(cells),
+        results = run_ranks(composability_ranks.run_cells, world, cells, backend,
+                            timeout=240 + max(60, 15 * world) * len(cells),
                             collective_timeout=90)
         GROUPS[key] = {cell: [r[cell] for r in results] for cell in cells}
     return GROUPS[key]
@@ -77,6 +78,12 @@ def assert_matches_one_process(cell: Cell, ranks: list, references: dict) -> Non
         length = tiny().example_inputs["input_ids"].shape[1]
         assert all(r["tokens_per_rank"] and set(r["tokens_per_rank"]) == {length // 2} for r in ranks), \
             [r["tokens_per_rank"] for r in ranks]
+    if {"overlap", "context_parallel"} <= cell.features and not cell.compress:  # one all-reduce sums dp and cp
+        assert all(r["overlap_spans"] == ["dp_replicate_cp"] for r in ranks), [r["overlap_spans"] for r in ranks]
+    if {"shard", "context_parallel"} <= cell.features and not cell.compress:  # torchtitan's dp_shard_cp
+        assert all(r["shard_spans"] == ["dp_shard_cp"] for r in ranks), [r["shard_spans"] for r in ranks]
+        if not {"tensor_parallel", "pipeline"} & cell.features:  # each rank holds 1/(dp_shard x cp) of the model
+            assert all(abs(r["local_fraction"] - 1 / 4) < 0.01 for r in ranks), [r["local_fraction"] for r in ranks]
     by_replica = {}
     for r in ranks:  # ranks of one replica (its tp and pp ranks) see the same batch and loss
         by_replica.setdefault(r["replica"], r["loss"])
@@ -155,7 +162,7 @@ def test_the_table_covers_every_pair_and_names_each_refusal():
     for a, b in __import__("itertools").combinations(combinations.FEATURES, 2):
         assert Cell(combinations.closed({a, b})) in cells, (a, b)
     assert all(c.refusal.reason for c in REFUSED)
-    assert {c.world for c in WORKING} <= {1, 2, 4, 8}
+    assert {c.world for c in WORKING} <= {1, 2, 4, 8, 16}
 
 
 def test_check_combination_reads_pass_objects_and_the_mesh():
@@ -178,6 +185,15 @@ def test_a_layout_for_more_ranks_is_described_under_a_one_rank_group():
     one_process_group()
     mesh = ParallelMesh.build(dp_replicate=2, dp_shard=2, tp=2, world=8)
     assert mesh.device_mesh is None and dict(mesh.sizes)["tp"] == 2
+
+
+def test_joined_dimensions_are_one_dimension_over_the_ranks_of_both():
+    """Shard's dp_shard x cp (torchtitan's dp_shard_cp): dimensions of size 1 drop out."""
+    mesh = ParallelMesh.build(dp_replicate=2, dp_shard=2, cp=2, world=8)
+    joined = mesh.joined("dp_shard", "cp")
+    assert (joined.name, joined.size) == ("dp_shard_cp", 4)
+    alone = ParallelMesh.build(dp_shard=1, cp=8, world=8).joined("dp_shard", "cp")
+    assert (alone.name, alone.size) == ("cp", 8)
 
 
 def test_the_docs_show_the_table():

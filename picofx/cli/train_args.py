@@ -158,7 +158,12 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                         "shards' gradients across the replicas); torchtitan's data_parallel_replicate_degree")
     p.add_argument("--cp", type=at_least(1), default=1,
                    help="context-parallel ranks (pass context_parallel): each computes its part of every sequence "
-                        "and attends over all keys; beside --dp or --shard, not yet --tp or --pp")
+                        "and attends over all keys; with --shard the shard group spans dp x cp (torchtitan's "
+                        "dp_shard_cp)")
+    p.add_argument("--cp-method", choices=["allgather", "ring"], default="allgather",
+                   help="with --cp: each attention gathers the keys and values (allgather, Llama 3's way) or passes "
+                        "them around the cp ranks block by block, merged by log-sum-exp (ring: no rank holds "
+                        "every key)")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
                         "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "

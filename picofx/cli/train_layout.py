@@ -14,7 +14,7 @@ import dataclasses
 
 from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.cli.train_model import planned_shape
-from picofx.passes import TensorParallel
+from picofx.passes import ContextParallel, TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import Recipe, recipe
 
@@ -41,6 +41,7 @@ def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
         found.add("sequence_parallel" if getattr(args, "async_tp", None) is False else "async_tp")
     found |= {"pipeline"} if layout.pp > 1 else set()
     found |= {"context_parallel"} if layout.cp > 1 else set()
+    found |= {"ring"} if layout.cp > 1 and getattr(args, "cp_method", "allgather") == "ring" else set()
     kinds = (layout.compress or "").split("+")
     found |= {k for k in COMPRESSION if any(kind.split(":")[0] == k for kind in kinds)}
     return closed(found)
@@ -49,13 +50,15 @@ def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
 def train_recipe(args) -> Recipe:
     """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe; with
     --dp-replicate, HSDP (the shard pass over dp_replicate x dp_shard); --no-async-tp: sequence
-    parallelism without its chunked overlap."""
+    parallelism without its chunked overlap; --cp-method: context parallelism's method."""
     made = recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
                   checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
                   measure_cuts=args.measure_cuts)
     passes, shape = list(made.passes), dict(made.mesh_shape)
     if args.async_tp is False:
         passes = [dataclasses.replace(p, async_overlap=False) if isinstance(p, TensorParallel) else p for p in passes]
+    method = getattr(args, "cp_method", "allgather")
+    passes = [dataclasses.replace(p, method=method) if isinstance(p, ContextParallel) else p for p in passes]
     if args.dp_replicate > 1:  # HSDP: the shard pass on (dp_replicate, dp_shard), averaging across replicas too
         shape["dp_replicate"] = args.dp_replicate
     return Recipe(passes, shape)

@@ -5,7 +5,7 @@ tests/test_composability.py trains every cell it says works, and docs/parallelis
 (`render_markdown`; `write_into("docs/parallelism.md")` regenerates it there).
 
 A cell is a set of features. Some imply others: sequence parallelism is a tensor_parallel option
-and async TP a sequence-parallel one; a compressor compresses a data-parallel exchange (overlap's,
+and async TP a sequence-parallel one, the ring a context_parallel method; a compressor compresses a data-parallel exchange (overlap's,
 when the cell names no other); HSDP is the shard pass on a mesh with dp_replicate and dp_shard
 (replicas of the sharded group, averaged by the shard pass itself), so overlap with shard is HSDP.
 Each parallel feature spans 2 ranks of its mesh dimension, so a cell's world is the product of its
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from picofx.manager.passes import pass_name
 
 PARALLEL = ("overlap", "shard", "hsdp", "tensor_parallel", "sequence_parallel", "async_tp", "pipeline",
-            "context_parallel")
+            "context_parallel", "ring")
 COMPRESSION = ("bf16", "int8", "topk", "powersgd", "sparse_rows")
 COMPUTE = ("fuse", "precision", "checkpoint")
 FEATURES = PARALLEL + COMPRESSION + COMPUTE
 DATA_PARALLEL = ("overlap", "shard", "hsdp")
 # the mesh dimensions each feature spans (2 ranks each), in ParallelMesh's order, cp last
 SPANS = {"overlap": ("dp_replicate",), "shard": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard"),
-         "tensor_parallel": ("tp",), "pipeline": ("pp",), "context_parallel": ("cp",)}
+         "tensor_parallel": ("tp",), "pipeline": ("pp",), "context_parallel": ("cp",), "ring": ("cp",)}
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # the spelling of each compression kind the cells run (a lossy one at a setting whose error is bounded here)
 COMPRESS_SPELLING = {"bf16": "bf16", "int8": "int8", "topk": "topk:0.5", "powersgd": "powersgd:8",
@@ -57,18 +57,9 @@ def refusal(features: str, reason: str, raised: str = "") -> Refusal:
 # of the mesh's dimensions that picofx train's layouts use most.
 CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "async_tp", "sequence_parallel",
             "pipeline checkpoint", "overlap int8", "shard sparse_rows", "overlap powersgd", "fuse precision",
-            "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel")
+            "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel", "shard context_parallel")
 CODECS = ("bf16", "int8", "topk", "powersgd")  # one per exchange; sparse_rows pairs with one of them
 REFUSALS = (
-    refusal("context_parallel hsdp", "HSDP beside context_parallel trains the loss of one process but not its "
-            "gradients (the embedding's differs on 8 ranks): shard over dp_shard alone (dp_shard x cp), or "
-            "replicate the data-parallel ranks (Overlap)"),
-    refusal("context_parallel sequence_parallel shard", "sequence_parallel beside context_parallel and shard is not "
-            "checked yet (a first run on 8 ranks did not finish): drop sequence parallelism (plain tensor_parallel), "
-            "or replicate the data-parallel ranks (Overlap)"),
-    refusal("context_parallel sequence_parallel pipeline", "a later pipeline stage receives the residual stream in "
-            "sequence-parallel shards of this rank's tokens, which context_parallel does not read: run the stages' "
-            "tensor_parallel without sequence_parallel beside cp"),
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "
@@ -82,9 +73,6 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
-    *(refusal(f"context_parallel tensor_parallel pipeline {dp}", "four mesh dimensions at once (16 ranks) are not "
-              "checked: 16 gloo ranks do not fit the test machine's time (its 8-rank cells take minutes); give one "
-              "of the dimensions 1") for dp in ("overlap", "shard")),
     *(refusal(f"{a} {b}", "an exchange sends its buckets in one codec: give one kind, or sparse_rows+KIND "
               "(the embedding's rows, the other buckets in KIND)", raised="at most 'sparse_rows+KIND'")
       for a, b in itertools.combinations(CODECS, 2)),
@@ -98,6 +86,8 @@ def closed(features) -> frozenset:
         out.add("sequence_parallel")
     if "sequence_parallel" in out:
         out.add("tensor_parallel")
+    if "ring" in out:
+        out.add("context_parallel")
     if {"overlap", "shard"} <= out:  # replicas of a sharded group: the shard pass runs both
         out = (out - {"overlap"}) | {"hsdp"}
     if "hsdp" in out:
@@ -117,6 +107,7 @@ class Cell:
         hidden = {"shard"} if "hsdp" in self.features else set()
         hidden |= {"tensor_parallel"} if "sequence_parallel" in self.features else set()
         hidden |= {"sequence_parallel"} if "async_tp" in self.features else set()
+        hidden |= {"context_parallel"} if "ring" in self.features else set()
         return tuple(f for f in FEATURES if f in self.features and f not in hidden)
 
     @property
@@ -160,15 +151,18 @@ def pairs() -> list[Cell]:
 
 def layered() -> list[Cell]:
     """The 3-D and 4-D combinations: three and four of the mesh's dimensions at once (data parallel
-    replicated or sharded, tensor parallel in each of its forms, pipeline, context parallel)."""
+    replicated or sharded, tensor parallel in each of its forms, pipeline, context parallel by each
+    method: the ring beside plain tensor parallelism)."""
     dims = ("overlap", "shard", "tensor_parallel", "pipeline", "context_parallel")
+    tp_forms = [("tensor_parallel",), ("sequence_parallel",), ("async_tp",)]
     out = []
     for size in (3, 4):
         for chosen in itertools.combinations(dims, size):
-            forms = [("tensor_parallel",), ("sequence_parallel",), ("async_tp",)] if "tensor_parallel" in chosen \
-                else [()]
-            for form in forms:
-                out.append(Cell(closed([d for d in chosen if d != "tensor_parallel"] + list(form))))
+            rest = [d for d in chosen if d not in ("tensor_parallel", "context_parallel")]
+            forms = [[*tp, *cp] for tp in (tp_forms if "tensor_parallel" in chosen else [()])
+                     for cp in ([("context_parallel",), ("ring",)] if "context_parallel" in chosen else [()])
+                     if not ("ring" in cp and tp not in ((), ("tensor_parallel",)))]
+            out += [Cell(closed(rest + list(form))) for form in forms]
     return out
 
 
@@ -193,6 +187,8 @@ def features_of(passes, mesh=None) -> frozenset:
             out |= {k for k in COMPRESSION if any(part.split(":")[0] == k for part in compress.split("+"))}
         if name == "tensor_parallel" and not isinstance(p, str) and getattr(p, "sequence_parallel", False):
             out.add("async_tp" if getattr(p, "async_overlap", False) else "sequence_parallel")
+        if name == "context_parallel" and getattr(p, "method", None) == "ring":
+            out.add("ring")
     if "shard" not in out:
         out.discard("hsdp")
     return closed(out)

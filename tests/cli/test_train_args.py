@@ -90,10 +90,16 @@ def test_a_layout_that_cannot_run_is_refused_before_the_process_group(argv, mess
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_context_parallel_beside_hsdp_is_refused_before_the_process_group(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["--cp", "2", "--shard", "--dp", "2", "--dp-replicate", "2"], environ={"RANK": "0", "WORLD_SIZE": "8"})
-    assert exit_.value.code == 2 and "HSDP beside context_parallel" in capsys.readouterr().err
+def test_context_parallel_beside_hsdp_runs_the_shard_pass_on_all_three_dimensions():
+    from picofx.cli.train_layout import train_recipe
+    from picofx.passes import ContextParallel, Shard
+
+    args = parse_args(["--cp", "2", "--cp-method", "ring", "--shard", "--dp", "2", "--dp-replicate", "2"],
+                      environ={"RANK": "0", "WORLD_SIZE": "8"})
+    made = train_recipe(args)
+    assert {k: v for k, v in made.mesh_shape.items() if v > 1} == {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
+    assert any(isinstance(p, Shard) for p in made.passes)
+    assert [p.method for p in made.passes if isinstance(p, ContextParallel)] == ["ring"]
 
 
 def test_only_rank_0_prints_a_refused_option(capsys):

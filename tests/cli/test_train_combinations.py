@@ -26,7 +26,7 @@ def flags(cell: Cell) -> list[str]:
     if "pipeline" in f:
         out += ["--pp", "2", "--microbatches", "2"]
     if "context_parallel" in f:
-        out += ["--cp", "2"]
+        out += ["--cp", "2"] + (["--cp-method", "ring"] if "ring" in f else [])
     out += ["--compress", cell.compress] if cell.compress else []
     compute = [name for name in combinations.COMPUTE if name in f]
     return out + ["--passes", *compute]  # none: not even the default fuse

@@ -5,11 +5,11 @@ tests/test_composability.py trains every cell it says works, and docs/parallelis
 (`render_markdown`; `write_into("docs/parallelism.md")` regenerates it there).
 
 A cell is a set of features. Some imply others: sequence parallelism is a tensor_parallel option
-and async TP a sequence-parallel one, the ring a context_parallel method; a compressor compresses a data-parallel exchange (overlap's,
-when the cell names no other); HSDP is the shard pass on a mesh with dp_replicate and dp_shard
-(replicas of the sharded group, averaged by the shard pass itself), so overlap with shard is HSDP.
-Each parallel feature spans 2 ranks of its mesh dimension, so a cell's world is the product of its
-dimensions' sizes.
+and async TP a sequence-parallel one, the ring a context_parallel method; a compressor compresses
+a data-parallel exchange (overlap's, when the cell names no other); HSDP is the shard pass on a
+mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by the shard pass
+itself), so overlap with shard is HSDP. Each parallel feature spans 2 ranks of its mesh dimension,
+so a cell's world is the product of its dimensions' sizes.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def refusal(features: str, reason: str, raised: str = "") -> Refusal:
 # of the mesh's dimensions that picofx train's layouts use most.
 CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "async_tp", "sequence_parallel",
             "pipeline checkpoint", "overlap int8", "shard sparse_rows", "overlap powersgd", "fuse precision",
-            "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel", "shard context_parallel")
+            "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel",
+            "shard context_parallel")
 CODECS = ("bf16", "int8", "topk", "powersgd")  # one per exchange; sparse_rows pairs with one of them
 REFUSALS = (
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "

@@ -162,7 +162,8 @@ class ParallelMesh:
 
         if any(d.device_mesh is None for d in dims):
             raise DistributedError("a DTensor placement over " + " x ".join(d.name for d in dims) + " needs the "
-                                   "run's DeviceMesh: pass optimize(..., mesh=picofx.parallel.ParallelMesh.build(...)).")
+                                   "run's DeviceMesh: pass optimize(..., "
+                                   "mesh=picofx.parallel.ParallelMesh.build(...)).")
         return dims[0].device_mesh if len(dims) == 1 else DeviceMesh._concatenate([d.device_mesh for d in dims])
 
     def rank_lists(self, name: str) -> list[list[int]]:

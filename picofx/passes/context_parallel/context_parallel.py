@@ -165,13 +165,20 @@ def combine_outputs(graph: fx.Graph, split: SequenceSplit, dim) -> dict:
     return done
 
 
+def cp_group(mesh) -> str | None:
+    """The name of the run's cp process group, None where the run has no cp dimension."""
+    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
+        return None
+    return mesh.dim("cp").group_name
+
+
 def forward_gradient_sums(gm: fx.GraphModule, mesh) -> list[fx.Node]:
     """The forward graph's sums of the parameters' gradients over cp (each a tp_copy reading a
     parameter), where every parameter read has one; [] where the run has no cp dimension or some
     parameter none. A data-parallel pass whose group then spans cp sums them itself."""
-    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
+    group = cp_group(mesh)
+    if group is None:
         return []
-    group = mesh.dim("cp").group_name
     copies = [n for n in gm.graph.nodes if n.target is torch.ops.picofx.tp_copy.default and n.args[1] == group
               and is_parameter(n.args[0])]
     read = [n for n in gm.graph.nodes if is_parameter(n) and n.users]
@@ -181,9 +188,9 @@ def forward_gradient_sums(gm: fx.GraphModule, mesh) -> list[fx.Node]:
 def backward_gradient_sums(gm: fx.GraphModule, mesh, gradients: list[fx.Node]) -> list[fx.Node]:
     """The backward graph's all-reduces over cp of the parameters' `gradients` (each gradient the
     wait of one), where every one has one; else []."""
-    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
+    group = cp_group(mesh)
+    if group is None:
         return []
-    group = mesh.dim("cp").group_name
     sums = [g.args[0] for g in gradients if g.target is c10d.wait_tensor.default
             and g.args[0].target is c10d.all_reduce.default and g.args[0].args[2] == group and len(g.users) == 1]
     return sums if len(sums) == len(gradients) else []

@@ -14,14 +14,15 @@ and just before the graph returns (as late as the gradients' consumers allow):
 so the all-reduce of one bucket runs while the backward computes the next. Beside context
 parallelism the group spans dp_replicate x cp: the all-reduce also sums what the cp ranks computed
 from their parts of the sequences (taken out of the graph as context_parallel wrote it), and the
-average is over dp_replicate. With `compress`, a
-codec of picofx.compression writes each bucket's exchange instead (bf16, int8 blocks, top-k,
-PowerSGD, the embedding's gradient as rows): its issue step where the bucket is ready, its finish
-steps before the graph returns; their state between steps lives in a CompressionState the runtime
-resets (`opt.reset_compression()`). Under no_sync
-(`ctx.gradient_sync is SyncMode.LOCAL`) the pass adds nothing; after a no_sync phase
-("sync_accumulated") each bucket adds the gradients accumulated so far (an attribute of the
-graph the runtime fills) before its all-reduce, as DDP all-reduces the accumulated `.grad`.
+average is over dp_replicate. With `compress`, a codec of picofx.compression writes each
+bucket's exchange instead (bf16, int8 blocks, top-k, PowerSGD, the embedding's gradient as rows):
+its issue step where the bucket is ready, its finish steps before the graph returns; their state
+between steps lives in a CompressionState the runtime resets (`opt.reset_compression()`). Under
+no_sync (`ctx.gradient_sync is SyncMode.LOCAL`) the pass adds no all-reduce (beside context
+parallelism it still takes the cp sums out, so what accumulates is this rank's own gradient);
+after a no_sync phase ("sync_accumulated") each bucket adds the gradients accumulated so far (an
+attribute of the graph the runtime fills) before its all-reduce, as DDP all-reduces the
+accumulated `.grad`.
 """
 from __future__ import annotations
 

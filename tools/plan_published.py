@@ -56,6 +56,19 @@ def every_second_matmul(costs: ModelCosts) -> ModelCosts:
                                layer_cheap_saved=costs.layer_saved - kept)
 
 
+def titan_fused_norm_layer(costs: ModelCosts) -> ModelCosts:
+    """What torchtitan's eager decoder layer keeps with its fused RMSNorm (its 2024 model code, the
+    norm_type of its 8B and 13B configs) where picofx's keeps fp32 norms and residual stream and a
+    decomposed SiLU: per token in bf16 each norm's input and output, q, k and v after the rotary
+    embedding (a complex product with a buffer keeps only the buffer), attention's output and its
+    contiguous copy, the gate's and up's outputs, the SiLU's and the product; in fp32 the norms'
+    inverse RMS and attention's logsumexp per head."""
+    c = costs.config
+    h, kv, mlp = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    per_token = 2 * (7 * h + 2 * kv) + 2 * 4 * mlp + 4 * (2 + c.num_attention_heads)
+    return dataclasses.replace(costs, layer_saved=costs.seq * per_token)
+
+
 def loss_on_fp32_logits(costs: ModelCosts) -> ModelCosts:
     """Cross-entropy outside the compiled region on an fp32 copy of the logits: the log-softmax's
     fp32 output is kept for the backward, which starts with its gradient and the logits' gradient
@@ -84,10 +97,12 @@ def unfused_attention(costs: ModelCosts, device, cost_model: CostModel, passes_r
 
 
 def row(run: Published, profiles: dict) -> dict:
-    device = profiles[run.gpu]
+    device = profiles[run.gpu] if run.network is None else profiles[run.gpu].on(gpus.NETWORKS[run.network])
     config = run.model if not isinstance(run.model, str) else model_config(run.model)
     cost_model = CostModel(device)
     costs = weights_kept_in_bf16(model_costs(config, run.seq, cost_model, passes(run)))
+    if run.fused_norm_layer:
+        costs = titan_fused_norm_layer(costs)
     if run.every_second_matmul:
         costs = every_second_matmul(costs)
     if run.loss_on_fp32_logits:
@@ -100,7 +115,8 @@ def row(run: Published, profiles: dict) -> dict:
     # torch's reserved peak: the allocated peak the planner predicts and the caching allocator's share
     # it keeps beyond that (the same share a plan keeps free to fit)
     memory = p.memory_per_gpu / MAX_MEMORY_FRACTION / GiB
-    return {"run": run.name, "source": run.source, "gpu": run.gpu, "layout": p.layout.describe(),
+    return {"run": run.name, "source": run.source, "gpu": run.gpu, "network": run.network,
+            "layout": p.layout.describe(),
             "fitted_on": run.fit, "predicted_tokens_per_s_per_gpu": tokens, "published_tokens_per_s_per_gpu": published,
             "error": tokens / published - 1, "predicted_mfu": p.mfu, "published_mfu": run.mfu,
             "predicted_memory_gib": memory, "published_memory_gib": run.memory_gib,
@@ -139,7 +155,8 @@ def markdown(table: list[dict]) -> str:
         fitted = " **(fitted on)**" if r["fitted_on"] else ""
         mem_pub = f"{r['published_memory_gib']:.1f}" if r["published_memory_gib"] else "-"
         mem_err = f"{r['memory_error']:+.0%}" if r["memory_error"] is not None else "-"
-        lines.append(f"| {r['run']}{fitted} ({r['source']}) | {r['gpu']} | {r['layout']} | "
+        gpu = r["gpu"] + (f" on {r['network']}" if r["network"] else "")
+        lines.append(f"| {r['run']}{fitted} ({r['source']}) | {gpu} | {r['layout']} | "
                      f"{r['predicted_tokens_per_s_per_gpu']:,.0f} | {r['published_tokens_per_s_per_gpu']:,.0f} | "
                      f"{r['error']:+.0%} | {r['predicted_memory_gib']:.1f} | {mem_pub} | {mem_err} |")
     checked = [r for r in table if not r["fitted_on"]]

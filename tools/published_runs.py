@@ -1,7 +1,7 @@
 """Published training runs with the layouts their authors give, for tools/plan_published.py.
 
-Each run: the model's shape, the GPU profile (picofx.cost.gpus), GPUs, sequence, global batch, the
-layout as picofx's Layout spells it, and the published tokens/s per GPU (or MFU: tokens/s is then
+Each run: the model's shape, the GPU profile (picofx.cost.gpus) and the cluster's network where it
+is not the profile's own, GPUs, sequence, global batch, the layout as picofx's Layout spells it, and the published tokens/s per GPU (or MFU: tokens/s is then
 MFU x peak / FLOPs per token, the planner's 6N + 12 L h T count, the authors' own), memory per GPU
 where published. `fit`: the profiles' fitted figures were fitted on this run (tools/plan_published.py
 --fit); every other run checks them.
@@ -49,10 +49,21 @@ class Published:
     every_second_matmul: bool = False  # torchtitan's op-level selective checkpointing: recomputes those too
     loss_on_fp32_logits: bool = False  # cross-entropy outside any compiled region, on an fp32 copy of the logits
     unfused_attention: bool = False  # attention as two batched matmuls around a softmax and dropout kernel
+    network: str | None = None  # picofx.cost.gpus.NETWORKS key: the cluster's network, where not the profile's
+    fused_norm_layer: bool = False  # torchtitan's eager layer with its fused RMSNorm keeps that layer's activations
+
+
+# torchtitan's performance.md does not name its A100 cluster's network; a reader's comment on
+# torchtitan issue 394 (2024-11-22, unanswered) names it AWS's, 400 Gb/s of EFA per node: p4d.
+TITAN_A100_NETWORK = "efa-p4d"
 
 
 def titan_op_sac(gpus: int) -> dict:
     return {"layout": fsdp(gpus, "selective"), "every_second_matmul": True, "loss_on_fp32_logits": True}
+
+
+def titan_a100(**run) -> dict:
+    return {"network": TITAN_A100_NETWORK, "compiled": False, **run}
 
 
 def fsdp(gpus: int, checkpoint: str, microbatches: int = 1) -> Layout:
@@ -79,17 +90,17 @@ RUNS = [
               8192, 32, Layout(16, 8, 1, shard=True, checkpoint="full", sequence_parallel=True), mfu=0.290,
               compiled=False, loss_on_fp32_logits=True),
     Published("Llama 3 8B, selective op checkpointing", TITAN_A100, "llama3-8b", "a100-80gb", 64, 8192, 64,
-              tokens_per_gpu=2973, mfu=0.582, compiled=False, fit=True, **titan_op_sac(64)),
+              tokens_per_gpu=2973, mfu=0.582, fit=True, **titan_a100(fused_norm_layer=True, **titan_op_sac(64))),
     Published("Llama 3 70B, full checkpointing", TITAN_A100, "llama3-70b", "a100-80gb", 64, 8192, 64,
-              fsdp(64, "full"), 331, 0.517, compiled=False, loss_on_fp32_logits=True),
+              fsdp(64, "full"), 331, 0.517, **titan_a100(loss_on_fp32_logits=True)),
     Published("Llama 2 13B, batch 2, no checkpointing", TITAN_A100, "llama2-13b", "a100-80gb", 64, 4096, 128,
-              fsdp(64, "none"), 2162, 0.611, compiled=False, loss_on_fp32_logits=True),
+              fsdp(64, "none"), 2162, 0.611, **titan_a100(loss_on_fp32_logits=True, fused_norm_layer=True)),
     Published("Llama 2 13B, batch 2, selective op checkpointing", TITAN_A100, "llama2-13b", "a100-80gb", 64, 4096,
-              128, tokens_per_gpu=1904, mfu=0.538, compiled=False, **titan_op_sac(64)),
+              128, tokens_per_gpu=1904, mfu=0.538, **titan_a100(fused_norm_layer=True, **titan_op_sac(64))),
     Published("Llama 2 70B, batch 1, selective op checkpointing", TITAN_A100, "llama2-70b", "a100-80gb", 64, 4096,
-              64, tokens_per_gpu=355, mfu=0.508, compiled=False, **titan_op_sac(64)),
+              64, tokens_per_gpu=355, mfu=0.508, **titan_a100(**titan_op_sac(64))),
     Published("Llama 2 70B, batch 2, full checkpointing", TITAN_A100, "llama2-70b", "a100-80gb", 64, 4096, 128,
-              fsdp(64, "full"), 353, 0.505, compiled=False, loss_on_fp32_logits=True),
+              fsdp(64, "full"), 353, 0.505, **titan_a100(loss_on_fp32_logits=True)),
     Published("GPT 22B, TP 8, full recomputation", MEGATRON_SP, GPT_22B, "a100-80gb", 8, 2048, 4,
               **megatron(8, 1, 8, 4, 4, False), mfu=0.415 / 1.42 * 1.10),
     Published("GPT 22B, TP 8, sequence parallel + selective", MEGATRON_SP, GPT_22B, "a100-80gb", 8, 2048, 4,

@@ -30,7 +30,10 @@ def add_plan_parser(commands) -> None:
                                             "directory, or module:function")
     p.add_argument("--gpus", type=at_least(1), help="GPUs (ranks) of the run; with --layout, dp x tp x pp by default")
     p.add_argument("--gpu", default="h100", help="the device profile (--list-gpus), or cpu: this machine's cores")
-    p.add_argument("--list-gpus", action="store_true", help="list the device profiles --gpu takes, with their sources")
+    p.add_argument("--list-gpus", action="store_true",
+                   help="list the device profiles --gpu takes and the networks --network takes, with their sources")
+    p.add_argument("--network", help="the cluster's network between nodes (--list-gpus), instead of the one the "
+                                     "--gpu profile sits on (h100, h200: ib-ndr; h100-96gb: roce-400; a100: ib-hdr)")
     p.add_argument("--layout", metavar="SPEC",
                    help="predict this one layout (with its suggestions) instead of ranking them all: the plan's "
                         f"fields, key=value comma-separated ({', '.join(FIELDS)}), e.g. "
@@ -65,8 +68,8 @@ def plan_command(args) -> dict:
                         (args.gpus or args.layout, "--gpus (or --layout)")):
         if not given:
             raise ValueError(f"{what} is required (picofx plan --help)")
-    if args.gpu != "cpu":
-        gpu_profile(args.gpu)  # an unknown profile is refused before the model is read
+    if args.gpu != "cpu" or args.network:
+        gpu_profile(args.gpu, args.network)  # an unknown profile or network is refused before the model is read
     layout = args.layout and parse_layout(args.layout, args.gpus)
     if layout and args.gpus and layout.gpus != args.gpus:
         raise ValueError(f"--layout {args.layout!r} is {layout.gpus} GPUs (dp x tp x pp"
@@ -79,7 +82,7 @@ def plan_command(args) -> dict:
               global_batch=args.global_batch)
     device = calibrated_device(config, gpus) if here else None
     common = dict(gpu=args.gpu, gpus_per_node=args.gpus_per_node, seq=args.seq, global_batch=args.global_batch,
-                  device=device, passes=compute, compress=args.compress)
+                  device=device, passes=compute, compress=args.compress, network=args.network)
     if layout:
         run, one = plan_layout(args.model, layout, **common)
         predictions = [one]
@@ -88,7 +91,8 @@ def plan_command(args) -> dict:
     if not predictions:
         raise ValueError(f"no layout of {args.model} runs on {gpus} GPUs with a global batch of "
                          f"{args.global_batch}: the batch must divide over the data-parallel ranks")
-    print(f"{args.model} on {gpus} x {run.device.name} ({run.gpus_per_node} per node), {args.seq} tokens per "
+    nodes = f"{run.gpus_per_node} per node" + (f"; {run.device.network_name}" if gpus > run.gpus_per_node else "")
+    print(f"{args.model} on {gpus} x {run.device.name} ({nodes}), {args.seq} tokens per "
           f"sequence, {args.global_batch} sequences per step; " + (
               "the layout given" if layout else f"{len(predictions)} layouts, {sum(p.fits for p in predictions)} fit")
           + "\n")

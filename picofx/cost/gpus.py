@@ -7,7 +7,8 @@ A profile keeps the datasheet peaks (MFU is reported against them) and adds what
   share of the peak at head dimension 128, causal, long sequences;
 - pointwise and norm kernels: their share of the memory bandwidth;
 - collectives: NCCL's bus bandwidth in a node (NVLink) and per network port, the latency of each
-  ring step (small messages are latency-bound: the alpha-beta model NCCL's own tuning uses);
+  ring step (small messages are latency-bound: the alpha-beta model NCCL's own tuning uses); the
+  network is the cluster's (`NETWORKS`), each profile with the one its GPU most often sits on;
 - a gap between kernels, the power-limited clock (`clock`: the share of the datasheet's boost
   clock the tensor cores sustain), and `sustained`: the share of the kernels' own rates a whole
   training step keeps up (clocks under a long full load, communication kernels taking SMs and
@@ -25,13 +26,49 @@ import torch
 from picofx.cost.hardware import GB, GiB, Device, Link
 
 
+# Of a network port's line rate, the bus bandwidth NCCL's rings reach across nodes (assumed; NVIDIA
+# measures 192 GB/s all-reduce bus bandwidth on a DGX A100's 8 x 200 Gb/s, 96%: nccl issue 812).
+LINE_RATE_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Network:
+    """A cluster's network between nodes of 8 GPUs: the ports each node has and their line rate."""
+
+    key: str
+    name: str
+    ports: int
+    gbit_per_port: float
+    source: str
+    latency: float = 8e-6  # s per ring step, a typical small message across nodes
+
+    @property
+    def port_bandwidth(self) -> float:
+        return LINE_RATE_SHARE * self.gbit_per_port * 1e9 / 8
+
+
+NETWORKS = {n.key: n for n in (
+    Network("ib-ndr", "InfiniBand NDR, 8 x 400 Gb/s per node", 8, 400,
+            "DGX H100: a ConnectX-7 400 Gb/s port per GPU"),
+    Network("roce-400", "RDMA (RoCE), 8 x 400 Gb/s per node", 8, 400,
+            "Meta's Grand Teton H100 hosts, as torchtitan's 2024 benchmarks name them: a 400 Gb/s RDMA port per GPU"),
+    Network("ib-hdr", "InfiniBand HDR, 8 x 200 Gb/s per node", 8, 200,
+            "DGX A100 and NVIDIA's Selene (Narayanan et al. 2021, Korthikanti et al. 2022): a 200 Gb/s HDR port "
+            "per GPU"),
+    Network("efa-p4d", "AWS EFA, 4 x 100 Gb/s per node (p4d)", 4, 100,
+            "AWS p4d.24xlarge (8 x A100): 400 Gb/s of EFA per node, a port for two GPUs"),
+    Network("efa-p5", "AWS EFA, 32 x 100 Gb/s per node (p5)", 32, 100,
+            "AWS p5.48xlarge (8 x H100): 3,200 Gb/s of EFA per node, four ports per GPU"),
+)}
+
+
 @dataclass(frozen=True)
 class GpuProfile(Device):
     matmul_efficiency: float = 1.0    # largest bf16 GEMM / peak
     matmul_half_dim: int = 0          # a GEMM whose smallest dimension is this runs at half that rate
     attention_efficiency: tuple = (1.0, 1.0)  # FlashAttention forward, backward / peak (causal FLOPs)
     pointwise_efficiency: float = 1.0  # memory-bound kernels / memory bandwidth
-    network_ports: int = 8            # network ports per node, one per GPU
+    network_ports: int = 8            # network ports per node (8 GPUs)
     clock: float = 1.0                # sustained tensor-core clock / datasheet boost clock
     sustained: float = 1.0            # of the kernels' rates, what a whole training step keeps up (fitted)
     sources: str = ""
@@ -59,12 +96,19 @@ class GpuProfile(Device):
 
     def network_bandwidth_for(self, ranks_per_node: int) -> float:
         """Bus bandwidth of a ring across nodes with `ranks_per_node` of its ranks in each node: NCCL
-        runs one ring per port, so a group uses as many ports as it has ranks in a node."""
-        return self.network_bandwidth * max(1, min(ranks_per_node, self.network_ports))
+        runs one ring per port, and a rank reaches the ports beside it (two GPUs share one on a p4d,
+        a GPU has four on a p5), so a group uses its ranks' share of the node's ports."""
+        ports_per_rank = max(1, self.network_ports // 8)
+        return self.network_bandwidth * max(1, min(ranks_per_node * ports_per_rank, self.network_ports))
+
+    def on(self, network: Network) -> "GpuProfile":
+        """This GPU in a cluster whose nodes are joined by `network`."""
+        return dataclasses.replace(self, network_bandwidth=network.port_bandwidth, network_ports=network.ports,
+                                   network_latency=network.latency, network_name=network.name)
 
 
 # Fitted to published runs (tools/plan_published.py --fit): the runs named in FIT_RUNS, no others.
-FITTED = {"sustained": 0.95, "h100-96gb clock": 0.78}
+FITTED = {"sustained": 0.96, "h100-96gb clock": 0.77}
 FIT_RUNS = ("Llama 3 8B, selective op checkpointing", "GPT 175B, TP 8 x PP 8, sequence parallel + selective",
             "Llama 3.1 8B, FSDP + compile, 8 GPUs")
 
@@ -83,16 +127,15 @@ H100 = GpuProfile(
     peak_flops={torch.float64: 67e12, torch.float32: 494.5e12, torch.bfloat16: 989e12, torch.float16: 989e12,
                 torch.float8_e4m3fn: 1979e12},
     memory_bandwidth=3.35e12, memory_capacity=80 * GB,
-    link_bandwidth=460e9, link_latency=3e-6, network_bandwidth=45e9, network_latency=8e-6,
+    link_bandwidth=460e9, link_latency=3e-6, network_bandwidth=0.0, network_latency=0.0,
     op_overhead=2e-6, matmul_efficiency=0.80, matmul_half_dim=512, attention_efficiency=(0.37, 0.30),
     pointwise_efficiency=0.85, sustained=FITTED["sustained"], clock=clock_at_power(FITTED["h100-96gb clock"], 500, 700),
-    source="profile", link_name="NVLink 4 (NCCL bus bandwidth)",
-    network_name="InfiniBand NDR 400 Gb/s per GPU", link_source="nccl-tests bus bandwidth",
-    sources="docs/planner.md#gpu-profiles")
+    source="profile", link_name="NVLink 4 (NCCL bus bandwidth)", link_source="nccl-tests bus bandwidth",
+    sources="docs/planner.md#gpu-profiles").on(NETWORKS["ib-ndr"])
 
 H100_96GB = dataclasses.replace(
     H100, name="NVIDIA H100 SXM 96GB HBM2e (500 W)", memory_bandwidth=2.4e12, memory_capacity=95 * GiB,
-    clock=FITTED["h100-96gb clock"], network_name="RDMA 400 Gb/s per GPU")
+    clock=FITTED["h100-96gb clock"]).on(NETWORKS["roce-400"])
 
 H200 = dataclasses.replace(H100, name="NVIDIA H200 SXM 141GB (700 W)", memory_bandwidth=4.8e12,
                            memory_capacity=141 * GB)
@@ -101,12 +144,11 @@ A100_80GB = GpuProfile(
     name="NVIDIA A100 SXM 80GB",
     peak_flops={torch.float64: 19.5e12, torch.float32: 156e12, torch.bfloat16: 312e12, torch.float16: 312e12},
     memory_bandwidth=2.039e12, memory_capacity=80 * GB,
-    link_bandwidth=235e9, link_latency=3e-6, network_bandwidth=22.5e9, network_latency=8e-6,
+    link_bandwidth=235e9, link_latency=3e-6, network_bandwidth=0.0, network_latency=0.0,
     op_overhead=2e-6, matmul_efficiency=0.859, matmul_half_dim=128, attention_efficiency=(0.70, 0.55),
     pointwise_efficiency=0.85, sustained=FITTED["sustained"], source="profile",
-    link_name="NVLink 3 (NCCL bus bandwidth)",
-    network_name="InfiniBand HDR 200 Gb/s per GPU", link_source="nccl-tests bus bandwidth",
-    sources="docs/planner.md#gpu-profiles")
+    link_name="NVLink 3 (NCCL bus bandwidth)", link_source="nccl-tests bus bandwidth",
+    sources="docs/planner.md#gpu-profiles").on(NETWORKS["ib-hdr"])
 
 A100_40GB = dataclasses.replace(A100_80GB, name="NVIDIA A100 SXM 40GB", memory_bandwidth=1.555e12,
                                 memory_capacity=40 * GB)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from picofx.cost.device import Device, device_for, devices
+from picofx.cost.gpus import NETWORKS, GpuProfile
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES
@@ -131,13 +132,15 @@ def _allowed(layout: Layout, limits: dict) -> bool:
 
 
 def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_node: int | None = None,
-         memory: int | None = None, link: dict | None = None, compress=None, say=print, **limits) -> Plans:
+         memory: int | None = None, link: dict | None = None, compress=None, network: str | None = None, say=print,
+         **limits) -> Plans:
     """Every layout of `model` training over `world` GPUs, predicted and ranked as `picofx plan` ranks them.
 
     model: an nn.Module (with a LlamaConfig or Hugging Face `.config`), a zoo name, a config file or
     a LlamaConfig. gpu: "h100", "h200", "a100", "cpu" (calibrated here), "cuda" (this machine's GPU),
     a picofx Device, or None (cuda if torch sees one, else cpu). memory: bytes per GPU instead of the
-    device's. compress: the gradient compressors replicated layouts are also planned with, as
+    device's. network: the cluster's network between nodes, a picofx.cost.gpus.NETWORKS key ("ib-hdr",
+    "efa-p4d", ...) instead of the GPU profile's. compress: the gradient compressors replicated layouts are also planned with, as
     Overlap(compress=...) spells them: a name, "a,b" or a collection (None: bf16, int8 and sparse_rows
     on a GPU, none on the CPU; lossy "topk:F", "powersgd:R" only when listed). limits: Layout fields
     the plans must have, each a value, a collection of values or a predicate (tp=1, pp=(1, 2),
@@ -153,6 +156,11 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
         (isinstance(gpu, Device) and "cpu" in gpu.name.lower())
     kinds = kinds_to_consider(compress, on_cpu=on_cpu)
     device, compute = _device(gpu, config, world, link, say)
+    if network is not None:
+        if network not in NETWORKS or not isinstance(device, GpuProfile):
+            raise ValueError(f"picofx.plan: network {network!r} on {device.name}: a GPU profile's network is one "
+                             f"of {', '.join(NETWORKS)}")
+        device = device.on(NETWORKS[network])
     if memory is not None:
         device = dataclasses.replace(device, memory_capacity=memory)
     run, predictions = plan_run(config, gpus=world, gpus_per_node=gpus_per_node or min(world, 8), seq=seq,

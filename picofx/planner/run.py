@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from picofx.cost.device import devices
+from picofx.cost.gpus import NETWORKS, GpuProfile
 from picofx.cost.model import CostModel
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
@@ -28,23 +29,32 @@ def check_run(config: LlamaConfig, name: str, *, gpus: int, gpus_per_node: int, 
 
 
 def make_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096, global_batch: int,
-             device=None, passes=PASSES) -> Run:
+             device=None, passes=PASSES, network: str | None = None) -> Run:
     """The Run of `model` (a name or path as `picofx plan` takes it, or a LlamaConfig) over `gpus`: its
-    costs captured once. `device`: a picofx.cost.device.Device instead of the `gpu` kind's entry."""
+    costs captured once. `device`: a picofx.cost.device.Device instead of the `gpu` kind's entry;
+    `network`: the cluster's network between nodes (picofx.cost.gpus.NETWORKS) instead of the profile's."""
     config = model if isinstance(model, LlamaConfig) else model_config(model)
     check_run(config, model if isinstance(model, str) else "the model", gpus=gpus, gpus_per_node=gpus_per_node,
               seq=seq, global_batch=global_batch)
-    device = device or gpu_profile(gpu)
+    device = device or gpu_profile(gpu, network)
     return Run(model_costs(config, seq, CostModel(device), passes), device, gpus, min(gpus_per_node, gpus),
                global_batch)
 
 
-def gpu_profile(name: str):
-    """The device profile `name` (picofx plan --list-gpus), or ValueError naming them."""
+def gpu_profile(name: str, network: str | None = None):
+    """The device profile `name` (picofx plan --list-gpus), on `network` where given, or ValueError
+    naming them."""
     known = devices()
     if name not in known:
         raise ValueError(f"--gpu {name!r}: one of {', '.join(known)} (picofx plan --list-gpus)")
-    return known[name]
+    if network is None:
+        return known[name]
+    if network not in NETWORKS:
+        raise ValueError(f"--network {network!r}: one of {', '.join(NETWORKS)} (picofx plan --list-gpus)")
+    if not isinstance(known[name], GpuProfile):
+        raise ValueError(f"--network {network}: --gpu {name} has no network between nodes to replace; "
+                         "leave --network out")
+    return known[name].on(NETWORKS[network])
 
 
 def compressors(gpu: str, device, compress) -> tuple:
@@ -54,23 +64,25 @@ def compressors(gpu: str, device, compress) -> tuple:
 
 
 def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
-             global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, list[Prediction]]:
+             global_batch: int, device=None, passes=PASSES, compress=None,
+             network: str | None = None) -> tuple[Run, list[Prediction]]:
     """Every layout of `model` over `gpus`, predicted and ranked (those that fit first, fastest first),
     each with its suggestions. `compress`: the compressors replicated layouts are also planned with
     (picofx.planner.compress.kinds_to_consider; None: the device's defaults)."""
     kinds = compressors(gpu, device, compress)
     run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                   device=device, passes=passes)
+                   device=device, passes=passes, network=network)
     return run, with_suggestions(run, plan_layouts(run, kinds), kinds)
 
 
 def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
-                global_batch: int, device=None, passes=PASSES, compress=None) -> tuple[Run, Prediction]:
+                global_batch: int, device=None, passes=PASSES, compress=None,
+                network: str | None = None) -> tuple[Run, Prediction]:
     """`layout` of `model` predicted as `plan_run` predicts it among the others, with its suggestions
     (its neighbours compared with the compressors `compress`); ValueError where the run cannot have it."""
     gpus = layout.gpus
     run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                   device=device, passes=passes)
+                   device=device, passes=passes, network=network)
     why = valid(run, layout)
     if why is not None:
         raise ValueError(f"--layout {layout.describe()} cannot run {global_batch} sequences on {gpus} GPUs "
@@ -104,6 +116,9 @@ def gpus_table() -> str:
         rows.append(f"{key:11s} {d.name:34s} {d.memory_capacity / 1e9:5.0f}GB "
                     f"{d.flops_per_second(torch.bfloat16) / 1e12:12.1f} {d.memory_bandwidth / 1e12:8.2f}  "
                     f"{d.link_name}, {d.network_name}; compute and memory: {d.source}; links: {d.link_source}")
+    rows += ["", f"{'--network':11s} {'between nodes':45s} {'GB/s per node':>13s}  source"]
+    for key, n in NETWORKS.items():
+        rows.append(f"{key:11s} {n.name:45s} {n.ports * n.port_bandwidth / 1e9:13.0f}  {n.source}")
     return "\n".join(rows)
 
 

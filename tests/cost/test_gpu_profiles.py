@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from picofx.cost import device as devices
 from picofx.cost.comm import all_gather_seconds
-from picofx.cost.gpus import A100_40GB, A100_80GB, GPUS, H100, H100_96GB, H200
+from picofx.cost.gpus import A100_40GB, A100_80GB, GPUS, H100, H100_96GB, H200, NETWORKS
 from picofx.cost.model import CostModel, compute_rate
 
 
@@ -50,6 +50,19 @@ def test_a_ring_across_nodes_uses_a_port_per_rank_of_the_node():
     assert H100.inter_node_link.bandwidth == H100.network_bandwidth_for(8)
     one_port = dataclasses.replace(H100, network_ports=1)
     assert all_gather_seconds(1e9, 64, one_port.inter_node_link) > 4 * all_gather_seconds(1e9, 64, H100.inter_node_link)
+
+
+def test_a_profile_sits_on_its_clusters_network_and_can_be_moved_to_another():
+    assert [g.network_name for g in (H100, H200, H100_96GB, A100_80GB, A100_40GB)] == \
+        [NETWORKS[k].name for k in ("ib-ndr", "ib-ndr", "roce-400", "ib-hdr", "ib-hdr")]
+    assert A100_80GB.inter_node_link.bandwidth == 8 * 0.9 * 200e9 / 8  # 8 HDR ports at 90% of line rate
+    p4d, p5 = A100_80GB.on(NETWORKS["efa-p4d"]), H100.on(NETWORKS["efa-p5"])
+    assert p4d.inter_node_link.bandwidth == A100_80GB.inter_node_link.bandwidth / 4  # 4 x 100 Gb/s against 8 x 200
+    assert p4d.network_bandwidth_for(1) == p4d.network_bandwidth_for(8) / 4  # two GPUs to a port
+    assert p4d.network_bandwidth_for(4) == p4d.network_bandwidth_for(8)
+    assert p5.network_bandwidth_for(1) == 4 * p5.network_bandwidth  # four ports to a GPU
+    assert p5.inter_node_link.bandwidth == H100.inter_node_link.bandwidth  # 32 x 100 Gb/s = 8 x 400
+    assert p4d.matmul_rate(torch.bfloat16, 4096) == A100_80GB.matmul_rate(torch.bfloat16, 4096)
 
 
 def test_a_cuda_device_is_matched_by_every_word_of_a_key(monkeypatch):

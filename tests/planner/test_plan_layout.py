@@ -1,5 +1,5 @@
 """picofx plan --layout: one given layout predicted as the ranking predicts it, with the same JSON fields;
---gpu by profile name and --list-gpus."""
+--gpu by profile name, --network by the cluster's, and --list-gpus."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import pytest
 
 from picofx.cli import main
 from picofx.cost.device import devices
+from picofx.cost.gpus import NETWORKS
 from picofx.planner import plan_run
 from picofx.planner.layouts import Checkpointing, Layout
 from picofx.planner.spec import parse_layout
@@ -61,12 +62,37 @@ def test_a_layout_the_run_cannot_have_is_refused_before_it_is_predicted(capsys):
     assert err.count("\n") == 1 and "the fields are dp, tp, pp" in err
 
 
-def test_list_gpus_names_every_profile_and_its_sources(capsys):
+def test_list_gpus_names_every_profile_and_network_and_their_sources(capsys):
     assert main(["plan", "--list-gpus"]) == 0
     printed = capsys.readouterr().out.splitlines()
     for name, device in devices().items():
-        row = next(line for line in printed if line.split()[0] == name)
+        row = next(line for line in printed if line.split() and line.split()[0] == name)
         assert device.name in row and device.source in row and device.link_source in row
+    for key, network in NETWORKS.items():
+        row = next(line for line in printed if line.split() and line.split()[0] == key)
+        assert network.name in row and network.source in row
+
+
+def test_a_slower_network_between_nodes_exposes_a_sharded_runs_gathers(tmp_path, capsys):
+    """The same sharded layout over 2 nodes: on a p4d's EFA (a quarter of HDR InfiniBand's bandwidth)
+    its gathers take longer, and what the compute cannot hide is exposed."""
+    steps = {}
+    for network in ("ib-hdr", "efa-p4d"):
+        out = tmp_path / f"{network}.json"
+        assert main(["plan", "llama-tiny", "--gpu", "a100-80gb", "--network", network, "--seq", "32",
+                     "--global-batch", "16", "--layout", "dp=16,shard=true", "--json", str(out)]) == 0
+        steps[network] = json.loads(out.read_text())["plans"][0]["time"]["data_parallel_exposed"]
+        assert f"(8 per node; {NETWORKS[network].name})" in capsys.readouterr().out
+    assert steps["efa-p4d"] > steps["ib-hdr"] > 0
+
+
+def test_an_unknown_network_or_one_the_gpu_cannot_have_is_refused_in_one_line(capsys):
+    assert main([*TINY, "--gpus", "8", "--network", "nvl72"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--network 'nvl72': one of " in err and all(key in err for key in NETWORKS)
+    assert main(["plan", "llama-tiny", "--gpu", "cpu", "--network", "efa-p4d", "--gpus", "2",
+                 "--global-batch", "8"]) == 2
+    assert "has no network between nodes to replace" in capsys.readouterr().err
 
 
 def test_an_unknown_gpu_is_refused_naming_the_profiles(capsys):

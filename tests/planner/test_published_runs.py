@@ -1,7 +1,7 @@
 """The planner against published runs (docs/PLANNER_ACCURACY.md): every run's error stays within a
-point of the one recorded, the checked runs' mean under 10% and memory within 15% where published;
-the runs the profiles were fitted on are apart from those that check them, and the table in the
-docs is the tool's."""
+point of the one recorded and within 15%, the checked runs' mean under 10% and memory within 15%
+where published; the runs the profiles were fitted on are apart from those that check them, and the
+table in the docs is the tool's."""
 from __future__ import annotations
 
 import pytest
@@ -10,23 +10,23 @@ GROWTH = 0.01  # a point: what the captures' order of summation may move, not a 
 
 # |error| of tokens/s per GPU and of memory per GPU (None: not published), as the docs record them
 RECORDED = {
-    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.003, 0.02),
+    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.005, 0.021),
     'Llama 3.1 8B, FSDP, 8 GPUs': (0.139, 0.085),
-    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.022, 0.021),
-    'Llama 3.1 8B, FSDP, 128 GPUs': (0.114, 0.094),
-    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.022, None),
-    'Llama 3 8B, selective op checkpointing': (0.005, None),
-    'Llama 3 70B, full checkpointing': (0.046, None),
-    'Llama 2 13B, batch 2, no checkpointing': (0.048, None),
-    'Llama 2 13B, batch 2, selective op checkpointing': (0.034, None),
-    'Llama 2 70B, batch 1, selective op checkpointing': (0.192, None),
-    'Llama 2 70B, batch 2, full checkpointing': (0.035, None),
-    'GPT 22B, TP 8, full recomputation': (0.052, None),
-    'GPT 22B, TP 8, sequence parallel + selective': (0.035, None),
-    'GPT 175B, TP 8 x PP 8, full recomputation': (0.009, None),
-    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.003, None),
-    'GPT 530B, TP 8 x PP 35, full recomputation': (0.017, None),
-    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.006, None),
+    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.021, 0.022),
+    'Llama 3.1 8B, FSDP, 128 GPUs': (0.113, 0.095),
+    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.021, None),
+    'Llama 3 8B, selective op checkpointing': (0.006, None),
+    'Llama 3 70B, full checkpointing': (0.051, None),
+    'Llama 2 13B, batch 2, no checkpointing': (0.052, None),
+    'Llama 2 13B, batch 2, selective op checkpointing': (0.039, None),
+    'Llama 2 70B, batch 1, selective op checkpointing': (0.119, None),
+    'Llama 2 70B, batch 2, full checkpointing': (0.044, None),
+    'GPT 22B, TP 8, full recomputation': (0.062, None),
+    'GPT 22B, TP 8, sequence parallel + selective': (0.044, None),
+    'GPT 175B, TP 8 x PP 8, full recomputation': (0.019, None),
+    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.012, None),
+    'GPT 530B, TP 8 x PP 35, full recomputation': (0.008, None),
+    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.004, None),
 }
 
 
@@ -36,13 +36,14 @@ def tool(import_tool):
 
 
 def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool):
-    from picofx.cost.gpus import FIT_RUNS, GPUS
+    from picofx.cost.gpus import FIT_RUNS, GPUS, NETWORKS
 
     runs = tool.RUNS
     assert len({r.name for r in runs}) == len(runs) >= 12
     for r in runs:
         assert r.layout.dp * r.layout.tp * r.layout.pp == r.gpus, r.name
         assert r.gpu in GPUS and (r.tokens_per_gpu or r.mfu), r.name
+        assert r.network is None or r.network in NETWORKS, r.name
     fitted = [r.name for r in runs if r.fit]
     assert fitted and sorted(fitted) == sorted(FIT_RUNS)
     assert len(runs) - len(fitted) >= 12  # checked on runs it was not fitted on
@@ -64,6 +65,7 @@ def test_no_published_run_is_predicted_worse_than_recorded(tool):
     for row in table:
         tokens, memory = RECORDED[row["run"]]
         assert abs(row["error"]) <= tokens + GROWTH, (row["run"], row["error"], tokens)
+        assert abs(row["error"]) <= 0.15, (row["run"], row["error"])  # every run the planner can express
         if memory is not None:
             assert abs(row["memory_error"]) <= memory + GROWTH, (row["run"], row["memory_error"], memory)
         assert 0 < row["predicted_mfu"] < 1

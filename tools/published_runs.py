@@ -50,6 +50,7 @@ class Published:
     loss_on_fp32_logits: bool = False  # cross-entropy outside any compiled region, on an fp32 copy of the logits
     unfused_attention: bool = False  # attention as two batched matmuls around a softmax and dropout kernel
     network: str | None = None  # picofx.cost.gpus.NETWORKS key: the cluster's network, where not the profile's
+    sends_scattered: bool = False  # Megatron's pipeline sends: each tp rank 1/tp of the activations
     fused_norm_layer: bool = False  # torchtitan's eager layer with its fused RMSNorm keeps that layer's activations
 
 
@@ -74,7 +75,8 @@ def megatron(tp: int, pp: int, gpus: int, batch: int, micro: int, selective: boo
     """Tensor parallel with full recomputation, or (the paper's method) sequence parallel with selective."""
     layout = Layout(gpus // (tp * pp), tp, pp, microbatches=batch // (gpus // (tp * pp) * micro),
                     checkpoint="selective" if selective else "full", sequence_parallel=selective)
-    return {"layout": layout, "unfused_attention": True}  # the paper's runs predate FlashAttention in Megatron
+    # the paper's runs predate FlashAttention in Megatron; its pipeline scatters each send over tp
+    return {"layout": layout, "unfused_attention": True, "sends_scattered": True}
 
 
 RUNS = [

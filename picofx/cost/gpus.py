@@ -89,9 +89,14 @@ class GpuProfile(Device):
 
     @property
     def inter_node_link(self) -> Link:
-        """The network as a ring across nodes sees it when each node's GPUs are in it (data parallel
+        """The network as a ring across nodes sees it when each node's 8 GPUs are in it (data parallel
         with tp 1): one ring per port, all the node's ports."""
-        return Link(self.network_name, self.network_bandwidth_for(self.network_ports), self.network_latency,
+        return self.network_link(8)
+
+    def network_link(self, ranks_per_node: int) -> Link:
+        """The network as a group across nodes with `ranks_per_node` of its ranks in each node sees it
+        (`network_bandwidth_for`)."""
+        return Link(self.network_name, self.network_bandwidth_for(ranks_per_node), self.network_latency,
                     self.link_source, self.collective_latency)
 
     def network_bandwidth_for(self, ranks_per_node: int) -> float:

@@ -13,11 +13,13 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   at their split shapes (`picofx.planner.tensor_parallel`);
 - pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
   (pp - 1) / (m + pp - 1) of the step; each slot sends its activations on and receives their
-  gradient back, a link latency and b x T x hidden bf16 bytes each, not overlapped;
+  gradient back, a link latency and b x T x hidden bf16 bytes each (/ tp under sequence
+  parallelism), not overlapped, on the sending rank's own network port across nodes;
 - replicated data parallel: the stage's gradients exchanged as `compress` says (none: a ring
   all-reduce of fp32; the bytes each compressor sends: `picofx.planner.compress`), hidden behind the
   last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores), plus the
-  compressor's own passes over the gradient;
+  compressor's own passes over the gradient; across nodes a group gets the network ports of the
+  ranks it has in each node (beside tp 8, one of eight);
 - sharded: per micro-batch, each layer's (and the embedding's and head's) bf16 gather (twice:
   forward, backward) and fp32 reduce-scatter, overlapped layer by layer (`picofx.cost.shard`; not at
   all on CPU ranks sharing cores);
@@ -143,9 +145,18 @@ class Run:
     gpus: int
     gpus_per_node: int
     global_batch: int
+    # each tp rank sends 1/tp of a stage's output and the next stage gathers it (Megatron's scatter and
+    # gather); picofx's ranks send it whole unless sequence parallelism has split it already
+    sends_scattered: bool = False
 
-    def link(self, ranks_spanned: int):
-        return self.device.intra_node_link if ranks_spanned <= self.gpus_per_node else self.device.inter_node_link
+    def link(self, ranks_spanned: int, stride: int = 1):
+        """What a group of every `stride`-th rank over `ranks_spanned` consecutive ones is bound by:
+        NVLink within a node; across nodes, the network ports of the ranks it has in each node (a
+        data-parallel group beside tp 8 has one rank in each, so one port of eight)."""
+        if ranks_spanned <= self.gpus_per_node:
+            return self.device.intra_node_link
+        network_link = getattr(self.device, "network_link", None)  # a GPU profile's; the CPU has one link
+        return network_link(max(1, self.gpus_per_node // stride)) if network_link else self.device.inter_node_link
 
 
 def predict(run: Run, layout: Layout) -> Prediction:
@@ -172,16 +183,17 @@ def predict(run: Run, layout: Layout) -> Prediction:
                         else all_reduce_seconds(activation_bytes, tp, link))
         tp_comm = activations_all_reduced * activation_s + \
             3 * all_reduce_seconds(share * c.seq * 4, tp, link)  # the vocabulary-parallel loss's per token
-    neighbours = run.link(2 * layout.dp * cp * tp)  # the next stage's rank is dp x cp x tp ranks away
-    sends = 2 * send_seconds(activation_bytes, neighbours) if pp > 1 else 0.0
-    cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp), full)
+    neighbours = run.link(2 * layout.dp * cp * tp, layout.dp * cp * tp)  # the next stage's rank is as far away
+    sent = activation_bytes / tp if layout.sequence_parallel or run.sends_scattered else activation_bytes
+    sends = 2 * send_seconds(sent, neighbours) if pp > 1 else 0.0
+    cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp, tp), full)
     micro = fw + bw + recompute + tp_comm + sends + cp_comm
     slots = layout.microbatches + pp - 1
     compute_step = slots * micro
     bubble = (pp - 1) * micro
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
     data = layout.dp * cp  # the ranks a gradient is summed over (sharded: the shard group)
-    dp_link = run.link(data * tp)
+    dp_link = run.link(data * tp, tp)
     compression = 0.0
     if data == 1:
         dp_exposed, dp_what = 0.0, ""

@@ -47,7 +47,7 @@ def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
     units, _, _ = chain_units(gm, CostModel(run.device), "layers")
     capacity = run.device.memory_capacity
     split = layout.tp * (layout.dp if layout.shard else 1)  # the ranks a stage's training state is divided over
-    common = dict(microbatches=layout.microbatches, link=run.link(run.gpus),
+    common = dict(microbatches=layout.microbatches, link=run.link(run.gpus, run.gpus // layout.pp),
                   state_per_parameter_byte=state_per_parameter_byte(model) / split)
     rows = []
     for schedule, virtual in SCHEDULES:
@@ -103,7 +103,7 @@ def bucket_rows(run: Run, layout, passes=("fuse", "precision")) -> tuple[dict, s
     ready, backward = ready_times(step.backward, [g[1] for g in grads], cost_model)
     items = [Gradient(name, node.meta["val"].numel() * node.meta["val"].element_size(), t)
              for (_, node, name), t in zip(grads, ready)]
-    link = run.link(layout.dp * layout.tp)
+    link = run.link(layout.dp * layout.tp, layout.tp)
     overlapped = plan_buckets(items, backward, layout.dp, link, FIRST_BUCKET)
     after = no_overlap(items, backward, layout.dp, link, DDP_BUCKET)
     half = plan_buckets([dataclasses.replace(g, nbytes=g.nbytes // 2) for g in items], backward, layout.dp, link,

@@ -60,3 +60,27 @@ def test_sequence_parallel_pays_an_all_gather_and_a_reduce_scatter_for_each_all_
     more = predict(waking, sp).time["tensor_parallel_comm"] - predict(waking, tp).time["tensor_parallel_comm"]
     activations_all_reduced = 4 * run.costs.layers + 2
     assert more == pytest.approx(8 * activations_all_reduced * 1e-3)  # 8 micro-batch slots
+
+
+def test_across_nodes_a_group_gets_the_ports_of_its_ranks_in_each_node():
+    """On 16 H100 (two nodes of 8): data parallelism over all 16 rides every port of a node; beside
+    tp 8 each data-parallel group has one rank per node and one port; a pipeline stage's send leaves
+    through its rank's own port, carrying 1/tp of the activations only where they are split."""
+    import dataclasses
+
+    from picofx.cost.comm import send_seconds
+
+    run = dataclasses.replace(llama2_7b_costs(8e-3), gpus=16)  # one sequence per micro-batch
+    h100 = GPUS["h100"]
+    assert run.link(8).bandwidth == h100.link_bandwidth  # within a node: NVLink
+    assert run.link(16).bandwidth == h100.inter_node_link.bandwidth == 8 * h100.network_bandwidth
+    assert run.link(16, stride=8).bandwidth == h100.network_bandwidth  # dp beside tp 8: one port
+    assert run.link(16, stride=2).bandwidth == 4 * h100.network_bandwidth
+    activations = 4096 * run.costs.config.hidden_size * 2
+    for layout, sent in ((Layout(1, 8, 2, microbatches=8), activations),
+                         (Layout(1, 8, 2, microbatches=8, sequence_parallel=True), activations / 8)):
+        assert predict(run, layout).time["pipeline_sends"] == pytest.approx(
+            (8 + 1) * 2 * send_seconds(sent, run.link(16, stride=8)))
+    scattered = dataclasses.replace(run, sends_scattered=True)  # Megatron's scatter and gather
+    assert predict(scattered, Layout(1, 8, 2, microbatches=8)).time["pipeline_sends"] == pytest.approx(
+        (8 + 1) * 2 * send_seconds(activations / 8, run.link(16, stride=8)))

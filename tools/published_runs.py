@@ -1,10 +1,11 @@
 """Published training runs with the layouts their authors give, for tools/plan_published.py.
 
 Each run: the model's shape, the GPU profile (picofx.cost.gpus) and the cluster's network where it
-is not the profile's own, GPUs, sequence, global batch, the layout as picofx's Layout spells it, and the published tokens/s per GPU (or MFU: tokens/s is then
-MFU x peak / FLOPs per token, the planner's 6N + 12 L h T count, the authors' own), memory per GPU
-where published. `fit`: the profiles' fitted figures were fitted on this run (tools/plan_published.py
---fit); every other run checks them.
+is not the profile's own, GPUs, sequence, global batch, the layout as picofx's Layout spells it, and
+the published tokens/s per GPU (or MFU: tokens/s is then MFU x peak / FLOPs per token, the
+planner's 6N + 12 L h T count, the authors' own), memory per GPU where published. `fit`: the
+profiles' fitted figures were fitted on this run (tools/plan_published.py --fit); every other run
+checks them.
 
 Megatron's GPT models are given as the Llama shape with the same matmul FLOPs and parameters: a
 GELU MLP of 4h (two matrices) as a SwiGLU MLP of 8h/3 (three), multi-head attention, their vocabulary.

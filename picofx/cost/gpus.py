@@ -26,8 +26,9 @@ import torch
 from picofx.cost.hardware import GB, GiB, Device, Link
 
 
-# Of a network port's line rate, the bus bandwidth NCCL's rings reach across nodes (assumed; NVIDIA
-# measures 192 GB/s all-reduce bus bandwidth on a DGX A100's 8 x 200 Gb/s, 96%: nccl issue 812).
+# Of a network port's line rate, the bus bandwidth NCCL's rings reach across nodes: assumed, below the
+# 96% NVIDIA measures on a DGX A100's InfiniBand (192 GB/s of 8 x 200 Gb/s, nccl issue 812), which
+# the RoCE and EFA networks do not reach.
 LINE_RATE_SHARE = 0.9
 
 

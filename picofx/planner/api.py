@@ -140,11 +140,11 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
     a LlamaConfig. gpu: "h100", "h200", "a100", "cpu" (calibrated here), "cuda" (this machine's GPU),
     a picofx Device, or None (cuda if torch sees one, else cpu). memory: bytes per GPU instead of the
     device's. network: the cluster's network between nodes, a picofx.cost.gpus.NETWORKS key ("ib-hdr",
-    "efa-p4d", ...) instead of the GPU profile's. compress: the gradient compressors replicated layouts are also planned with, as
-    Overlap(compress=...) spells them: a name, "a,b" or a collection (None: bf16, int8 and sparse_rows
-    on a GPU, none on the CPU; lossy "topk:F", "powersgd:R" only when listed). limits: Layout fields
-    the plans must have, each a value, a collection of values or a predicate (tp=1, pp=(1, 2),
-    shard=True, microbatches=lambda m: m <= 8)."""
+    "efa-p4d", ...) instead of the GPU profile's. compress: the gradient compressors replicated
+    layouts are also planned with, as Overlap(compress=...) spells them: a name, "a,b" or a
+    collection (None: bf16, int8 and sparse_rows on a GPU, none on the CPU; lossy "topk:F",
+    "powersgd:R" only when listed). limits: Layout fields the plans must have, each a value, a
+    collection of values or a predicate (tp=1, pp=(1, 2), shard=True, microbatches=lambda m: m <= 8)."""
     unknown = set(limits) - LAYOUT_FIELDS
     if unknown:
         raise TypeError(f"picofx.plan: unknown limits {sorted(unknown)}; limits are Layout fields: "

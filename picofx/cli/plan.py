@@ -123,7 +123,7 @@ def plan_command(args) -> dict:
         from picofx.report_html import write_html
 
         write_html(args.html, plans=out, title=f"picofx plan {args.model}",
-                   subtitle=f"{gpus} x {run.device.name}, {args.seq} tokens per sequence, "
+                   subtitle=f"{gpus} x {run.device.name} ({nodes}), {args.seq} tokens per sequence, "
                             f"{args.global_batch} sequences per step")
         print(f"wrote {args.html}")
     return out

@@ -376,3 +376,36 @@ def test_ranks_whose_graphs_differ_off_the_collectives_agree_on_the_collectives_
     assert agreed_choice(mine, scatters, {scatters[0]: peak}, set(), lambda v: v, exact=False) == ({}, set())
     with pytest.raises(DistributedError, match="backward graph differs"):
         agreed_choice(mine, scatters, {}, set(), lambda v: sent[0], exact=True)
+
+
+def test_prefetched_gathers_sharing_an_ancestor_are_placed_alike_whatever_the_sets_order():
+    """Two parameter gathers of different phases read one node: its place must not depend on which
+    gather a set yields first (a set of nodes iterates by their ids, which differ between ranks,
+    and ranks issuing their collectives in different orders hang). Only the shard group's gathers
+    move: sequence parallelism's gather of activations stays where autograd put it."""
+    from torch import fx
+
+    from picofx.passes.shard.schedule import ancestors, parameter_gathers, place
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+
+    def backward(early_first: bool) -> list[str]:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        shared = graph.call_function(aten.neg.default, (x,))
+        activations = graph.call_function(c10d.wait_tensor.default, (
+            graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "tp")),))
+        y, scatters, gathers = activations, [], []
+        for k in range(3):
+            gathered = graph.call_function(c10d.all_gather_into_tensor.default, (shared, 2, "dp"))
+            gathers.append(gathered)
+            y = graph.call_function(aten.add.Tensor, (y, graph.call_function(c10d.wait_tensor.default, (gathered,))))
+            scatters.append(graph.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 2, "dp")))
+        graph.output([graph.call_function(c10d.wait_tensor.default, (s,)) for s in scatters])
+        original = list(graph.nodes)
+        assert parameter_gathers(original, "dp") == gathers
+        early = [gathers[0], gathers[2]] if early_first else [gathers[2], gathers[0]]
+        place(graph, original, scatters, {s: ancestors(s) for s in scatters}, {}, early, prefetch=1)
+        return [n.name for n in graph.nodes]
+
+    assert backward(True) == backward(False)

@@ -63,6 +63,13 @@ def waits_of(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.target is WAIT]
 
 
+def parameter_gathers(nodes: list, group: str | None) -> list[fx.Node]:
+    """The all-gathers of `nodes` over the shard group (None: every one): the ones prefetching may
+    move. Sequence and context parallelism's gathers of activations stay where autograd put them."""
+    return [n for n in nodes
+            if n.op == "call_function" and n.target in GATHERS and (group is None or n.args[2] == group)]
+
+
 def ancestors(node: fx.Node) -> set[fx.Node]:
     seen, pending = {node}, [node]
     while pending:
@@ -103,7 +110,7 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
     needs = {s: ancestors(s) for s in scatters}
     scatters.sort(key=lambda s: len(needs[s]))
     late: dict = dict.fromkeys(scatters[:-1])  # the last one has no bucket after it to hide behind
-    early = {n for n in original if n.op == "call_function" and n.target in GATHERS} if prefetch else set()
+    early = set(parameter_gathers(original, group)) if prefetch else set()
     for _ in range(4 * len(original)):
         place(graph, original, scatters, needs, late, early, prefetch)
         gm.recompile()
@@ -197,7 +204,7 @@ def place(graph: fx.Graph, original: list, scatters: list, needs: dict, late: di
         if node in phase_of:
             following = phase_of[node]
         key[node] = (phase_of.get(node, following), BODY, index[node])
-    for gather in early:
+    for gather in sorted(early, key=index.__getitem__):  # ancestors they share: the same key on every rank
         ahead = max(0, key[gather][0] - prefetch)
         for node in ancestors(gather):  # the shards' flattening and cast travel with it
             key[node] = (ahead, FIRST, index[node])

@@ -50,6 +50,11 @@ class Device:
         return Link(self.network_name, self.network_bandwidth, self.network_latency, self.link_source,
                     self.collective_latency)
 
+    def network_link(self, ranks_per_node: int) -> Link:
+        """The network as a group with `ranks_per_node` of its ranks in each node sees it: here one
+        link whatever the group; a GPU profile counts the group's network ports."""
+        return self.inter_node_link
+
     def flops_per_second(self, dtype: torch.dtype) -> float:
         """Peak for `dtype`; a dtype the entry does not list runs at the fp32 rate."""
         return self.peak_flops.get(dtype, self.peak_flops[torch.float32])

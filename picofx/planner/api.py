@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from picofx.cost.device import Device, device_for, devices
-from picofx.cost.gpus import NETWORKS, GpuProfile
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES
@@ -28,7 +27,7 @@ from picofx.planner.layouts import Checkpointing, Layout, Prediction, Run
 from picofx.planner.measure import calibrated_device
 from picofx.planner.models import HF_KEYS, model_config
 from picofx.planner.recipe import Recipe, planned_recipe
-from picofx.planner.run import check_run, plan_run, table
+from picofx.planner.run import check_run, on_network, plan_run, table
 
 LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
 
@@ -157,10 +156,7 @@ def plan(model, *, world: int, seq: int, global_batch: int, gpu=None, gpus_per_n
     kinds = kinds_to_consider(compress, on_cpu=on_cpu)
     device, compute = _device(gpu, config, world, link, say)
     if network is not None:
-        if network not in NETWORKS or not isinstance(device, GpuProfile):
-            raise ValueError(f"picofx.plan: network {network!r} on {device.name}: a GPU profile's network is one "
-                             f"of {', '.join(NETWORKS)}")
-        device = device.on(NETWORKS[network])
+        device = on_network(device, network, device.name, "picofx.plan's network")
     if memory is not None:
         device = dataclasses.replace(device, memory_capacity=memory)
     run, predictions = plan_run(config, gpus=world, gpus_per_node=gpus_per_node or min(world, 8), seq=seq,

@@ -155,8 +155,7 @@ class Run:
         data-parallel group beside tp 8 has one rank in each, so one port of eight)."""
         if ranks_spanned <= self.gpus_per_node:
             return self.device.intra_node_link
-        network_link = getattr(self.device, "network_link", None)  # a GPU profile's; the CPU has one link
-        return network_link(max(1, self.gpus_per_node // stride)) if network_link else self.device.inter_node_link
+        return self.device.network_link(max(1, self.gpus_per_node // stride))
 
 
 def predict(run: Run, layout: Layout) -> Prediction:

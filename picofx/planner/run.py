@@ -47,14 +47,18 @@ def gpu_profile(name: str, network: str | None = None):
     known = devices()
     if name not in known:
         raise ValueError(f"--gpu {name!r}: one of {', '.join(known)} (picofx plan --list-gpus)")
-    if network is None:
-        return known[name]
+    return known[name] if network is None else on_network(known[name], network, f"--gpu {name}")
+
+
+def on_network(device, network: str, what: str, option: str = "--network"):
+    """`device` in a cluster joined by NETWORKS[`network`], or ValueError naming the networks (an
+    unknown one) or saying `what` has none to replace (a device that is not a GPU profile)."""
     if network not in NETWORKS:
-        raise ValueError(f"--network {network!r}: one of {', '.join(NETWORKS)} (picofx plan --list-gpus)")
-    if not isinstance(known[name], GpuProfile):
-        raise ValueError(f"--network {network}: --gpu {name} has no network between nodes to replace; "
-                         "leave --network out")
-    return known[name].on(NETWORKS[network])
+        raise ValueError(f"{option} {network!r}: one of {', '.join(NETWORKS)} (picofx plan --list-gpus)")
+    if not isinstance(device, GpuProfile):
+        raise ValueError(f"{option} {network}: {what} has no network between nodes to replace; "
+                         f"leave {option} out")
+    return device.on(NETWORKS[network])
 
 
 def compressors(gpu: str, device, compress) -> tuple:

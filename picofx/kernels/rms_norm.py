@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from picofx.kernels.lowering import register_triton_lowering
+
 try:
     from picofx.kernels import triton_rms_norm
 except ImportError:  # no triton: CUDA runs the generic code below
@@ -148,21 +150,27 @@ def _(grad_out, x, weight, eps, grad_sum=None):
 # The kernels take the scale: with an offset, weight + offset is one (C,) op before them.
 
 if triton_rms_norm is not None:
-    @rms_norm.register_kernel("cuda")
-    def _(x, weight, eps, offset=0.0):
+    def _rms_norm_kernel(x, weight, eps, offset=0.0):
         if not triton_rms_norm.supports(x):
             return rms_norm_reference(x, weight, eps, offset).contiguous()
         return triton_rms_norm.rms_norm(x, _scale(weight, offset), eps)
 
-    @add_rms_norm.register_kernel("cuda")
-    def _(x, residual, weight, eps, offset=0.0):
+    def _add_rms_norm_kernel(x, residual, weight, eps, offset=0.0):
         if not triton_rms_norm.supports(x):
             return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps, offset))
         return triton_rms_norm.add_rms_norm(x, residual, _scale(weight, offset), eps)
 
-    @rms_norm_backward.register_kernel("cuda")
-    def _(grad_out, x, weight, eps, grad_sum=None):
+    def _rms_norm_backward_kernel(grad_out, x, weight, eps, grad_sum=None):
         if not triton_rms_norm.supports(x):
             grad_x, grad_weight = rms_norm_backward_reference(grad_out, x, weight, eps, grad_sum)
             return grad_x.contiguous(), grad_weight
         return triton_rms_norm.rms_norm_backward(grad_out, x, weight, eps, grad_sum)
+
+    rms_norm.register_kernel("cuda")(_rms_norm_kernel)
+    add_rms_norm.register_kernel("cuda")(_add_rms_norm_kernel)
+    rms_norm_backward.register_kernel("cuda")(_rms_norm_backward_kernel)
+    # Under Inductor for CUDA (picofx.kernels.lowering): the same kernels, seen and launched by Inductor.
+    register_triton_lowering(rms_norm, _rms_norm_kernel)
+    register_triton_lowering(add_rms_norm, _add_rms_norm_kernel)
+    register_triton_lowering(rms_norm_backward, _rms_norm_backward_kernel,
+                             serves=("picofx::rms_norm", "picofx::add_rms_norm"))

@@ -22,6 +22,8 @@ q and k saved for the backward.
 import torch
 from torch import Tensor
 
+from picofx.kernels.lowering import register_triton_lowering
+
 try:
     from picofx.kernels import triton_rope
 except ImportError:  # no triton: CUDA runs the generic code below
@@ -124,14 +126,17 @@ def _(grad_q, grad_k, cos, sin, interleaved=False):
 
 
 if triton_rope is not None:
-    @rope.register_kernel("cuda")
-    def _(q, k, cos, sin, interleaved=False):
+    def _rope_kernel(q, k, cos, sin, interleaved=False):
         if interleaved or not (triton_rope.supports(q, cos, sin) and triton_rope.supports(k, cos, sin)):
             return tuple(t.contiguous() for t in rope_reference(q, k, cos, sin, interleaved))
         return triton_rope.rope(q, cos, sin), triton_rope.rope(k, cos, sin)
 
-    @rope_backward.register_kernel("cuda")
-    def _(grad_q, grad_k, cos, sin, interleaved=False):
+    def _rope_backward_kernel(grad_q, grad_k, cos, sin, interleaved=False):
         if interleaved or not (triton_rope.supports(grad_q, cos, sin) and triton_rope.supports(grad_k, cos, sin)):
             return tuple(t.contiguous() for t in rope_backward_reference(grad_q, grad_k, cos, sin, interleaved))
         return triton_rope.rope(grad_q, cos, sin, transposed=True), triton_rope.rope(grad_k, cos, sin, transposed=True)
+
+    rope.register_kernel("cuda")(_rope_kernel)
+    rope_backward.register_kernel("cuda")(_rope_backward_kernel)
+    register_triton_lowering(rope, _rope_kernel)
+    register_triton_lowering(rope_backward, _rope_backward_kernel, serves=("picofx::rope",))

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from picofx.kernels.lowering import register_triton_lowering
+
 try:
     from picofx.kernels import triton_swiglu
 except ImportError:  # no triton: CUDA runs the generic code below
@@ -79,14 +81,17 @@ gelu_mul, gelu_mul_backward = gated_product_ops("gelu_mul", gelu_mul_reference, 
 
 
 if triton_swiglu is not None:
-    @silu_mul.register_kernel("cuda")
-    def _(a, b):
+    def _silu_mul_kernel(a, b):
         if not triton_swiglu.supports(a, b):
             return silu_mul_reference(a, b).contiguous()
         return triton_swiglu.silu_mul(a, b)
 
-    @silu_mul_backward.register_kernel("cuda")
-    def _(grad, a, b):
+    def _silu_mul_backward_kernel(grad, a, b):
         if not triton_swiglu.supports(a, b):
             return tuple(t.contiguous() for t in silu_mul_backward_reference(grad, a, b))
         return triton_swiglu.silu_mul_backward(grad, a, b)
+
+    silu_mul.register_kernel("cuda")(_silu_mul_kernel)
+    silu_mul_backward.register_kernel("cuda")(_silu_mul_backward_kernel)
+    register_triton_lowering(silu_mul, _silu_mul_kernel)
+    register_triton_lowering(silu_mul_backward, _silu_mul_backward_kernel, serves=("picofx::silu_mul",))

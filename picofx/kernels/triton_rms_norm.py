@@ -9,6 +9,7 @@ is rounded to x.dtype before it meets the weight, in the forward and in the back
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 MAX_COLS = 65536
 
@@ -89,7 +90,7 @@ def _forward(x, residual, weight, eps):
         residual = residual.reshape(-1, n_cols).contiguous()
         total = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    _rms_norm_forward_kernel[(x2.shape[0],)](
+    wrap_triton(_rms_norm_forward_kernel)[(x2.shape[0],)](
         x2, residual, weight.contiguous(), total, out, n_cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
     )
@@ -116,7 +117,7 @@ def rms_norm_backward(grad_out, x, weight, eps, grad_sum=None):
     n_programs = triton.cdiv(n_rows, rows_per_program)
     grad_weight_partial = torch.empty(n_programs, n_cols, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
-    _rms_norm_backward_kernel[(n_programs,)](
+    wrap_triton(_rms_norm_backward_kernel)[(n_programs,)](
         grad_out, x2, weight.contiguous(), grad_sum, grad_x, grad_weight_partial,
         n_rows, n_cols, rows_per_program, eps,
         HAS_GRAD_SUM=grad_sum is not None, BLOCK=block, num_warps=_num_warps(block),

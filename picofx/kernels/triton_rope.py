@@ -11,6 +11,7 @@ rotates BLOCK_ROWS rows; the output is contiguous.
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 BLOCK_ROWS = 16
 
@@ -68,7 +69,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     size0, size1, size2, dim = shape4
     n_rows = size0 * size1 * size2
-    _rope_kernel[(triton.cdiv(n_rows, BLOCK_ROWS),)](
+    wrap_triton(_rope_kernel)[(triton.cdiv(n_rows, BLOCK_ROWS),)](
         x4, cos4, sin4, out, n_rows, size1, size2, dim // 2,
         *x4.stride()[:3], *cos4.stride()[:3], *sin4.stride()[:3],
         TRANSPOSED=transposed, BLOCK_ROWS=BLOCK_ROWS, BLOCK_HALF=triton.next_power_of_2(dim // 2),

@@ -7,6 +7,7 @@ unfused graph: silu(a) is rounded to a.dtype before it is multiplied by b.
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 BLOCK_ROWS = 8
 BLOCK_COLS = 256
@@ -17,15 +18,12 @@ def supports(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b,
-               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """This program's (rows, cols) tile: its indices, mask, a (own dtype) and b (fp32)."""
+def _tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """This program's (rows, cols) tile: its indices and mask. It takes no pointer: Inductor reads
+    a kernel's loads and stores to know what it writes, and assumes a callee given a pointer writes it."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS))[None, :]
-    mask = (rows < n_rows) & (cols < n_cols)
-    a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0)
-    b = tl.load(b_ptr + rows * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-    return rows, cols, mask, a, b
+    return rows, cols, (rows < n_rows) & (cols < n_cols)
 
 
 @triton.jit
@@ -33,7 +31,9 @@ def _silu_mul_forward_kernel(
     a_ptr, b_ptr, out_ptr, n_rows, n_cols, stride_a, stride_b,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    rows, cols, mask, a, b = _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b, BLOCK_ROWS, BLOCK_COLS)
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + rows * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
     af = a.to(tl.float32)
     silu = (af * tl.sigmoid(af)).to(a.dtype).to(tl.float32)
     tl.store(out_ptr + rows * n_cols + cols, (silu * b).to(out_ptr.dtype.element_ty), mask=mask)
@@ -44,7 +44,9 @@ def _silu_mul_backward_kernel(
     grad_ptr, a_ptr, b_ptr, grad_a_ptr, grad_b_ptr, n_rows, n_cols, stride_a, stride_b,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
 ):
-    rows, cols, mask, a, b = _load_tile(a_ptr, b_ptr, n_rows, n_cols, stride_a, stride_b, BLOCK_ROWS, BLOCK_COLS)
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    a = tl.load(a_ptr + rows * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(b_ptr + rows * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     af = a.to(tl.float32)
     sigmoid = tl.sigmoid(af)
@@ -70,7 +72,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a2, b2 = _as_rows(a), _as_rows(b)  # (R, I)
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     n_rows, n_cols = a2.shape
-    _silu_mul_forward_kernel[_grid(n_rows, n_cols)](
+    wrap_triton(_silu_mul_forward_kernel)[_grid(n_rows, n_cols)](
         a2, b2, out, n_rows, n_cols, a2.stride(0), b2.stride(0),
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
     )
@@ -83,7 +85,7 @@ def silu_mul_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
     grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)
     n_rows, n_cols = a2.shape
-    _silu_mul_backward_kernel[_grid(n_rows, n_cols)](
+    wrap_triton(_silu_mul_backward_kernel)[_grid(n_rows, n_cols)](
         grad, a2, b2, grad_a, grad_b, n_rows, n_cols, a2.stride(0), b2.stride(0),
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS,
     )

@@ -30,6 +30,7 @@ from torch.fx.graph import _BoxedCodeGen
 from picofx.capture.annotate import annotate
 from picofx.cost.partition import partition
 from picofx.errors import PassError
+from picofx.kernels.lowering import has_triton_kernel, triton_lowering, with_backward_ops
 from picofx.manager import Context, GraphRole, PassManager, Stage, pass_info
 
 
@@ -168,14 +169,28 @@ GATHER_OVERLAP = {"reorder_for_compute_comm_overlap": True,
 
 
 def inductor_decompositions(device: torch.device) -> dict:
+    """Inductor's table plus picofx's fused ops as plain ATen ops, on every device: on CPU Inductor
+    writes them into its C++ loops; on CUDA those not launched as Triton kernels (`triton_lowered_ops`)
+    are fused into its Triton kernels. Either way no fused op is left an opaque call."""
     from torch._inductor.decomposition import select_decomp_table
 
-    table = dict(select_decomp_table())
-    if device.type == "cpu":  # let Inductor write C++ for the pointwise fused ops; on GPU Triton kernels run
-        from picofx.kernels import inductor_decompositions as fused_op_decompositions
+    from picofx.kernels import inductor_decompositions as fused_op_decompositions
 
-        table.update(fused_op_decompositions())
-    return table
+    return {**select_decomp_table(), **fused_op_decompositions()}
+
+
+def triton_lowered_ops(gm: fx.GraphModule, device: torch.device) -> set[str]:
+    """The fused ops of `gm` Inductor launches as picofx's Triton kernels: on CUDA, each op that has
+    one, unless fuse chose its decomposition for every node of it (node.meta["lowering"])."""
+    if device.type != "cuda":
+        return set()
+    names = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            name = node.target.name()  # "picofx::rms_norm"
+            if has_triton_kernel(name) and node.meta.get("lowering", "kernel") == "kernel":
+                names.add(name)
+    return names
 
 
 def start_kernel_compile_workers():
@@ -217,9 +232,12 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
         if ctx.backend == "eager":
             # Graphs whose memory a model of Inductor predicts are decomposed as Inductor's are.
             inductor_graphs = ctx.cost_model is not None and ctx.cost_model.fuses_pointwise
+            kernels = with_backward_ops(triton_lowered_ops(gm, ctx.device))  # Inductor would not decompose these
+            decompositions = {op: f for op, f in inductor_decompositions(ctx.device).items()
+                              if op.name() not in kernels} if inductor_graphs else None
             fn = aot_module_simplified(gm, inputs, fw_compiler=runner.eager_forward,
                                        bw_compiler=runner.eager_backward, partition_fn=runner.eager_partition,
-                                       decompositions=inductor_decompositions(ctx.device) if inductor_graphs else None)
+                                       decompositions=decompositions)
         elif ctx.backend == "inductor":
             from torch._inductor import config as inductor_config
             with warnings.catch_warnings():  # its first import loads torch.utils.mkldnn, which uses torch.jit
@@ -237,7 +255,7 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
             if communicating:
                 gathers = any({"dp_shard", "tp"} & set(pass_info(p).mesh_dims) for p in communicating)
                 hooks.update(GATHER_OVERLAP if gathers else COMM_OVERLAP)
-            with inductor_config.patch(hooks):
+            with inductor_config.patch(hooks), triton_lowering(triton_lowered_ops(gm, ctx.device)):
                 try:
                     fn = compile_fx(gm, inputs, decompositions=decompositions)
                 except InductorError as e:  # Inductor wraps what its post-grad hook raised: a pass's PassError

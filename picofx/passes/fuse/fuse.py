@@ -16,6 +16,7 @@ candidate" and what the code there looks like.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable, Mapping
 
 import torch
 from torch import fx
@@ -32,6 +33,7 @@ from picofx.rewrite import Rule, registered_rules
 from picofx.passes.fuse import norms, projections, attention  # noqa: F401, E402  isort: skip
 from picofx.passes.fuse import interleaved_rope, loss  # noqa: F401, E402  isort: skip
 from picofx.passes.fuse.sites import find_sites  # noqa: E402
+from picofx.passes.fuse.choose import check_choices, choose_patterns, mark_lowering  # noqa: E402
 
 
 # In bf16/fp16 a fused kernel rounds once (it computes in fp32 inside) where the unfused ops round
@@ -50,6 +52,12 @@ class Fuse:
     rules: tuple | None = None  # rule names or Rule objects, applied in this order; None: all registered
     explain: bool = False       # also report near-misses (candidates a check rejected)
     keep_logits: bool = False   # the fused loss also returns the logits when the graph returns them
+    # How the pointwise patterns run (picofx.passes.fuse.choose): "measure" times picofx's kernel, the
+    # decomposition and the unfused ops on the device and keeps the fastest; "fixed" fuses them all
+    # (Triton kernels on CUDA); a dict {rule: "kernel" | "decomposed" | "unfused"} says it. None:
+    # "measure" on CUDA, "fixed" elsewhere.
+    choose: str | Mapping[str, str] | None = None
+    timer: Callable | None = None  # choose="measure": (pattern, candidate, run) -> seconds; None: the device's clock
     # Precision's casts before the matmuls would hide SwiGLU, attention and the loss from the patterns.
     info = PassInfo(Stage.FORWARD, runs_before=("precision",))
 
@@ -63,6 +71,22 @@ class Fuse:
             raise KeyError(f"Fuse: unknown rules {unknown}; registered: {', '.join(by_name)}")
         return [by_name[r] if isinstance(r, str) else r for r in self.rules]
 
+    def _lowering(self, gm: fx.GraphModule, ctx: Context, rules: list[Rule], notes: dict) -> dict[str, str]:
+        """rule name -> "kernel", "decomposed" or "unfused"; rules not named keep the fixed lowering."""
+        device = ctx.device if ctx else torch.device("cpu")
+        choose = self.choose or ("measure" if device.type == "cuda" else "fixed")
+        if isinstance(choose, Mapping):
+            return check_choices(choose, rules)
+        if choose == "fixed":
+            return {}
+        if choose != "measure":
+            raise ValueError(f"Fuse(choose={choose!r}): 'measure', 'fixed', or a dict rule -> "
+                             f"'kernel' | 'decomposed' | 'unfused'")
+        choices, matched = choose_patterns(gm, rules, device, ctx.cache_directory if ctx else None, self.timer)
+        notes["kernel_choice"] = {name: choice.describe() for name, choice in choices.items()}
+        return {**{rule.name: "unfused" for rule in rules if rule.name not in matched},
+                **{name: choice.chosen for name, choice in choices.items()}}
+
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         with heap_frozen():  # matching and re-propagation allocate many small objects
             return self._fuse(gm, ctx)
@@ -73,8 +97,14 @@ class Fuse:
         rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]
         directory = ctx.cache_directory if ctx else None  # the optimized-graph cache's, when on
         prepare(gm.graph, rules, PatternStore(directory) if directory else None)
+        lowering = self._lowering(gm, ctx, rules, notes)
         for rule in rules:
+            if lowering.get(rule.name) == "unfused":
+                notes[rule.name] = 0
+                continue
+            before = set(gm.graph.nodes)
             applied, missed, dropped_here = rewrite(gm, rule)
+            mark_lowering(gm.graph, before, lowering.get(rule.name))
             notes[rule.name] = len(applied)
             near_misses += missed
             dropped += dropped_here

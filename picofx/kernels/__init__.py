@@ -10,7 +10,9 @@ implementation (CPU, and CUDA without triton) and a Triton one for CUDA:
     rope, rope_backward                                rope.py         / triton_rope.py
     linear_cross_entropy                               linear_cross_entropy.py / triton_cross_entropy.py
 
-Signatures and semantics are in each module's docstring.
+Signatures and semantics are in each module's docstring. Under Inductor each pointwise op is either
+decomposed (`inductor_decompositions`) or, on CUDA, launched as its Triton kernel through wrap_triton
+(lowering.py): never an opaque call.
 """
 import torch
 
@@ -26,10 +28,11 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "inductor_decompositions", "linear_cross_entrop
 def inductor_decompositions() -> dict:
     """Plain-torch decompositions of the pointwise fused ops and their backward ops.
 
-    For compiling on CPU with Inductor: decomposed, they become ordinary ATen nodes that
-    Inductor fuses into its own C++ loops, instead of opaque calls. They apply below
-    autograd, so the backward is still the op's own formula (rms_norm_backward, ...), only
-    decomposed too. linear_cross_entropy is left out on purpose: its point is the chunking.
+    For compiling with Inductor, on every device: decomposed, they become ordinary ATen nodes
+    that Inductor fuses with their neighbours (C++ loops on CPU, Triton on CUDA), instead of
+    opaque calls; on CUDA the ops lowered to their Triton kernels (lowering.py) never reach
+    this table. They apply below autograd, so the backward is still the op's own formula
+    (rms_norm_backward, ...), only decomposed too.
     """
     ops = torch.ops.picofx
     return {

@@ -71,17 +71,21 @@ class Fuse:
             raise KeyError(f"Fuse: unknown rules {unknown}; registered: {', '.join(by_name)}")
         return [by_name[r] if isinstance(r, str) else r for r in self.rules]
 
+    def __post_init__(self):
+        if isinstance(self.choose, Mapping):
+            check_choices(self.choose, self.selected_rules())
+        elif self.choose not in (None, "measure", "fixed"):
+            raise ValueError(f"Fuse(choose={self.choose!r}): 'measure', 'fixed', or a dict rule -> "
+                             "'kernel' | 'decomposed' | 'unfused'")
+
     def _lowering(self, gm: fx.GraphModule, ctx: Context, rules: list[Rule], notes: dict) -> dict[str, str]:
         """rule name -> "kernel", "decomposed" or "unfused"; rules not named keep the fixed lowering."""
         device = ctx.device if ctx else torch.device("cpu")
         choose = self.choose or ("measure" if device.type == "cuda" else "fixed")
         if isinstance(choose, Mapping):
-            return check_choices(choose, rules)
+            return dict(choose)
         if choose == "fixed":
             return {}
-        if choose != "measure":
-            raise ValueError(f"Fuse(choose={choose!r}): 'measure', 'fixed', or a dict rule -> "
-                             f"'kernel' | 'decomposed' | 'unfused'")
         choices, matched = choose_patterns(gm, rules, device, ctx.cache_directory if ctx else None, self.timer)
         notes["kernel_choice"] = {name: choice.describe() for name, choice in choices.items()}
         return {**{rule.name: "unfused" for rule in rules if rule.name not in matched},

@@ -146,7 +146,10 @@ def choose(patterns: Mapping[str, Mapping[str, Callable[[], None]]], shapes: Map
             return {p: asdict(c) for p, c in cached.items()}
         choices = {p: measure(p, candidates, timer, env["device"]) for p, candidates in patterns.items()}
         if cache:
-            cache.save(env, shapes, choices)
+            try:
+                cache.save(env, shapes, choices)
+            except OSError as e:  # the other ranks wait for this one's choice: a cache it cannot write is not fatal
+                warnings.warn(f"fuse: the kernel choice could not be cached in {cache.directory}: {e}", stacklevel=2)
         return {p: asdict(c) for p, c in choices.items()}
 
     return {p: Choice(**c) for p, c in broadcast(decide).items()}

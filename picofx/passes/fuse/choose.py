@@ -26,9 +26,10 @@ from picofx.runtime.compile import inductor_decompositions
 from picofx.runtime.kernel_choice import CANDIDATES, Choice, Timer, choose
 
 
-def _inserted_ops(before: set, graph: fx.Graph) -> set[str]:
-    return {n.target.name() for n in graph.nodes if n not in before and n.op == "call_function"
-            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "picofx"}
+def _inserted(before: set, graph: fx.Graph) -> list[fx.Node]:
+    """The fused op nodes of `graph` that are not in `before`."""
+    return [n for n in graph.nodes if n not in before and n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "picofx"]
 
 
 def _signature(match) -> tuple:
@@ -101,7 +102,7 @@ def choose_patterns(gm: fx.GraphModule, rules: list[Rule], device: torch.device,
         before = set(trial.graph.nodes)
         applied, _, _ = rewrite(trial, rule)
         matched |= {rule.name} if applied else set()
-        inserted = _inserted_ops(before, trial.graph)
+        inserted = {n.target.name() for n in _inserted(before, trial.graph)}
         if not applied or not inserted or not inserted <= decomposable:
             continue
         counts = Counter(_signature(m) for m in applied)
@@ -148,9 +149,6 @@ def check_choices(choices, rules: list[Rule]) -> dict[str, str]:
 def mark_lowering(graph: fx.Graph, before: set, chosen: str | None) -> None:
     """Record on the fused op nodes a rule just inserted how Inductor lowers them
     (picofx.runtime.compile.triton_lowered_ops reads it; without a mark, the kernel where there is one)."""
-    if chosen is None:
-        return
-    for node in graph.nodes:
-        if node not in before and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and node.target.namespace == "picofx":
+    if chosen is not None:
+        for node in _inserted(before, graph):
             node.meta["lowering"] = chosen

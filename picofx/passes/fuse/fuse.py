@@ -11,7 +11,8 @@ with explain=True, `near_misses`: each rejected candidate, its rule, the check a
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse.sites: norms, gated
 MLPs, RoPE, attention, loss) with why it was not: a rule's near-miss, a reason no rule may fuse
 it (soft-capped attention; a loss with label smoothing, class or per-token weights), or "no
-candidate" and what the code there looks like.
+candidate" and what the code there looks like. With choose="measure" (the default on CUDA),
+`kernel_choice`: per pointwise pattern the candidate kept and each candidate's time (choose.py).
 """
 from __future__ import annotations
 

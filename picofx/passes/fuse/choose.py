@@ -79,7 +79,8 @@ def _compiled_step(fn: Callable, make_kwargs: Callable[[], dict], lowered: tuple
 
             state["inputs"] = [kwargs[n] for n in names]
             gm = make_fx(tensor_fn, tracing_mode="fake")(*state["inputs"])
-            with triton_lowering(lowered):
+            # AOT's cache keys the graph, not how its fused ops lower: it would serve one candidate's code to another.
+            with triton_lowering(lowered), torch._functorch.config.patch(enable_autograd_cache=False):
                 state["compiled"] = compile_fx(gm, state["inputs"], decompositions=inductor_decompositions(device))
         outputs = [o for o in state["compiled"](*state["inputs"]) if o.requires_grad]
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])

@@ -125,7 +125,7 @@ def test_measured_choices_shape_the_graph_and_the_report(tmp_path):
 
     gm, _ = captured(zoo.build("llama-tiny"))
     again = FakeTimer(times)
-    record = run_pass(Fuse(choose="measure", timer=again), gm, ctx)
+    record = run_pass(Fuse(choose="measure", timer=again), gm, ctx, verify="invariants")
     assert again.calls == [] and record.notes["kernel_choice"]["swiglu"].endswith(", cached")
 
 

@@ -189,6 +189,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     p = build_parser(doc, speaks=environ.get("RANK", "0") == "0")
     args = p.parse_args(argv)
     args.layout_chosen = None  # --layout auto --resume: the saved run's layout, said when the run starts
+    args.complete = None  # --resume auto on a finished run: the line that says so (set by check_paths)
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
@@ -336,6 +337,7 @@ def check_paths(args) -> None:
     for option, value in (("--save-every", args.save_every), ("--keep", args.keep)):
         if value is not None and args.save is None:
             raise ValueError(f"{option} {value}: saves under --save DIR: pass --save DIR too")
+    automatic = args.resume == "auto"
     if args.resume is not None:
         args.resume = checkpoint_to_resume(args.resume, args.save)  # auto with none saved yet: a fresh start
     if args.resume is not None:
@@ -349,7 +351,10 @@ def check_paths(args) -> None:
             raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
                              "resume with the options it was saved with")
         args.compress_warmup = max(0, args.compress_warmup - step)  # the warm-up counts the run's steps
-        if step >= args.steps:
+        if step >= args.steps and automatic:  # a requeued job whose run had finished: done, not an error
+            args.complete = (f"--resume auto: the run under --save {args.save} is complete (saved after step {step}, "
+                             f"--steps {args.steps}): nothing to do")
+        elif step >= args.steps:
             raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
                              f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
     if args.data is not None:

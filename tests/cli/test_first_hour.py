@@ -1,0 +1,170 @@
+"""A new user's first hour with picofx train (issue 48): an unwritable --save found before any
+training; Ctrl-C saving at the step boundary like SIGTERM (exit 130), a second Ctrl-C stopping at
+once; DataLoader workers that outlive a signal to the whole process tree, so that the rank
+checkpoints and the run resumes bit for bit; --resume auto on a finished run exiting 0."""
+import importlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import picofx.cli
+from picofx.runtime import checkpoints
+
+FAST = ["--backend", "eager", "--passes", "--batch", "2", "--seq", "16", "--log-every", "1"]
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+def train(argv: list) -> dict:
+    return importlib.import_module("picofx.cli.train").main(argv)
+
+
+def steps_in(root) -> dict:
+    return {step: checkpoints.is_complete(path) for step, path in checkpoints.saved_steps(root)}
+
+
+def unwritable(tmp_path) -> str:
+    """A directory this process cannot create: under a read-only one, or (as root, whom permissions
+    do not stop) under sysfs, which refuses new directories."""
+    if os.geteuid() != 0:
+        tmp_path.chmod(0o500)
+        return str(tmp_path / "run")
+    if not pathlib.Path("/sys/kernel").is_dir():
+        pytest.skip("running as root without sysfs: no directory here refuses a write")
+    return "/sys/picofx-first-hour-test/run"
+
+
+def test_an_unwritable_save_directory_stops_every_rank_before_any_training(tmp_path, capsys, monkeypatch):
+    module = importlib.import_module("picofx.cli.train")
+    monkeypatch.setattr(module, "setup", lambda *a: pytest.fail("the run was set up before --save was checked"))
+    save = unwritable(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        train([*FAST, "--steps", "2", "--save", save])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert f"picofx train: error: --save {save}: cannot write there: " in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def signal_on_optimizer_step(monkeypatch, at: int, signals: list) -> None:
+    """Send `signals` to this process during the optimizer's step number `at`."""
+    original, calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == at:
+            for number in signals:
+                os.kill(os.getpid(), number)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+
+
+def exit_status(argv: list) -> int:
+    """picofx train's exit status for a run that must stop by SystemExit, a KeyboardInterrupt (which
+    pytest would take as the user stopping the session) turned into this test's failure."""
+    try:
+        train(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C came out of picofx train as a KeyboardInterrupt (a traceback)")
+    except SystemExit as e:
+        return e.code
+    pytest.fail("the run went on to its end after Ctrl-C")
+
+
+def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_bit_for_bit(tmp_path, capfd, monkeypatch):
+    root = str(tmp_path / "run")
+    straight = train([*FAST, "--steps", "4"])["losses"]
+    handler = signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as patched:
+        signal_on_optimizer_step(patched, 2, [signal.SIGINT])
+        status = exit_status([*FAST, "--steps", "4", "--save", root])
+    out, err = capfd.readouterr()  # the notice is written to file descriptor 2 from the signal handler
+    assert status == 130
+    assert "stopped by Ctrl-C after step 2, saved to" in out and "Traceback" not in err
+    assert "Ctrl-C: saving at the end of this step" in err
+    assert steps_in(root) == {2: True} and signal.getsignal(signal.SIGINT) is handler
+    resumed = train([*FAST, "--steps", "4", "--save", root, "--resume", "auto"])["losses"]
+    assert resumed == straight[2:] and len(set(straight)) == 4
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["second-ctrl-c", "without-save"])
+def test_ctrl_c_without_a_checkpoint_to_wait_for_stops_at_once_in_one_line(tmp_path, capsys, monkeypatch, save):
+    root = str(tmp_path / "run")
+    handler = signal.getsignal(signal.SIGINT)
+    signal_on_optimizer_step(monkeypatch, 2, [signal.SIGINT, signal.SIGINT] if save else [signal.SIGINT])
+    status = exit_status([*FAST, "--steps", "4", *(["--save", root] if save else [])])
+    err = capsys.readouterr().err
+    assert status == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("picofx train: stopped by Ctrl-C, nothing saved"), err
+    assert ("pass --save DIR" in err) is not save
+    assert steps_in(root) == {} and signal.getsignal(signal.SIGINT) is handler
+
+
+def test_resume_auto_on_a_finished_run_exits_0_saying_so(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    train([*FAST, "--steps", "2", "--save", root])
+    capsys.readouterr()
+    assert picofx.cli.main(["train", *FAST, "--steps", "2", "--save", root, "--resume", "auto"]) == 0
+    assert capsys.readouterr().out == (f"picofx train: --resume auto: the run under --save {root} is complete (saved "
+                                       "after step 2, --steps 2): nothing to do\n")
+    with pytest.raises(SystemExit) as exit_:  # a checkpoint named outright is still one to go on from
+        train([*FAST, "--steps", "2", "--resume", root])
+    assert exit_.value.code == 2 and "pass a larger --steps" in capsys.readouterr().err
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_signal_to_the_whole_process_tree_checkpoints_and_the_run_resumes_bit_for_bit(tmp_path):
+    """As SLURM's scancel does: SIGTERM to the rank and to its DataLoader worker at once."""
+    root = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "picofx", "train", *FAST, "--steps", "500", "--save", root, "--data-workers", "1"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in job.stdout:
+            if line.startswith("step     2"):
+                break
+        workers = children_of(job.pid)
+        assert workers, "the run has no DataLoader worker to signal"
+        for pid in [*workers, job.pid]:
+            os.kill(pid, signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    stopped = next(int(step) for step, complete in steps_in(root).items() if complete)
+    assert job.returncode == 0 and f"stopped by SIGTERM after step {stopped}" in out, err[-2000:]
+    assert "killed by signal" not in err and "Traceback" not in err, err[-2000:]
+    straight = train([*FAST, "--steps", str(stopped + 2)])["losses"]
+    resumed = train([*FAST, "--steps", str(stopped + 2), "--save", root, "--resume", "auto"])["losses"]
+    assert resumed == straight[stopped:]
+
+
+def test_a_plain_hugging_face_llama_is_captured_with_its_cache_off_and_put_back():
+    """LlamaForCausalLM's config says use_cache=True, as from_pretrained gives it: picofx captures
+    the training step without the cache and leaves the config as it found it (for generate)."""
+    import picofx
+    from picofx.models import zoo
+
+    z = zoo.hf_llama("tiny", use_cache=True)
+    reference = z.model(**z.example_inputs).loss
+    opt = picofx.optimize(z.model, z.example_inputs, backend="eager")
+    loss = opt(**z.example_inputs).loss  # an HF model returns its output object: the docs' loop takes .loss
+    loss.backward()
+    assert z.model.config.use_cache is True
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)

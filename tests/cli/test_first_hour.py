@@ -147,7 +147,8 @@ def test_a_signal_to_the_whole_process_tree_checkpoints_and_the_run_resumes_bit_
         out, err = job.communicate(timeout=120)
     finally:
         job.kill()
-    stopped = next(int(step) for step, complete in steps_in(root).items() if complete)
+    stopped = max((step for step, complete in steps_in(root).items() if complete), default=None)
+    assert stopped is not None, f"no checkpoint was saved: {err[-2000:]}"
     assert job.returncode == 0 and f"stopped by SIGTERM after step {stopped}" in out, err[-2000:]
     assert "killed by signal" not in err and "Traceback" not in err, err[-2000:]
     straight = train([*FAST, "--steps", str(stopped + 2)])["losses"]
@@ -168,3 +169,25 @@ def test_a_plain_hugging_face_llama_is_captured_with_its_cache_off_and_put_back(
     loss.backward()
     assert z.model.config.use_cache is True
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+
+
+def test_the_small_items_of_the_first_hour(capsys):
+    """'picofx plan: ' said once; `picofx dump --help` shows no pass's own state; one core is "1
+    core"; the layout auto line says what "mb" is."""
+    from types import SimpleNamespace
+
+    from picofx.cli.dump import pass_summary
+    from picofx.cli.train_layout import explain
+    from picofx.cost.device import cpu
+    from picofx.planner.layouts import Layout
+
+    assert picofx.cli.main(["plan", "no-such-model", "--gpus", "2", "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("picofx plan: unknown model 'no-such-model'") and err.count("picofx plan:") == 1, err
+    summary = pass_summary()
+    assert "WeakKeyDictionary" not in summary and "states=" not in summary and "overlap" in summary
+    assert cpu(1).name == "CPU (1 core, nominal)" and cpu(2).name == "CPU (2 cores, nominal)"
+    chosen = SimpleNamespace(layout=Layout(dp=1, tp=1, pp=2, microbatches=4), fits=True, step_s=0.1,
+                             memory_per_gpu=1e6, bottleneck="compute")
+    plans = SimpleNamespace(predictions=[chosen], run=SimpleNamespace(gpus=2, device=cpu(1)))
+    assert "4 mb" in explain(plans, 0) and "mb: the micro-batches a step's batch is split into" in explain(plans, 0)

@@ -124,8 +124,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                                                     "self-contained HTML page (the first rank's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
     p.add_argument("--data", metavar="SOURCE",
-                   help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
-                        "Face dataset name (needs `datasets`); default: the Python standard library's source")
+                   help="a text file (read as bytes; .jsonl: each line's text field), a dataset saved with datasets' "
+                        "save_to_disk, or a Hugging Face dataset name (needs `datasets`); default: the stdlib's source")
     p.add_argument("--model", metavar="NAME_OR_DIR",
                    help="train a Hugging Face causal LM (Llama, Qwen2, ...) from its config instead of the reference "
                         "LLaMA, on --data tokenized by its own tokenizer (needs transformers); --size is then unused")
@@ -135,7 +135,7 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--data-workers", type=at_least(0), default=1, metavar="N",
                    help="DataLoader worker processes preparing batches ahead of the step (0: in the step)")
     p.add_argument("--save", metavar="DIR", help="save model, optimizer, step and data position to DIR/step-N at "
-                   "the end (and every --save-every steps, and on SIGTERM), written in the background")
+                   "the end (and every --save-every steps, and on SIGTERM or Ctrl-C), written in the background")
     p.add_argument("--save-every", type=at_least(1), metavar="N", help="with --save: a checkpoint every N steps too")
     p.add_argument("--keep", type=at_least(1), metavar="K", help="with --save: keep the newest K complete checkpoints")
     p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options): a step-N "

@@ -191,3 +191,53 @@ def test_the_small_items_of_the_first_hour(capsys):
                              memory_per_gpu=1e6, bottleneck="compute")
     plans = SimpleNamespace(predictions=[chosen], run=SimpleNamespace(gpus=2, device=cpu(1)))
     assert "4 mb" in explain(plans, 0) and "mb: the micro-batches a step's batch is split into" in explain(plans, 0)
+
+
+def test_a_json_lines_data_file_trains_on_each_lines_text_field(tmp_path):
+    from picofx.cli.train_data import DataError, documents, load_tokens
+
+    data = tmp_path / "notes.jsonl"
+    data.write_text('{"text": "the first note", "id": 1}\n\n{"text": "and \\u00e9 second"}\n')
+    assert bytes(load_tokens(str(data)).to(torch.uint8).tolist()) == "the first note\nand \u00e9 second".encode()
+    assert list(documents(str(data))) == [["the first note"], ["and \u00e9 second"]]
+    data.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"notes.jsonl: line 2 has no text field \(looked for text, content; it has body\)"):
+        load_tokens(str(data))
+    data.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(DataError, match=r"notes.jsonl: line 2 is not JSON"):
+        list(documents(str(data)))
+
+
+def test_an_exported_model_is_readable_as_the_umask_allows(tmp_path):
+    from transformers import LlamaConfig
+
+    from picofx.cli.export import write_folder
+
+    config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    mask = os.umask(0o022)
+    try:
+        write_folder(tmp_path / "out", {"model.embed_tokens.weight": torch.zeros(16, 8)}, config, None)
+    finally:
+        os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and modes["config.json"] == 0o644, modes
+
+
+def test_a_hub_name_fails_at_once_where_the_hub_does_not_answer(monkeypatch):
+    """Not after the hub libraries' half a minute of retries: a closed port stands for no network."""
+    import datasets
+    import huggingface_hub.constants
+
+    from picofx.cli.train_data import DataError, dataset_rows
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # put back as it was, with the libraries' switches:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    started = time.perf_counter()
+    with pytest.raises(DataError, match=r"^--data someone/no-such-data: datasets could not load it \(the hub did "
+                                        r"not answer: only a copy in the local cache could load\)"):
+        dataset_rows("someone/no-such-data")
+    assert time.perf_counter() - started < 10
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and datasets.config.HF_HUB_OFFLINE

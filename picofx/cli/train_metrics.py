@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from picofx.cli.train_peak import cached_cpu_peak
 from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
 
@@ -105,6 +106,7 @@ class Peak:
     dtype: torch.dtype
     kind: str  # "measured" (a CPU's), "datasheet" (a GPU's) or "nominal"
     how: str   # what was measured, or the device the figure is for
+    when: str = ""  # a measured peak's: when it was measured (once per machine, then read from the cache)
 
 
 MATMUL = 1024  # the measured matmul's size: 2 GFLOP, a few tens of ms on one core
@@ -117,13 +119,12 @@ def rank_peak(device: str, dtype: torch.dtype, layout: Layout, total=None) -> Pe
     if torch.device(device).type == "cuda":
         spec = device_for(device)
         return Peak(spec.flops_per_second(dtype), dtype, spec.source, spec.name)
-    flops = matmul_flops(dtype, device, size=MATMUL, repeats=3)
-    if layout.ranks > 1:
-        flops = total(flops) / layout.ranks
     threads = torch.get_num_threads()
+    flops, when = cached_cpu_peak(lambda: matmul_flops(dtype, device, size=MATMUL, repeats=3), dtype, threads,
+                                  layout.ranks, total)
     per_rank = " per rank, every rank at once" if layout.ranks > 1 else ""
     return Peak(flops, dtype, "measured", f"a {MATMUL} x {MATMUL} matmul on {threads} thread"
-                                          f"{'s' if threads > 1 else ''}{per_rank}")
+                                          f"{'s' if threads > 1 else ''}{per_rank}", when)
 
 
 def oversubscribed(local_ranks: int, threads: int, cores: int | None = None) -> str | None:
@@ -148,7 +149,8 @@ class Throughput:
         ranks = f" per rank x {layout.ranks} ranks" if layout.ranks > 1 else ""
         dtype = DTYPE_NAMES.get(self.peak.dtype, str(self.peak.dtype))
         return (f"MFU {100 * self.mfu:.3g}% of the {self.peak.kind} {dtype} peak, {self.peak.flops / 1e9:,.0f} "
-                f"GFLOP/s{ranks} ({self.peak.how}); {self.palm_flops_per_token / 1e6:.2f} MFLOP/token by "
+                f"GFLOP/s{ranks} ({self.peak.how}){' ' + self.peak.when if self.peak.when else ''}; "
+                f"{self.palm_flops_per_token / 1e6:.2f} MFLOP/token by "
                 f"6N+12LHT, {self.graph_flops_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
 
 

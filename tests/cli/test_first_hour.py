@@ -5,6 +5,7 @@ checkpoints and the run resumes bit for bit; --resume auto on a finished run exi
 import importlib
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -201,7 +202,8 @@ def test_a_json_lines_data_file_trains_on_each_lines_text_field(tmp_path):
     assert bytes(load_tokens(str(data)).to(torch.uint8).tolist()) == "the first note\nand \u00e9 second".encode()
     assert list(documents(str(data))) == [["the first note"], ["and \u00e9 second"]]
     data.write_text('{"text": "fine"}\n{"body": "no text"}\n')
-    with pytest.raises(DataError, match=r"notes.jsonl: line 2 has no text field \(looked for text, content; it has body\)"):
+    with pytest.raises(DataError, match=r"notes.jsonl: line 2 has no text field \(looked for text, content; it has "
+                                        r"body\)"):
         load_tokens(str(data))
     data.write_text('{"text": "fine"}\nnot json\n')
     with pytest.raises(DataError, match=r"notes.jsonl: line 2 is not JSON"):
@@ -241,3 +243,21 @@ def test_a_hub_name_fails_at_once_where_the_hub_does_not_answer(monkeypatch):
         dataset_rows("someone/no-such-data")
     assert time.perf_counter() - started < 10
     assert os.environ["HF_HUB_OFFLINE"] == "1" and datasets.config.HF_HUB_OFFLINE
+
+
+def test_the_cpu_peak_is_measured_once_per_machine_and_the_mfu_line_says_when(monkeypatch, tmp_path):
+    from picofx.cli import train_metrics
+    from picofx.cli.train_metrics import Layout, Throughput, rank_peak
+
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))
+    measured = iter([50e9, 20e9, 30e9])
+    monkeypatch.setattr(train_metrics, "matmul_flops", lambda dtype, device, **_: next(measured))
+    first, again = rank_peak("cpu", torch.float32, Layout()), rank_peak("cpu", torch.float32, Layout())
+    assert first.flops == again.flops == 50e9 and len(list((tmp_path / "peaks").iterdir())) == 1
+    assert re.fullmatch(r"measured \d{4}-\d\d-\d\d \d\d:\d\d UTC, now \(kept in picofx's cache for later runs\)",
+                        first.when), first.when
+    assert again.when == first.when.replace("now (kept in picofx's cache for later runs)", "read from picofx's cache")
+    line = Throughput(0.5, 1e6, 1e6, again).line(Layout())
+    assert f"(a 1024 x 1024 matmul on {torch.get_num_threads()} thread" in line and again.when in line
+    # two ranks: the other has no figure for its key, so both measure (the other's 10e9 summed in)
+    assert rank_peak("cpu", torch.float32, Layout(dp=2), total=lambda x: x + 10e9).flops == 15e9

@@ -332,7 +332,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
-    layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
+    layout = Layout.of(args)
     ranks.say(f"\nsummary: {args.model or args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
               f"tokens on "
               f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")

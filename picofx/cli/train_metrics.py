@@ -30,15 +30,16 @@ class Layout:
     dp: int = 1  # data-parallel replicas (sharded or not), each on its own batch
     tp: int = 1  # tensor-parallel ranks, one batch split over them
     pp: int = 1  # pipeline stages, one batch through all of them
+    cp: int = 1  # context-parallel ranks, each sequence of one batch split over them
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @classmethod
     def of(cls, args) -> Layout:
         """picofx train's layout, from its resolved options."""
-        return cls(dp=args.dp, tp=args.tp, pp=args.pp)
+        return cls(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def run_tokens_per_s(replica_tokens_per_s: float, layout: Layout) -> float:
@@ -92,8 +93,9 @@ def captured_flops_per_token(rank_flops: float, tokens_per_call: int, layout: La
     """The whole model's FLOPs per token as the captured graphs hold them. `rank_flops`: one call of
     this rank's graphs (its stages on one micro-batch of `tokens_per_call` tokens under a pipeline);
     `total(x)` sums x over all ranks (an all-reduce) where the model is split over them (a
-    tensor-parallel rank's graphs hold its piece of each matmul, and the norms whole)."""
-    if layout.pp == 1 and layout.tp == 1:
+    tensor-parallel rank's graphs hold its piece of each matmul, and the norms whole; a context-parallel
+    rank's, its part of each sequence)."""
+    if layout.pp == 1 and layout.tp == 1 and layout.cp == 1:
         return rank_flops / tokens_per_call
     return total(rank_flops) / layout.dp / tokens_per_call
 
@@ -205,7 +207,7 @@ class StepMetrics:
         """The run's writer, or None without --metrics and --tensorboard. A collective under torchrun."""
         if args.metrics is None and args.tensorboard is None:
             return None
-        layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
+        layout = Layout.of(args)
         peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
         return cls(path=args.metrics, tensorboard=args.tensorboard,
                    flops_per_token=palm_flops_per_token(model, args.seq), peak=peak, layout=layout,

@@ -261,3 +261,16 @@ def test_the_cpu_peak_is_measured_once_per_machine_and_the_mfu_line_says_when(mo
     assert f"(a 1024 x 1024 matmul on {torch.get_num_threads()} thread" in line and again.when in line
     # two ranks: the other has no figure for its key, so both measure (the other's 10e9 summed in)
     assert rank_peak("cpu", torch.float32, Layout(dp=2), total=lambda x: x + 10e9).flops == 15e9
+
+
+def test_mfu_and_the_captured_flops_count_every_context_parallel_rank():
+    """--cp 2: the MFU divides by both ranks' peak (it had one rank's: doubled), and the captured
+    FLOPs per token sum both ranks' halves of each sequence (it had one rank's: halved)."""
+    from types import SimpleNamespace
+
+    from picofx.cli.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
+
+    layout = Layout.of(SimpleNamespace(dp=1, dp_replicate=1, tp=1, pp=1, cp=2))
+    assert layout.ranks == 2
+    assert model_flops_utilization(100.0, 10.0, 1000.0, layout) == 100.0 * 10.0 / (1000.0 * 2)
+    assert captured_flops_per_token(50.0, 10, layout, total=lambda x: 2 * x) == 10.0  # both halves, one replica

@@ -216,20 +216,25 @@ def threads_note(args) -> str:
 
 
 def main(argv=None) -> dict:
-    """The run; Ctrl-C outside the steps (or a second one within) ends it with one line, status 130."""
+    """The run; Ctrl-C where no checkpoint is due (or a second one) ends it in one line, status 130."""
+    args = parse_args(argv, __doc__)
     try:
-        return run(argv)
+        return run(args)
     except KeyboardInterrupt as e:
-        saving = "" if isinstance(e, SecondInterrupt) else " (pass --save DIR to checkpoint at the step boundary)"
+        if isinstance(e, SecondInterrupt):
+            line = "stopped by a second Ctrl-C, the step in progress not saved"
+        elif args.save:
+            line = "stopped by Ctrl-C before the steps began or after the last one was saved"
+        else:
+            line = "stopped by Ctrl-C, nothing saved (pass --save DIR to checkpoint at the step boundary)"
         if os.environ.get("RANK", "0") == "0":
-            print(f"\npicofx train: stopped by Ctrl-C, nothing saved{saving}", file=sys.stderr, flush=True)
+            print(f"\npicofx train: {line}", file=sys.stderr, flush=True)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             os._exit(INTERRUPTED)  # a rank with a process group can hang at interpreter exit
         sys.exit(INTERRUPTED)
 
 
-def run(argv=None) -> dict:
-    args = parse_args(argv, __doc__)
+def run(args) -> dict:
     if args.complete is not None:  # --resume auto on a run that already reached --steps: nothing to do
         if os.environ.get("RANK", "0") == "0":
             print(f"picofx train: {args.complete}", flush=True)

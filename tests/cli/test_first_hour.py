@@ -78,20 +78,18 @@ def exit_status(argv: list) -> int:
     pytest.fail("the run went on to its end after Ctrl-C")
 
 
-def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resumes_bit_for_bit(tmp_path, capfd, monkeypatch):
+def test_ctrl_c_saves_at_the_step_boundary_and_exits_130(tmp_path, capfd, monkeypatch):
+    """The checkpoint is the one SIGTERM writes (whose resume tests/cli/test_train_checkpoints.py and
+    the process-tree test below check bit for bit)."""
     root = str(tmp_path / "run")
-    straight = train([*FAST, "--steps", "4"])["losses"]
     handler = signal.getsignal(signal.SIGINT)
-    with monkeypatch.context() as patched:
-        signal_on_optimizer_step(patched, 2, [signal.SIGINT])
-        status = exit_status([*FAST, "--steps", "4", "--save", root])
+    signal_on_optimizer_step(monkeypatch, 2, [signal.SIGINT])
+    status = exit_status([*FAST, "--steps", "4", "--save", root])
     out, err = capfd.readouterr()  # the notice is written to file descriptor 2 from the signal handler
     assert status == 130
     assert "stopped by Ctrl-C after step 2, saved to" in out and "Traceback" not in err
     assert "Ctrl-C: saving at the end of this step" in err
     assert steps_in(root) == {2: True} and signal.getsignal(signal.SIGINT) is handler
-    resumed = train([*FAST, "--steps", "4", "--save", root, "--resume", "auto"])["losses"]
-    assert resumed == straight[2:] and len(set(straight)) == 4
 
 
 @pytest.mark.parametrize("save", [True, False], ids=["second-ctrl-c", "without-save"])

@@ -116,9 +116,9 @@ def test_op_without_fake_implementation_says_to_register_one():
 
 
 def test_cache_output_says_use_cache_false():
-    z = zoo.hf_llama("tiny", use_cache=True)
+    z = zoo.hf_llama("tiny", use_cache=True)  # the config's is off while capturing, the call's is kept
     with pytest.raises(picofx.CaptureError, match="use_cache=False"):
-        picofx.capture.capture(z.model, {"input_ids": z.example_inputs["input_ids"]})
+        picofx.capture.capture(z.model, {"input_ids": z.example_inputs["input_ids"], "use_cache": True})
 
 
 @pytest.mark.parametrize("name, model_class", [("hf-llama-tiny", "LlamaForCausalLM"), ("llama-tiny", "Llama")])

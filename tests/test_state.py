@@ -95,10 +95,10 @@ def test_the_cpu_entry_is_read_at_each_call():
     threads = torch.get_num_threads()
     assert "cpu" not in devices.DEVICES  # no snapshot taken at import
     try:
-        for n in (1, 2):
+        for n, cores in ((1, "1 core"), (2, "2 cores")):
             torch.set_num_threads(n)
             assert devices.device_for("cpu") == devices.devices()["cpu"] == devices.cpu(n)
-            assert devices.device_for("cpu").name == f"CPU ({n} cores, nominal)"
+            assert devices.device_for("cpu").name == f"CPU ({cores}, nominal)"
     finally:
         torch.set_num_threads(threads)
 

@@ -105,10 +105,9 @@ def test_a_sequence_longer_than_the_model_allows_names_the_length_and_the_limit(
 
 
 def test_use_cache_says_to_pass_use_cache_false_in_a_few_lines():
-    z = zoo.build("hf-llama-tiny")
-    z.model.config.use_cache = True
+    z = zoo.build("hf-llama-tiny")  # the config's use_cache picofx turns off for the capture; the call's it keeps
     with pytest.raises(picofx.CaptureError, match="use_cache=False") as info:
-        picofx.optimize(z.model, {"input_ids": z.example_inputs["input_ids"]}, backend="eager")
+        picofx.optimize(z.model, {"input_ids": z.example_inputs["input_ids"], "use_cache": True}, backend="eager")
     shown = "".join(traceback.format_exception(info.value))
     assert "The above exception was the direct cause" not in shown and len(shown.splitlines()) < 40
     assert info.value.torch_error is not None  # torch's own error stays reachable

@@ -143,7 +143,7 @@ def capture_call(model: nn.Module, args: tuple, kwargs: dict, loss_fn=None) -> f
     model_kwargs = {k: v for k, v in kwargs.items() if loss_fn is None or k != "labels"}
     check_keywords(model, model_kwargs)
     check_position_limit(model, args, model_kwargs)
-    with _module_path_tracker(model) as where, quiet_export():
+    with _module_path_tracker(model) as where, quiet_export(), without_kv_cache(model, model_kwargs):
         try:
             ep = torch.export.export(step, args, kwargs, strict=False)
             ep = ep.run_decompositions(aten_decompositions())
@@ -229,6 +229,22 @@ def _module_path_tracker(model: nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: nn.Module, kwargs: dict):
+    """A Hugging Face model's config.use_cache (True by default: generation keeps a key/value cache
+    object, which cannot be a graph output) set False while the training step is captured, and put
+    back after; a use_cache the call passes itself is left to it."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 @contextlib.contextmanager

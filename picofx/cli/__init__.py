@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         try:
             plan_command(args)
         except ValueError as e:
-            print(f"picofx plan: {e}", file=sys.stderr)
+            print(f"picofx plan: {str(e).removeprefix('picofx plan: ')}", file=sys.stderr)  # said once
             return 2
         return 0
     if args.command == "export":

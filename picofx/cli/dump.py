@@ -6,6 +6,7 @@ Exit status: 0 done; 1 the model or a pass failed (the message is printed, no tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -192,10 +193,18 @@ def option_type(option):
     return convert
 
 
+def given_options(name: str) -> list:
+    """The options of the registered pass `name` a caller gives: not the fields the pass keeps for
+    itself (init=False, such as the state it holds per model)."""
+    factory = PASSES[name]
+    own = {f.name for f in dataclasses.fields(factory) if not f.init} if dataclasses.is_dataclass(factory) else set()
+    return [o for o in pass_options(name) if o.name not in own]
+
+
 def add_pass_options(p: argparse.ArgumentParser) -> None:
     """One flag per option of every registered pass, from its dataclass fields: --pipeline.microbatches 8."""
     for name in sorted(PASSES):
-        options = pass_options(name)
+        options = given_options(name)
         stage = pass_stage(PASSES[name]())  # the pass with its default options declares it
         python_only = [o.name for o in options if not o.from_text]
         described = "no options" if not options else \
@@ -215,7 +224,7 @@ def pass_summary() -> str:
     lines = []
     for name in sorted(PASSES):
         stage = pass_stage(PASSES[name]())  # the pass with its default options declares it
-        shown = ", ".join(f"{o.name}={o.default!r}" for o in pass_options(name))
+        shown = ", ".join(f"{o.name}={o.default!r}" for o in given_options(name))
         lines.append(f"  {name:<12} {stage.value} stage; options: {shown or 'none'}")
     return "\n".join(lines)
 

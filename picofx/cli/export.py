@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -153,6 +154,12 @@ def hf_model_weights(model: str, weights: dict):
     return hf_to_hf(weights, config), config, source if source.is_dir() else None
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)  # reading the mask means setting it: put back at once
+    os.umask(mask)
+    return mask
+
+
 def write_folder(out: pathlib.Path, weights: dict, config, source: pathlib.Path | None) -> None:
     """safetensors files (with an index when more than one), config.json, generation_config.json,
     and the tokenizer files and generation config of the model's own folder, where it has them."""
@@ -164,6 +171,7 @@ def write_folder(out: pathlib.Path, weights: dict, config, source: pathlib.Path 
     split = split_torch_state_dict_into_shards(weights, max_shard_size=SHARD_SIZE)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: weights[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        (out / filename).chmod(0o666 & ~current_umask())  # safetensors writes 0600: readable as any file is
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
                  "weight_map": split.tensor_to_filename}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 import typing
@@ -50,6 +51,7 @@ from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throug
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
 from picofx.parallel.launch import join_launched_group, rendezvous_store
+from picofx.runtime.checkpoints import SecondInterrupt, probe_writable
 from picofx.runtime.distributed import first_failure
 from picofx.runtime.watchdog import Watchdog
 
@@ -57,6 +59,7 @@ from picofx.runtime.watchdog import Watchdog
 # and keeps its traceback.
 STOPS = (picofx.CaptureError, picofx.PassError, picofx.VerificationError, picofx.InputShapeError,
          picofx.BudgetError, DistributedError, DataError)
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), saved or not
 AGREEMENT_SECONDS = 180  # how long a rank whose setup failed waits for the others to say how theirs ended
 
 
@@ -213,9 +216,33 @@ def threads_note(args) -> str:
 
 
 def main(argv=None) -> dict:
+    """The run; Ctrl-C where no checkpoint is due (or a second one) ends it in one line, status 130."""
     args = parse_args(argv, __doc__)
+    try:
+        return run(args)
+    except KeyboardInterrupt as e:
+        if isinstance(e, SecondInterrupt):
+            line = "stopped by a second Ctrl-C, the step in progress not saved"
+        elif args.save:
+            line = "stopped by Ctrl-C before the steps began or after the last one was saved"
+        else:
+            line = "stopped by Ctrl-C, nothing saved (pass --save DIR to checkpoint at the step boundary)"
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\npicofx train: {line}", file=sys.stderr, flush=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            os._exit(INTERRUPTED)  # a rank with a process group can hang at interpreter exit
+        sys.exit(INTERRUPTED)
+
+
+def run(args) -> dict:
+    if args.complete is not None:  # --resume auto on a run that already reached --steps: nothing to do
+        if os.environ.get("RANK", "0") == "0":
+            print(f"picofx train: {args.complete}", flush=True)
+        return {"losses": [], "complete": True}
     ranks = Ranks(args)
     ranks.stop_if_failed(train_state.resume_disagreement(args.resume, ranks.agreement))
+    if args.save:  # every rank, before any capture or step: an unwritable --save would lose the run
+        ranks.stop_if_failed(probe_writable(args.save, ranks.rank))
     if args.layout == "auto" and args.world > 1:
         auto_layout(args, ranks)
     elif args.layout_chosen:
@@ -293,7 +320,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         if saves.after_step(step + 1):  # saved before the validation batch is drawn, as a resumed run would draw it
             break
     if saves.stopped_at is not None:
-        return preempted(saves.stopped_at, args, ranks, losses, metrics)
+        return preempted(saves.stopped_at, saves.stopped_by, args, ranks, losses, metrics)
     run_seconds = time.perf_counter() - run_start
     ranks.at(args.steps, "end of the run (saving, validation, summary)")
     saves.finish()
@@ -310,7 +337,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
-    layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
+    layout = Layout.of(args)
     ranks.say(f"\nsummary: {args.model or args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
               f"tokens on "
               f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
@@ -345,13 +372,19 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
             "run_s": run_seconds}
 
 
-def preempted(step: int, args, ranks: Ranks, losses: list, metrics) -> dict:
-    """SIGTERM: every rank saved at `step`; the run ends here (exit status 0), to go on with --resume auto."""
-    ranks.say(f"\npicofx train: stopped by SIGTERM after step {step}, saved to {args.save}/step-{step} "
+def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, metrics) -> dict:
+    """SIGTERM or Ctrl-C: every rank saved at `step`; the run ends here, to go on with --resume auto
+    (exit status 0 after SIGTERM, 130 after Ctrl-C)."""
+    what = "Ctrl-C" if by == signal.SIGINT else by.name
+    ranks.say(f"\npicofx train: stopped by {what} after step {step}, saved to {args.save}/step-{step} "
               f"(continue with the same command and --resume auto)")
     if metrics is not None:
         metrics.close()
     ranks.close()
+    if by == signal.SIGINT:
+        if ranks.world > 1:
+            os._exit(INTERRUPTED)
+        sys.exit(INTERRUPTED)
     return {"losses": losses, "preempted": step}
 
 

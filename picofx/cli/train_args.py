@@ -124,8 +124,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                                                     "self-contained HTML page (the first rank's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the batches")
     p.add_argument("--data", metavar="SOURCE",
-                   help="a text file (read as bytes), a dataset saved with datasets' save_to_disk, or a Hugging "
-                        "Face dataset name (needs `datasets`); default: the Python standard library's source")
+                   help="a text file (read as bytes; .jsonl: each line's text field), a dataset saved with datasets' "
+                        "save_to_disk, or a Hugging Face dataset name (needs `datasets`); default: the stdlib's source")
     p.add_argument("--model", metavar="NAME_OR_DIR",
                    help="train a Hugging Face causal LM (Llama, Qwen2, ...) from its config instead of the reference "
                         "LLaMA, on --data tokenized by its own tokenizer (needs transformers); --size is then unused")
@@ -135,7 +135,7 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--data-workers", type=at_least(0), default=1, metavar="N",
                    help="DataLoader worker processes preparing batches ahead of the step (0: in the step)")
     p.add_argument("--save", metavar="DIR", help="save model, optimizer, step and data position to DIR/step-N at "
-                   "the end (and every --save-every steps, and on SIGTERM), written in the background")
+                   "the end (and every --save-every steps, and on SIGTERM or Ctrl-C), written in the background")
     p.add_argument("--save-every", type=at_least(1), metavar="N", help="with --save: a checkpoint every N steps too")
     p.add_argument("--keep", type=at_least(1), metavar="K", help="with --save: keep the newest K complete checkpoints")
     p.add_argument("--resume", metavar="DIR", help="continue a run saved with --save (same options): a step-N "
@@ -189,6 +189,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     p = build_parser(doc, speaks=environ.get("RANK", "0") == "0")
     args = p.parse_args(argv)
     args.layout_chosen = None  # --layout auto --resume: the saved run's layout, said when the run starts
+    args.complete = None  # --resume auto on a finished run: the line that says so (set by check_paths)
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
@@ -336,6 +337,7 @@ def check_paths(args) -> None:
     for option, value in (("--save-every", args.save_every), ("--keep", args.keep)):
         if value is not None and args.save is None:
             raise ValueError(f"{option} {value}: saves under --save DIR: pass --save DIR too")
+    automatic = args.resume == "auto"
     if args.resume is not None:
         args.resume = checkpoint_to_resume(args.resume, args.save)  # auto with none saved yet: a fresh start
     if args.resume is not None:
@@ -349,7 +351,10 @@ def check_paths(args) -> None:
             raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
                              "resume with the options it was saved with")
         args.compress_warmup = max(0, args.compress_warmup - step)  # the warm-up counts the run's steps
-        if step >= args.steps:
+        if step >= args.steps and automatic:  # a requeued job whose run had finished: done, not an error
+            args.complete = (f"--resume auto: the run under --save {args.save} is complete (saved after step {step}, "
+                             f"--steps {args.steps}): nothing to do")
+        elif step >= args.steps:
             raise ValueError(f"--resume {args.resume} was saved after step {step}, and --steps {args.steps} ends "
                              f"there: pass a larger --steps (the total, e.g. --steps {2 * step})")
     if args.data is not None:

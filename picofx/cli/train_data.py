@@ -6,6 +6,7 @@ and restored with the run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing
 import os
 import pathlib
@@ -15,12 +16,14 @@ import sysconfig
 import torch
 
 from picofx.data import TokenFile, WindowLoader, Windows, token_file
+from picofx.data.hub import offline_unless_the_hub_answers
 from picofx.data.windows import inputs_and_labels
 from picofx.data.tokens import MappedTokens, content_hash
 from picofx.parallel.launch import once_per_machine
 from picofx.runtime.cache import default_directory
 
 TEXT_COLUMNS = ("text", "content")
+JSON_LINES = (".jsonl", ".ndjson")  # --data files read as one JSON record a line, each record's text a document
 HUB_NAME = re.compile(r"[\w-][\w.-]*(/[\w-][\w.-]*)?")  # a dataset on the hub: NAME or OWNER/NAME
 STDLIB_BYTES = 4_000_000  # of the standard library's source, the default data
 PIECE_CHARACTERS = 1 << 20  # a long text file goes to the tokenizer in pieces of about this size, cut at line ends
@@ -84,10 +87,12 @@ def dataset_rows(source: str) -> list[str]:
     if pathlib.Path(source).is_dir():
         data = datasets.load_from_disk(source)
     else:
+        offline = offline_unless_the_hub_answers()
         try:
             data = datasets.load_dataset(source, split="train")
         except Exception as e:  # no network, no such dataset: one line, not datasets' traceback
-            raise DataError(f"--data {source}: datasets could not load it ({type(e).__name__}: "
+            unreached = " (the hub did not answer: only a copy in the local cache could load)" if offline else ""
+            raise DataError(f"--data {source}: datasets could not load it{unreached} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if isinstance(data, datasets.DatasetDict):
         data = data["train"] if "train" in data else next(iter(data.values()))
@@ -98,12 +103,40 @@ def dataset_rows(source: str) -> list[str]:
     return list(data[column])
 
 
+def is_json_lines(path: pathlib.Path) -> bool:
+    return path.suffix.lower() in JSON_LINES
+
+
+def json_lines_rows(path: pathlib.Path) -> list[str]:
+    """The text field of each line of a JSON Lines file (one record a line, blank lines skipped)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--data {path}: line {number} is not JSON ({e.msg}): a .jsonl file holds one "
+                                "JSON object a line") from None
+            column = next((c for c in TEXT_COLUMNS if isinstance(record, dict) and c in record), None)
+            if column is None:
+                found = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"--data {path}: line {number} has no text field (looked for "
+                                f"{', '.join(TEXT_COLUMNS)}; it has {found})")
+            rows.append(str(record[column]))
+    return rows
+
+
 def load_tokens(source: str | None, max_bytes: int = STDLIB_BYTES) -> torch.Tensor:
     """Token ids (bytes) of `source`: None is the standard library's source."""
     if source is None:
         return stdlib_corpus(max_bytes)
     path = pathlib.Path(source)
-    data = path.read_bytes() if path.is_file() else dataset_text(source)
+    if path.is_file() and is_json_lines(path):
+        data = "\n".join(json_lines_rows(path)).encode("utf-8")
+    else:
+        data = path.read_bytes() if path.is_file() else dataset_text(source)
     return bytes_as_tokens(data[:max_bytes])
 
 
@@ -130,10 +163,10 @@ def documents(source: str | None, max_bytes: int = STDLIB_BYTES):
             yield text_pieces(file)
         return
     path = pathlib.Path(source)
-    if path.is_file():
+    if path.is_file() and not is_json_lines(path):
         yield text_pieces(path)
         return
-    for row in dataset_rows(source):
+    for row in json_lines_rows(path) if path.is_file() else dataset_rows(source):
         yield [row]
 
 

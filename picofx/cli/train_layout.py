@@ -96,7 +96,7 @@ def explain(plans, index: int) -> str:
     skipped = plans.predictions.index(chosen)
     if skipped:
         line += f"; {skipped} faster plans skipped ({unrunnable(plans.predictions[0].layout)}, ...)"
-    return line
+    return line + "; mb: the micro-batches a step's batch is split into"
 
 
 def planned_choice(args, config, link) -> tuple:

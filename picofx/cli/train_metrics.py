@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from picofx.cli.train_peak import cached_cpu_peak
 from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
 
@@ -29,15 +30,16 @@ class Layout:
     dp: int = 1  # data-parallel replicas (sharded or not), each on its own batch
     tp: int = 1  # tensor-parallel ranks, one batch split over them
     pp: int = 1  # pipeline stages, one batch through all of them
+    cp: int = 1  # context-parallel ranks, each sequence of one batch split over them
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @classmethod
     def of(cls, args) -> Layout:
         """picofx train's layout, from its resolved options."""
-        return cls(dp=args.dp, tp=args.tp, pp=args.pp)
+        return cls(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def run_tokens_per_s(replica_tokens_per_s: float, layout: Layout) -> float:
@@ -91,8 +93,9 @@ def captured_flops_per_token(rank_flops: float, tokens_per_call: int, layout: La
     """The whole model's FLOPs per token as the captured graphs hold them. `rank_flops`: one call of
     this rank's graphs (its stages on one micro-batch of `tokens_per_call` tokens under a pipeline);
     `total(x)` sums x over all ranks (an all-reduce) where the model is split over them (a
-    tensor-parallel rank's graphs hold its piece of each matmul, and the norms whole)."""
-    if layout.pp == 1 and layout.tp == 1:
+    tensor-parallel rank's graphs hold its piece of each matmul, and the norms whole; a context-parallel
+    rank's, its part of each sequence)."""
+    if layout.pp == 1 and layout.tp == 1 and layout.cp == 1:
         return rank_flops / tokens_per_call
     return total(rank_flops) / layout.dp / tokens_per_call
 
@@ -105,6 +108,7 @@ class Peak:
     dtype: torch.dtype
     kind: str  # "measured" (a CPU's), "datasheet" (a GPU's) or "nominal"
     how: str   # what was measured, or the device the figure is for
+    when: str = ""  # a measured peak's: when it was measured (once per machine, then read from the cache)
 
 
 MATMUL = 1024  # the measured matmul's size: 2 GFLOP, a few tens of ms on one core
@@ -117,13 +121,12 @@ def rank_peak(device: str, dtype: torch.dtype, layout: Layout, total=None) -> Pe
     if torch.device(device).type == "cuda":
         spec = device_for(device)
         return Peak(spec.flops_per_second(dtype), dtype, spec.source, spec.name)
-    flops = matmul_flops(dtype, device, size=MATMUL, repeats=3)
-    if layout.ranks > 1:
-        flops = total(flops) / layout.ranks
     threads = torch.get_num_threads()
+    flops, when = cached_cpu_peak(lambda: matmul_flops(dtype, device, size=MATMUL, repeats=3), dtype, threads,
+                                  layout.ranks, total)
     per_rank = " per rank, every rank at once" if layout.ranks > 1 else ""
     return Peak(flops, dtype, "measured", f"a {MATMUL} x {MATMUL} matmul on {threads} thread"
-                                          f"{'s' if threads > 1 else ''}{per_rank}")
+                                          f"{'s' if threads > 1 else ''}{per_rank}", when)
 
 
 def oversubscribed(local_ranks: int, threads: int, cores: int | None = None) -> str | None:
@@ -148,7 +151,8 @@ class Throughput:
         ranks = f" per rank x {layout.ranks} ranks" if layout.ranks > 1 else ""
         dtype = DTYPE_NAMES.get(self.peak.dtype, str(self.peak.dtype))
         return (f"MFU {100 * self.mfu:.3g}% of the {self.peak.kind} {dtype} peak, {self.peak.flops / 1e9:,.0f} "
-                f"GFLOP/s{ranks} ({self.peak.how}); {self.palm_flops_per_token / 1e6:.2f} MFLOP/token by "
+                f"GFLOP/s{ranks} ({self.peak.how}){' ' + self.peak.when if self.peak.when else ''}; "
+                f"{self.palm_flops_per_token / 1e6:.2f} MFLOP/token by "
                 f"6N+12LHT, {self.graph_flops_per_token / 1e6:.2f} MFLOP/token in the captured graphs")
 
 
@@ -203,7 +207,7 @@ class StepMetrics:
         """The run's writer, or None without --metrics and --tensorboard. A collective under torchrun."""
         if args.metrics is None and args.tensorboard is None:
             return None
-        layout = Layout(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp)
+        layout = Layout.of(args)
         peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
         return cls(path=args.metrics, tensorboard=args.tensorboard,
                    flops_per_token=palm_flops_per_token(model, args.seq), peak=peak, layout=layout,

@@ -12,6 +12,7 @@ import typing
 import torch
 
 from picofx.cli.train_data import load_tokens, tokenized
+from picofx.data.hub import offline_unless_the_hub_answers
 from picofx.models.llama import CONFIGS, Llama, LlamaConfig, causal_lm_loss
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
@@ -32,6 +33,8 @@ def logits_loss(output, labels: torch.Tensor) -> torch.Tensor:
 def hf_config(source: str):
     from transformers import AutoConfig
 
+    if not pathlib.Path(source).is_dir():
+        offline_unless_the_hub_answers()  # a hub name: fail at once where the hub does not answer
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:

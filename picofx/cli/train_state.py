@@ -59,32 +59,35 @@ def run_state(opt_model, optimizer, scheduler, batches, *, step: int, replica: i
 
 class PeriodicSaves:
     """--save DIR [--save-every N] [--keep K]: after a step, this run's state saved to DIR/step-N when
-    it is due (every N steps, the last step) or when SIGTERM came to any rank (then the save is
-    waited on, and the run stops there)."""
+    it is due (every N steps, the last step) or when SIGTERM or Ctrl-C came to any rank (then the
+    save is waited on, and the run stops there; `stopped_by` names the signal)."""
 
     def __init__(self, args, session, *, group, rank: int, replica: int, options: dict):
         self.args, self.session, self.replica, self.options = args, session, replica, options
         self.saver = AsyncSaver(args.save, keep=args.keep, group=group, rank=rank) if args.save else None
-        self.preemption = Preemption().install() if args.save else None
+        notice = "picofx train: Ctrl-C: saving at the end of this step, then stopping (Ctrl-C again: stop now, unsaved)"
+        self.preemption = Preemption(notice if rank == 0 else None).install() if args.save else None
         self.stopped_at: int | None = None
+        self.stopped_by = None  # the signal (SIGTERM or SIGINT) the run stopped for
 
     def after_step(self, step: int) -> bool:
         """Save if due; True when the run must stop here (preempted, saved on every rank)."""
         if self.saver is None:
             return False
         preempted = self.preemption.agreed()
+        self.stopped_by = preempted
         if step == self.args.steps or preempted or (self.args.save_every and step % self.args.save_every == 0):
             s = self.session
             state = run_state(s.opt_model, s.optimizer, s.schedule, s.batches, step=step, replica=self.replica)
             with single_process_quiet():
                 self.saver.save({**state, "options": self.options}, step)
-        if preempted:
+        if preempted is not None:
             self.stopped_at = step
             self.finish()
-        return preempted
+        return preempted is not None
 
     def finish(self) -> None:
-        """Wait for the save in flight; SIGTERM ends the process again."""
+        """Wait for the save in flight; SIGTERM and Ctrl-C end the process again."""
         if self.saver is not None:
             with single_process_quiet():
                 self.saver.wait()

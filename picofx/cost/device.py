@@ -23,7 +23,8 @@ def cpu(cores: int | None = None) -> Device:
     Order-of-magnitude only: use `calibrate(cpu())` for decisions that depend on the balance."""
     cores = cores or torch.get_num_threads()
     per_core = 2 * 8 * 2 * 2.5e9
-    return Device(name=f"CPU ({cores} cores, nominal)", peak_flops={torch.float32: cores * per_core},
+    return Device(name=f"CPU ({cores} {'core' if cores == 1 else 'cores'}, nominal)",
+                  peak_flops={torch.float32: cores * per_core},
                   memory_bandwidth=25.6e9, memory_capacity=16 * GiB,
                   link_bandwidth=1e9, link_latency=50e-6, network_bandwidth=1e9, network_latency=50e-6,
                   source="nominal", link_name="gloo (TCP loopback)", network_name="gloo (TCP)",

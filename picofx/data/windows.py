@@ -9,7 +9,10 @@ records and a resumed run continues from.
 from __future__ import annotations
 
 import collections
+import functools
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -59,12 +62,22 @@ class DrawnStarts(Sampler):
             yield starts
 
 
-def leave_process_group(worker: int) -> None:
-    """torchrun sends SIGTERM to a rank's whole process group: the rank checkpoints at its next step
-    and ends, and a worker that died first would end it at once. Out of that group, a worker still
-    ends when its rank does (DataLoader's parent check) or is ended (multiprocessing's terminate at
-    exit, which a worker ignoring SIGTERM would make wait forever)."""
+def rank_decides_when_to_stop(rank_pid: int, worker: int) -> None:
+    """A DataLoader worker's setup. A preemption signals every process of the job (SLURM's scancel)
+    or of the rank's process group (torchrun): the rank checkpoints at its next step and ends, and a
+    worker that died first would end it at once. So the worker leaves the rank's process group,
+    ignores Ctrl-C, and takes SIGTERM from its rank alone (DataLoader's and multiprocessing's
+    terminate at shutdown); it still ends when its rank does (DataLoader's parent check)."""
     os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from here inherit the mask
+    threading.Thread(target=end_on_rank_sigterm, args=(rank_pid,), name="picofx worker signals", daemon=True).start()
+
+
+def end_on_rank_sigterm(rank_pid: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank_pid:
+            os._exit(128 + signal.SIGTERM)  # as if terminated: the rank asked
 
 
 class WindowLoader:
@@ -78,7 +91,7 @@ class WindowLoader:
         self.loader = DataLoader(windows, batch_sampler=self.sampler, collate_fn=inputs_and_labels,
                                  num_workers=workers, pin_memory=self.device.type == "cuda",
                                  prefetch_factor=PREFETCH_PER_WORKER if workers else None, persistent_workers=False,
-                                 worker_init_fn=leave_process_group)
+                                 worker_init_fn=functools.partial(rank_decides_when_to_stop, os.getpid()))
         self.batches = iter(self.loader)  # the workers start now, and begin preparing batches
         self.position = generator.get_state()
         self.waited, self.handed_out = 0.0, 0

@@ -2,11 +2,14 @@
 once its marker file is written, which happens after every rank's write has finished. A save
 writes in the background (torch.distributed.checkpoint.async_save: the state is copied first, so
 the next steps may change it), one at a time; the oldest complete checkpoints beyond `keep` are
-removed once a newer one is complete. SIGTERM asks for a checkpoint at the next step boundary."""
+removed once a newer one is complete. SIGTERM or Ctrl-C asks for a checkpoint at the next step
+boundary; a second Ctrl-C aborts at once."""
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import socket
 import signal
 import threading
 import time
@@ -226,31 +229,65 @@ class AsyncSaver:
             raise failure
 
 
-class Preemption:
-    """SIGTERM (what schedulers send before they stop a job) sets a flag instead of ending the
-    process; `agreed()` at a step boundary says whether any rank got it, so all stop at one step."""
+class SecondInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C while the first one's checkpoint was awaited: the run aborts, unsaved."""
 
-    def __init__(self):
-        self.requested = False
-        self.previous = None
+
+# what stopped a run, in the order agreement prefers: a Ctrl-C on any rank makes every rank exit 130
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption:
+    """SIGTERM (what schedulers send before they stop a job) or Ctrl-C (SIGINT) sets a flag instead
+    of ending the process; `agreed()` at a step boundary says which any rank got, so all stop at one
+    step. A second Ctrl-C raises SecondInterrupt at once. `notice`: written to stderr at the first
+    Ctrl-C (None: nothing), so that a long step does not look ignored."""
+
+    def __init__(self, notice: str | None = None):
+        self.requested: signal.Signals | None = None
+        self.notice = notice
+        self.previous: dict = {}
 
     def install(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self.previous = signal.signal(signal.SIGTERM, self._request)
+            self.previous = {s: signal.signal(s, self._request) for s in STOP_SIGNALS}
         return self
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-            self.previous = None
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
 
     def _request(self, signum, frame) -> None:
-        self.requested = True
+        if signum == signal.SIGINT and self.requested == signal.SIGINT:
+            self.restore()
+            raise SecondInterrupt()
+        if self.requested is None or signum == signal.SIGINT:
+            self.requested = signal.Signals(signum)
+        if signum == signal.SIGINT and self.notice:
+            os.write(2, f"\n{self.notice}\n".encode())  # print() is not safe inside a signal handler
 
-    def agreed(self) -> bool:
-        """Whether any rank was asked to stop (a collective on the default group: every rank calls it)."""
+    def agreed(self) -> signal.Signals | None:
+        """The signal any rank was stopped by (SIGINT over SIGTERM), or None (a collective on the
+        default group: every rank calls it)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.requested
-        flag = torch.tensor(int(self.requested))
+        mine = STOP_SIGNALS.index(self.requested) + 1 if self.requested is not None else 0
+        flag = torch.tensor(mine)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return STOP_SIGNALS[int(flag.item()) - 1] if int(flag.item()) else None
+
+
+def probe_writable(root, rank: int = 0) -> str | None:
+    """Create `root` and write a file in it (removed again), so that a directory this process
+    cannot write is found before any training: None when it can, else a one-line reason."""
+    probe = pathlib.Path(root) / f".picofx-write-probe-{socket.gethostname()}-{os.getpid()}-rank{rank}"
+    try:
+        pathlib.Path(root).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"picofx checks that --save can be written\n")
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(root) else ""
+        return (f"--save {root}: cannot write there: {e.strerror or e}{where}; name a directory this user can "
+                "create and write (checked before training, so nothing is lost)")
+    return None

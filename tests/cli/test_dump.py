@@ -88,8 +88,12 @@ def test_help_lists_every_option_of_every_pass_from_its_fields(capsys):
     for name, factory in PASSES.items():
         for field in dataclasses.fields(factory) if dataclasses.is_dataclass(factory) else ():
             flag = f"--{name}.{field.name}"
+            if not field.init:  # the pass's own state (overlap's per-model states), not an option
+                assert flag not in out and f"{field.name}=" not in out, flag
+                continue
             assert flag in out or re.search(rf"only Python can give: .*{field.name}", out), flag
     assert "--pipeline.microbatches int" in out and "--batch" in out and "--seq" in out
+    assert "WeakKeyDictionary" not in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -68,7 +68,8 @@ def test_mfu_under_tensor_parallelism_divides_by_every_ranks_peak():
     assert "MFU" in measured.line(layout) and "1 GFLOP/s per rank x 2 ranks (a fake)" in measured.line(layout)
 
 
-def test_a_cpu_peak_is_measured_at_the_steps_dtype_and_averaged_over_the_ranks(monkeypatch):
+def test_a_cpu_peak_is_measured_at_the_steps_dtype_and_averaged_over_the_ranks(monkeypatch, tmp_path):
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))  # none measured yet
     asked = []
     monkeypatch.setattr(train_metrics, "matmul_flops", lambda dtype, device, **_: asked.append(dtype) or 50e9)
     peak = rank_peak("cpu", torch.bfloat16, Layout(dp=2), total=lambda x: x + 30e9)  # the other rank: 30e9

@@ -177,8 +177,8 @@ MATCHING = {
     "add_rms_norm": (lambda: Residual(RMSNorm(32, 1e-6)), dict(x=x(2, 8, 32), residual=x(2, 8, 32)),
                      {"picofx.add_rms_norm.default": 1, "picofx.rms_norm.default": 0, "aten.add.Tensor": 0}),
     "swiglu": (lambda: MLP(CONFIG), dict(x=x(2, 8, 32)),
-               {"picofx.silu_mul.default": 1, "aten.linear.default": 2, "aten.sigmoid.default": 0,
-                "aten.cat.default": 0}),  # the model's two projections, no weight merged
+               {"picofx.silu_mul.default": 1, "aten.linear.default": 3, "aten.sigmoid.default": 0,
+                "aten.cat.default": 0}),  # gate, up and down as the model has them, no weight merged
     "swiglu with biases": (lambda: GatedMLP(bias=True), dict(x=x(2, 8, 32)),
                            {"picofx.silu_mul.default": 1, "aten.linear.default": 2, "aten.cat.default": 0}),
     "rope by chunks": (lambda: Rotary(), dict(x=x(2, 8, 32)), {"picofx.rope.default": 1, "aten.neg.default": 0}),

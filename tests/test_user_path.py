@@ -204,7 +204,7 @@ def test_the_report_fits_100_columns_says_bytes_in_units_and_prints_what_passes_
     checkpoint = {"budget": 3 * 2**30, "peak_before": 5 * 2**30, "peak_after": 3 * 2**30 - 2**20,
                   "bytes_saved": 3 * 2**29, "added_flops": 0, "recomputed": 12, "per_layer": per_layer,
                   "memory": {"parameters": 2**30, "gradients": 2**30, "backward_peak_at": "mm_19"}}
-    fuse = {rule: i for i, rule in enumerate(["rms_norm", "add_rms_norm", "swiglu", "qkv_projection", "rope",
+    fuse = {rule: i for i, rule in enumerate(["rms_norm", "add_rms_norm", "swiglu", "gated_activation", "rope",
                                               "attention", "grouped_query_attention", "linear_cross_entropy"])}
     report = Report("eager", (), records=[record("fuse", Stage.FORWARD, {**fuse, "near_misses": misses}),
                                           record("checkpoint", Stage.JOINT, checkpoint)])

@@ -1,9 +1,9 @@
 """Pass `fuse`: rewrite LLaMA blocks into fused kernels with pattern rules.
 
 Each rule (picofx.rewrite.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
-ones fuse RMSNorm (alone and after the residual add), SwiGLU, the Q/K/V projections, RoPE
-(rotate-half, complex, interleaved pairs), attention (to SDPA with grouped-query heads), and the
-final projection with the cross-entropy loss. Users add rules with `picofx.rules.register_rule`.
+ones fuse RMSNorm (alone and after the residual add), SwiGLU, RoPE (rotate-half, complex,
+interleaved pairs), attention (to SDPA with grouped-query heads), and the final projection with
+the cross-entropy loss. Users add rules with `picofx.rules.register_rule`.
 
 Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);

@@ -18,7 +18,7 @@ from picofx.testing import assert_trains_like_eager, captured, count_ops, op_cou
 aten, picofx_ops = torch.ops.aten, torch.ops.picofx
 LAYERS = 2  # every zoo model here has 2 layers
 LLAMA_RULES = ("rms_norm", "add_rms_norm", "swiglu", "qkv_projection", "gated_activation", "rope", "complex_rope",
-               "attention", "grouped_query_attention", "interleaved_rope")
+               "attention", "grouped_query_attention", "causal_attention", "interleaved_rope")
 ROUNDING = (1e-5, 1e-5)  # what the rules that fired declare (summation order; see each rule)
 
 
@@ -37,10 +37,10 @@ EVERY_BLOCK = {"rms_norms": 2 * LAYERS + 1, "swiglus": LAYERS, "qkv_merges": LAY
                "attentions": LAYERS, "losses": 1}
 # rms_norm fuses all 2L+1 norms; add_rms_norm then takes in the residual add before 2L of them.
 # gated_activation (after an already merged gate/up), complex_rope (Meta's form) and interleaved_rope
-# (GLM's) find nothing here.
+# (GLM's) find nothing here; causal_attention neither: this model's attention is already is_causal.
 NOTES = {"rms_norm": 2 * LAYERS + 1, "add_rms_norm": 2 * LAYERS, "swiglu": LAYERS, "qkv_projection": LAYERS,
          "gated_activation": 0, "rope": LAYERS, "complex_rope": 0, "attention": 0,
-         "grouped_query_attention": LAYERS, "interleaved_rope": 0, "linear_cross_entropy": 1}
+         "grouped_query_attention": LAYERS, "causal_attention": 0, "interleaved_rope": 0, "linear_cross_entropy": 1}
 
 
 def hf_model(architecture: str, **config) -> ZooModel:
@@ -77,7 +77,9 @@ def test_every_block_of_hugging_face_decoders_is_fused_and_trains_like_eager(arc
     opt = assert_trains_like_eager(model, [Fuse()], backend="eager", tolerance=ROUNDING)
     notes = opt.report.records[0].notes
     eager_attention = config.get("attn_implementation") == "eager"
-    assert {k: notes[k] for k in NOTES} == {**NOTES, "attention": LAYERS if eager_attention else 0}
+    # Hugging Face's mask, computed from positions alone (no attention_mask given), is proven causal.
+    assert {k: notes[k] for k in NOTES} == {**NOTES, "attention": LAYERS if eager_attention else 0,
+                                            "causal_attention": LAYERS}
     assert fused_block_counts(opt.graph_module) == EVERY_BLOCK
     assert "logits" in notes["dropped_outputs"]
     out = opt(**model.example_inputs)
@@ -114,7 +116,8 @@ def test_second_run_changes_nothing():
     run_pass(Fuse(), gm, ctx, verify="invariants")
     before = str(gm.graph)
     record = run_pass(Fuse(explain=True), gm, ctx)
-    assert record.notes == {**{r.name: 0 for r in registered_rules()}, "near_misses": [], "unfused_sites": []}
+    assert record.notes == {**{r.name: 0 for r in registered_rules()}, "causal_attention": 0, "near_misses": [],
+                            "unfused_sites": []}
     assert str(gm.graph) == before and not record.changed
 
 

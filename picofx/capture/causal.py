@@ -15,12 +15,15 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from picofx.capture.vocabulary import is_view
+
 MASK_EVALUATED_UP_TO = 2**26  # entries: a mask proven causal by evaluating it at capture (a 8192^2 one)
 
 
 def input_read(mask: fx.Node) -> fx.Node | None:
-    """The first node that `mask` is computed from that is no constant: an input of the graph, or a
-    random op; None when every node it reads is a call or a constant attribute."""
+    """A node that `mask` is computed from that is no constant: an input of the graph, a random op,
+    or an op that writes in place into what the mask reads (captured graphs have none); None when
+    every node it reads is a pure call or a constant attribute."""
     seen, pending = set(), [mask]
     while pending:
         node = pending.pop()
@@ -30,7 +33,20 @@ def input_read(mask: fx.Node) -> fx.Node | None:
             return node
         seen.add(node)
         pending.extend(node.all_input_nodes)
+        pending.extend(writes_in_place(node))
     return None
+
+
+def writes_in_place(node: fx.Node) -> list[fx.Node]:
+    """The ops that write in place into `node`'s value, directly or through views of it."""
+    found, views = [], [node]
+    while views:
+        for user in views.pop().users:
+            if is_view(user):
+                views.append(user)
+            elif isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
+                found.append(user)
+    return found
 
 
 def computed_by(mask: fx.Node) -> list[fx.Node]:
@@ -45,15 +61,14 @@ def computed_by(mask: fx.Node) -> list[fx.Node]:
 
 
 def evaluated(nodes: list[fx.Node]) -> dict[fx.Node, object]:
-    """The nodes' values, computed on real tensors (also where a fake mode is active)."""
+    """The nodes' values, computed in graph order."""
     values = {}
-    with unset_fake_temporarily(), torch.no_grad():
-        for node in nodes:
-            if node.op == "get_attr":
-                values[node] = getattr(node.graph.owning_module, node.target)
-            else:
-                args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
-                values[node] = node.target(*args, **kwargs)
+    for node in nodes:
+        if node.op == "get_attr":
+            values[node] = getattr(node.graph.owning_module, node.target)
+        else:
+            args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
+            values[node] = node.target(*args, **kwargs)
     return values
 
 
@@ -73,12 +88,13 @@ def why_not_causal(mask: fx.Node) -> str | None:
         return f"{mask.name} has {val.numel()} entries, more than the {MASK_EVALUATED_UP_TO} evaluated at capture"
     source = input_read(mask)
     if source is not None:
-        what = "a random op" if source.op == "call_function" else "the graph's input"
+        what = "the random or in-place op" if source.op == "call_function" else "the graph's input"
         return (f"{mask.name} is computed from {what} {source.name}, which may hold anything at run time "
                 "(a padding attention_mask, packed positions, a buffer): attention stays masked")
     try:
-        value = evaluated(computed_by(mask))[mask]
-        causal = isinstance(value, torch.Tensor) and _is_causal(value)
+        with unset_fake_temporarily(), torch.no_grad():  # real tensors, also where a fake mode is active
+            value = evaluated(computed_by(mask))[mask]
+            causal = isinstance(value, torch.Tensor) and _is_causal(value)
     except Exception as error:  # noqa: BLE001  (what cannot be evaluated here is not proven causal)
         return f"{mask.name} could not be evaluated at capture: {type(error).__name__}: {error}"
     return None if causal else f"{mask.name} is not the causal tril (a window, another triangle, padding...)"

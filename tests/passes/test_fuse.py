@@ -12,6 +12,7 @@ from torch import fx
 from picofx.models import zoo
 from picofx.models.zoo import ZooModel, token_batch
 from picofx.passes.fuse.fuse import Fuse
+from picofx.rewrite.tracing import normalized_args
 from picofx.rules import registered_rules
 from picofx.testing import assert_trains_like_eager, captured, count_ops, op_counts, run_pass
 
@@ -20,6 +21,12 @@ LAYERS = 2  # every zoo model here has 2 layers
 LLAMA_RULES = ("rms_norm", "add_rms_norm", "swiglu", "qkv_projection", "gated_activation", "rope", "complex_rope",
                "attention", "grouped_query_attention", "causal_attention", "interleaved_rope")
 ROUNDING = (1e-5, 1e-5)  # what the rules that fired declare (summation order; see each rule)
+
+
+def causal_attentions(gm: fx.GraphModule) -> list[bool]:
+    """Per SDPA: is_causal with no mask tensor."""
+    return [normalized_args(n)[3] is None and normalized_args(n)[5]
+            for n in gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)]
 
 
 def fused_block_counts(gm: fx.GraphModule) -> dict:
@@ -62,6 +69,7 @@ def test_every_block_of_the_reference_llama_is_fused_and_computes_the_same():
     record = run_pass(Fuse(), gm, ctx)  # the manager compares the loss and every gradient with the unfused graph
     assert record.notes == NOTES
     assert fused_block_counts(gm) == EVERY_BLOCK
+    assert causal_attentions(gm) == [True] * LAYERS
     leftovers = op_counts(gm)
     for op in ("aten.rsqrt.default", "aten.sigmoid.default", "aten.neg.default", "aten._log_softmax.default",
                "aten.expand.default"):
@@ -81,6 +89,9 @@ def test_every_block_of_hugging_face_decoders_is_fused_and_trains_like_eager(arc
     assert {k: notes[k] for k in NOTES} == {**NOTES, "attention": LAYERS if eager_attention else 0,
                                             "causal_attention": LAYERS}
     assert fused_block_counts(opt.graph_module) == EVERY_BLOCK
+    assert causal_attentions(opt.graph_module) == [True] * LAYERS  # no mask tensor into SDPA
+    seq = model.example_inputs["input_ids"].shape[1]  # nor any (T x T) mask made: its computation is gone
+    assert not [n for n in opt.graph_module.graph.nodes if getattr(n.meta.get("val"), "shape", ())[-2:] == (seq, seq)]
     assert "logits" in notes["dropped_outputs"]
     out = opt(**model.example_inputs)
     assert out.logits is None and out.loss.shape == ()

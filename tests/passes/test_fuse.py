@@ -90,8 +90,8 @@ def test_every_block_of_hugging_face_decoders_is_fused_and_trains_like_eager(arc
                                             "causal_attention": LAYERS}
     assert fused_block_counts(opt.graph_module) == EVERY_BLOCK
     assert causal_attentions(opt.graph_module) == [True] * LAYERS  # no mask tensor into SDPA
-    seq = model.example_inputs["input_ids"].shape[1]  # nor any (T x T) mask made: its computation is gone
-    assert not [n for n in opt.graph_module.graph.nodes if getattr(n.meta.get("val"), "shape", ())[-2:] == (seq, seq)]
+    seq = model.example_inputs["input_ids"].shape[1]  # nor any (B, 1, T, T) mask made: its computation is gone
+    assert not [n for n in opt.graph_module.graph.nodes if getattr(n.meta.get("val"), "shape", ())[-3:] == (1, seq, seq)]
     assert "logits" in notes["dropped_outputs"]
     out = opt(**model.example_inputs)
     assert out.logits is None and out.loss.shape == ()

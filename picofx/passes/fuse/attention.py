@@ -1,15 +1,15 @@
 """Fusion rules for attention: RoPE on q and k as one op (rotate-half, or Meta's complex
 multiplication, which rotates neighbouring pairs: the op's interleaved form); attention written as
 matmul-softmax-matmul as SDPA; grouped-query attention (k and v repeated per query head before
-SDPA) as SDPA with enable_gqa, which reads k and v as they are. The last two compose: eager attention after
-repeat_kv becomes SDPA, then SDPA with enable_gqa. After the rules, `causal_attention` runs each SDPA
-whose mask is proven causal (picofx.capture.causal states the rule) with is_causal and no mask."""
+SDPA) as SDPA with enable_gqa, which reads k and v as they are. The last two compose: eager
+attention after repeat_kv becomes SDPA, then SDPA with enable_gqa. After the rules,
+`causal_attention` runs each SDPA whose mask is proven causal (picofx.capture.causal states the
+rule) with is_causal and no mask."""
 import torch
 import torch.nn.functional as F
-
-import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from torch import fx
 
+import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.capture.causal import erase_unread, why_not_causal
 from picofx.rewrite import Rule, register_rule, scalar, tensor
 from picofx.rewrite.matcher import NearMiss

@@ -3,9 +3,11 @@
 Each rule (picofx.rewrite.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
 ones fuse RMSNorm (alone and after the residual add), SwiGLU, the Q/K/V projections, RoPE
 (rotate-half, complex, interleaved pairs), attention (to SDPA with grouped-query heads), and the
-final projection with the cross-entropy loss. Users add rules with `picofx.rules.register_rule`.
+final projection with the cross-entropy loss; then SDPA under a mask proven causal runs is_causal
+without it (causal_attention, in picofx.passes.fuse.attention). Users add rules with
+`picofx.rules.register_rule`.
 
-Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
+Notes: matches per rule (and causal_attention's count); `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
 with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse.sites: norms, gated

@@ -12,14 +12,21 @@ from torch import fx
 from picofx.models import zoo
 from picofx.models.zoo import ZooModel, token_batch
 from picofx.passes.fuse.fuse import Fuse
+from picofx.rewrite.tracing import normalized_args
 from picofx.rules import registered_rules
 from picofx.testing import assert_trains_like_eager, captured, count_ops, op_counts, run_pass
 
 aten, picofx_ops = torch.ops.aten, torch.ops.picofx
 LAYERS = 2  # every zoo model here has 2 layers
-LLAMA_RULES = ("rms_norm", "add_rms_norm", "swiglu", "gated_activation", "rope", "complex_rope", "attention",
-               "grouped_query_attention", "interleaved_rope")
+LLAMA_RULES = ("rms_norm", "add_rms_norm", "swiglu", "gated_activation", "rope", "complex_rope",
+               "attention", "grouped_query_attention", "causal_attention", "interleaved_rope")
 ROUNDING = (1e-5, 1e-5)  # what the rules that fired declare (summation order; see each rule)
+
+
+def causal_attentions(gm: fx.GraphModule) -> list[bool]:
+    """Per SDPA: is_causal with no mask tensor."""
+    return [normalized_args(n)[3] is None and normalized_args(n)[5]
+            for n in gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)]
 
 
 def fused_block_counts(gm: fx.GraphModule) -> dict:
@@ -34,9 +41,10 @@ def fused_block_counts(gm: fx.GraphModule) -> dict:
 EVERY_BLOCK = {"rms_norms": 2 * LAYERS + 1, "swiglus": LAYERS, "ropes": LAYERS, "attentions": LAYERS, "losses": 1}
 # rms_norm fuses all 2L+1 norms; add_rms_norm then takes in the residual add before 2L of them.
 # gated_activation (after an already merged gate/up), complex_rope (Meta's form) and interleaved_rope
-# (GLM's) find nothing here.
-NOTES = {"rms_norm": 2 * LAYERS + 1, "add_rms_norm": 2 * LAYERS, "swiglu": LAYERS, "gated_activation": 0,
-         "rope": LAYERS, "complex_rope": 0, "attention": 0, "grouped_query_attention": LAYERS, "interleaved_rope": 0, "linear_cross_entropy": 1}
+# (GLM's) find nothing here; causal_attention neither: this model's attention is already is_causal.
+NOTES = {"rms_norm": 2 * LAYERS + 1, "add_rms_norm": 2 * LAYERS, "swiglu": LAYERS,
+         "gated_activation": 0, "rope": LAYERS, "complex_rope": 0, "attention": 0,
+         "grouped_query_attention": LAYERS, "causal_attention": 0, "interleaved_rope": 0, "linear_cross_entropy": 1}
 
 
 def hf_model(architecture: str, **config) -> ZooModel:
@@ -58,6 +66,7 @@ def test_every_block_of_the_reference_llama_is_fused_and_computes_the_same():
     record = run_pass(Fuse(), gm, ctx)  # the manager compares the loss and every gradient with the unfused graph
     assert record.notes == NOTES
     assert fused_block_counts(gm) == EVERY_BLOCK
+    assert causal_attentions(gm) == [True] * LAYERS
     leftovers = op_counts(gm)
     for op in ("aten.rsqrt.default", "aten.sigmoid.default", "aten.neg.default", "aten._log_softmax.default",
                "aten.expand.default"):
@@ -73,8 +82,13 @@ def test_every_block_of_hugging_face_decoders_is_fused_and_trains_like_eager(arc
     opt = assert_trains_like_eager(model, [Fuse()], backend="eager", tolerance=ROUNDING)
     notes = opt.report.records[0].notes
     eager_attention = config.get("attn_implementation") == "eager"
-    assert {k: notes[k] for k in NOTES} == {**NOTES, "attention": LAYERS if eager_attention else 0}
+    # Hugging Face's mask, computed from positions alone (no attention_mask given), is proven causal.
+    assert {k: notes[k] for k in NOTES} == {**NOTES, "attention": LAYERS if eager_attention else 0,
+                                            "causal_attention": LAYERS}
     assert fused_block_counts(opt.graph_module) == EVERY_BLOCK
+    assert causal_attentions(opt.graph_module) == [True] * LAYERS  # no mask tensor into SDPA
+    seq = model.example_inputs["input_ids"].shape[1]  # nor any (B, 1, T, T) mask made: its computation is gone
+    assert not [n for n in opt.graph_module.graph.nodes if getattr(n.meta.get("val"), "shape", ())[-3:] == (1, seq, seq)]
     assert "logits" in notes["dropped_outputs"]
     out = opt(**model.example_inputs)
     assert out.logits is None and out.loss.shape == ()
@@ -110,7 +124,8 @@ def test_second_run_changes_nothing():
     run_pass(Fuse(), gm, ctx, verify="invariants")
     before = str(gm.graph)
     record = run_pass(Fuse(explain=True), gm, ctx)
-    assert record.notes == {**{r.name: 0 for r in registered_rules()}, "near_misses": [], "unfused_sites": []}
+    assert record.notes == {**{r.name: 0 for r in registered_rules()}, "causal_attention": 0, "near_misses": [],
+                            "unfused_sites": []}
     assert str(gm.graph) == before and not record.changed
 
 

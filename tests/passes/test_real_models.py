@@ -22,6 +22,7 @@ from picofx.passes.checkpoint.checkpoint import Checkpoint
 from picofx.passes.fuse.fuse import Fuse
 from picofx.passes.fuse.sites import KINDS, accounting, census
 from picofx.passes.precision.precision import TOLERANCE, Precision
+from picofx.rewrite.tracing import normalized_args
 from picofx.testing import captured, run_pass
 
 # The fused ops each model should end with, by kind (fuse_sites.KINDS order: norm, gated_mlp,
@@ -43,6 +44,10 @@ EXPECTED = {
     "hf-granitemoe": LLAMA_LIKE,
 }
 SOFT_CAPPED = {"hf-gemma2": 2}  # attention sites no rule may fuse
+# SDPA left under a mask after fuse: Hugging Face's causal masks (no attention_mask given) are proven
+# causal and dropped; Gemma 3's sliding-window layer keeps its window (8 of 16 positions).
+MASKED_ATTENTION = {"hf-gemma3": 1}
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # fusible sites no rule fuses yet, by kind (each is named with its reason by Fuse(explain=True))
 LEFT_UNFUSED: dict[str, dict[str, int]] = {}
 ACCOUNTS: dict[str, dict] = {}  # model -> fuse_sites.accounting, filled by the pass-combination test
@@ -143,6 +148,8 @@ def test_each_pass_combination_trains_like_eager(name):
     left = {kind: after[kind]["unfused"] for kind in KINDS if after[kind]["unfused"]}
     assert left == LEFT_UNFUSED.get(name, {}), {k: v for k, v in after.items() if v["unfused"]}
     assert after["attention"]["not_fusible"] == SOFT_CAPPED.get(name, 0)
+    masks = [normalized_args(n)[3] for n in opt.graph_module.graph.nodes if n.target is SDPA]
+    assert sum(mask is not None for mask in masks) == MASKED_ATTENTION.get(name, 0)
     ACCOUNTS[name] = accounting(census(captured_graph(name).graph), after)
 
 

@@ -18,13 +18,13 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
+from picofx.capture.causal import erase_unread, is_causal_mask
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.sp_gather)
 import picofx.passes.context_parallel.ring  # noqa: F401  (registers torch.ops.picofx.cp_ring_attention)
 from picofx.passes.context_parallel.split import KEY_VIEWS, CannotSplit, Local
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-MASK_EVALUATED_UP_TO = 2**26  # entries: a mask proven causal by evaluating it at capture (a 8192^2 one)
 
 
 class Attention:
@@ -69,15 +69,7 @@ class Attention:
 
     def drop_unread_masks(self) -> None:
         """Erase the masks proven causal, and what only they read, once no attention reads them."""
-        pending, erased = [m for m, causal in self.causal_masks.items() if causal], set()
-        while pending:
-            node = pending.pop()
-            if node in erased or node.users or node.op not in ("call_function", "get_attr"):
-                continue
-            inputs = node.all_input_nodes
-            self.graph.erase_node(node)
-            erased.add(node)
-            pending.extend(inputs)
+        erase_unread(self.graph, [m for m, causal in self.causal_masks.items() if causal])
 
     def arguments(self, attention: fx.Node) -> dict:
         """The attention's arguments by name, a mask proven causal (`is_causal_mask`) as is_causal."""
@@ -86,7 +78,7 @@ class Attention:
         mask = a.get("attn_mask")
         if mask is not None and not a.get("is_causal", False):
             if mask not in self.causal_masks:
-                self.causal_masks[mask] = is_causal_mask(self.graph, mask)
+                self.causal_masks[mask] = is_causal_mask(mask)
             if self.causal_masks[mask]:
                 a["attn_mask"], a["is_causal"] = None, True
         return a
@@ -193,41 +185,6 @@ class RingAttention(Attention):
         return self.in_place(split, node, torch.ops.picofx.cp_ring_attention.default, (
             query, a["key"], a["value"], mask, scale, mask is None and a.get("is_causal", False),
             self.dim.rank, self.dim.size, self.positions.load_balance, self.dim.group_name), rows)
-
-
-def is_causal_mask(graph: fx.Graph, mask: fx.Node) -> bool:
-    """Whether `mask` is computed from constants alone (no input of the graph) and lets each query
-    attend to exactly the keys at or before it, as a model's causal mask without padding is (Hugging
-    Face builds one from position ranges): evaluated once here, on the whole sequence."""
-    if mask.meta["val"].numel() > MASK_EVALUATED_UP_TO:
-        return False
-    needed, pending = {}, [mask]
-    while pending:
-        node = pending.pop()
-        if node in needed:
-            continue
-        if node.op not in ("call_function", "get_attr"):  # an input of the graph: not a constant
-            return False
-        needed[node] = None
-        pending.extend(node.all_input_nodes)
-    values = {}
-    try:
-        for node in (n for n in graph.nodes if n in needed):
-            if node.op == "get_attr":
-                values[node] = getattr(graph.owning_module, node.target)
-            else:
-                args, kwargs = fx.map_arg((node.args, node.kwargs), values.__getitem__)
-                values[node] = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001  (what cannot be evaluated here is not proven causal: the mask stays)
-        return False
-    value = values[mask]
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != value.shape[-2]:
-        return False
-    allowed = value if value.dtype == torch.bool else value == 0
-    if value.dtype != torch.bool and not bool(((value == 0) | (value <= torch.finfo(value.dtype).min / 2)).all()):
-        return False
-    causal = torch.ones(value.shape[-2:], dtype=torch.bool).tril()
-    return bool((allowed == causal).all())
 
 
 def check_heads_repeated(attention: fx.Node, chain: list[fx.Node], source: fx.Node) -> None:

@@ -2,15 +2,23 @@
 multiplication, which rotates neighbouring pairs: the op's interleaved form); attention written as
 matmul-softmax-matmul as SDPA; grouped-query attention (k and v repeated per query head before
 SDPA) as SDPA with enable_gqa, which reads k and v as they are. The last two compose: eager
-attention after repeat_kv becomes SDPA, then SDPA with enable_gqa."""
+attention after repeat_kv becomes SDPA, then SDPA with enable_gqa. After the rules,
+`causal_attention` runs each SDPA whose mask is proven causal (picofx.capture.causal states the
+rule) with is_causal and no mask."""
 import torch
 import torch.nn.functional as F
+from torch import fx
 
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
+from picofx.capture.causal import erase_unread, why_not_causal
 from picofx.rewrite import Rule, register_rule, scalar, tensor
+from picofx.rewrite.matcher import NearMiss
 from picofx.rewrite.rewriter import cycle_reason
-from picofx.capture.vocabulary import VIEW_OPS
+from picofx.rewrite.tracing import normalized_args, set_normalized_args
+from picofx.capture.vocabulary import VIEW_OPS, module_path
 
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+CAUSAL_ATTENTION = "causal_attention"  # its name among fuse's rules and near-misses
 FLOAT_AND_LOW_PRECISION = ({"dtype": torch.float32}, {"dtype": torch.bfloat16})
 
 
@@ -197,3 +205,43 @@ GROUPED_QUERY_ATTENTION = register_rule(Rule(
     # head inside the kernel instead of through repeat's backward: another order.
     tolerance=(1e-5, 1e-5), tolerance_reason="k and v gradients are summed over their query heads in another order",
 ))
+
+
+def causal_attention(graph: fx.Graph) -> tuple[int, list[NearMiss]]:
+    """Each SDPA under a mask proven causal as SDPA with is_causal=True and no mask (flash attention
+    then skips the masked half; with enable_gqa CUDA has fused kernels only without a mask), the
+    mask's computation erased once nothing reads it. Not a pattern rule: a mask is evaluated once for all the layers
+    that read it. Returns how many it made causal, and why each other masked SDPA stays masked."""
+    verdicts: dict[fx.Node, str | None] = {}
+    made, masks, missed = 0, [], []
+    for node in graph.find_nodes(op="call_function", target=SDPA):
+        args = normalized_args(node)  # query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        mask = args[3]
+        if not isinstance(mask, fx.Node):
+            continue
+        reason = scores_reason(node, mask)
+        if reason is None:
+            if mask not in verdicts:
+                verdicts[mask] = why_not_causal(mask)
+            reason = verdicts[mask]
+        if reason is not None:
+            where = f"{node.name} in {module_path(node)}" if module_path(node) else node.name
+            missed.append(NearMiss(CAUSAL_ATTENTION, where, "mask_is_causal", reason))
+            continue
+        args[3], args[5] = None, True
+        set_normalized_args(node, args)
+        made += 1
+        masks.append(mask)
+    erase_unread(graph, masks)
+    return made, missed
+
+
+def scores_reason(attention: fx.Node, mask: fx.Node) -> str | None:
+    """Why SDPA's is_causal could not stand for this mask whatever its values: is_causal is the
+    top-left tril of the (T x S) scores, equal to a causal mask only where T == S and the mask
+    covers them (a (1, 1) mask broadcast would mask nothing)."""
+    query, key = (attention.args[i].meta["val"].shape for i in (0, 1))
+    shape = tuple(mask.meta["val"].shape)
+    if query[-2] != key[-2] or shape[-2:] != (query[-2], key[-2]):
+        return f"the mask {shape} is not the square ({query[-2]} x {key[-2]}) scores"
+    return None

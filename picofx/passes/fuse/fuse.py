@@ -1,11 +1,13 @@
 """Pass `fuse`: rewrite LLaMA blocks into fused kernels with pattern rules.
 
 Each rule (picofx.rewrite.rules) is a pattern and a replacement traced to ATen plus checks; the built-in
-ones fuse RMSNorm (alone and after the residual add), SwiGLU, RoPE (rotate-half, complex,
-interleaved pairs), attention (to SDPA with grouped-query heads), and the final projection with
-the cross-entropy loss. Users add rules with `picofx.rules.register_rule`.
+ones fuse RMSNorm (alone and after the residual add), SwiGLU, RoPE
+(rotate-half, complex, interleaved pairs), attention (to SDPA with grouped-query heads), and the
+final projection with the cross-entropy loss; then SDPA under a mask proven causal runs is_causal
+without it (causal_attention, in picofx.passes.fuse.attention). Users add rules with
+`picofx.rules.register_rule`.
 
-Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
+Notes: matches per rule (and causal_attention's count); `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
 with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse.sites: norms, gated
@@ -33,6 +35,7 @@ from picofx.rewrite import Rule, registered_rules
 # fused op comes after it (add_rms_norm after rms_norm; grouped-query SDPA after attention).
 from picofx.passes.fuse import norms, projections, attention  # noqa: F401, E402  isort: skip
 from picofx.passes.fuse import interleaved_rope, loss  # noqa: F401, E402  isort: skip
+from picofx.passes.fuse.attention import CAUSAL_ATTENTION, causal_attention  # noqa: E402
 from picofx.passes.fuse.sites import find_sites  # noqa: E402
 from picofx.passes.fuse.choose import check_choices, choose_patterns, mark_lowering  # noqa: E402
 
@@ -50,7 +53,9 @@ def _low_precision(match) -> bool:
 @register_pass("fuse")
 @dataclass(frozen=True)
 class Fuse:
-    rules: tuple | None = None  # rule names or Rule objects, applied in this order; None: all registered
+    # Rule names or Rule objects, applied in this order; None: all registered. "causal_attention" (SDPA
+    # under a mask proven causal runs is_causal, fuse/attention.py) comes after them, when named or None.
+    rules: tuple | None = None
     explain: bool = False       # also report near-misses (candidates a check rejected)
     keep_logits: bool = False   # the fused loss also returns the logits when the graph returns them
     # How the pointwise patterns run (picofx.passes.fuse.choose): "measure" times picofx's kernel, the
@@ -67,10 +72,10 @@ class Fuse:
         if self.rules is None:
             return registered
         by_name = {rule.name: rule for rule in registered}
-        unknown = [r for r in self.rules if isinstance(r, str) and r not in by_name]
+        unknown = [r for r in self.rules if isinstance(r, str) and r not in (*by_name, CAUSAL_ATTENTION)]
         if unknown:
             raise KeyError(f"Fuse: unknown rules {unknown}; registered: {', '.join(by_name)}")
-        return [by_name[r] if isinstance(r, str) else r for r in self.rules]
+        return [by_name[r] if isinstance(r, str) else r for r in self.rules if r != CAUSAL_ATTENTION]
 
     def __post_init__(self):
         if isinstance(self.choose, Mapping):
@@ -117,6 +122,9 @@ class Fuse:
                 tolerances.append(rule.tolerance)
             if any(_low_precision(m) for m in applied):
                 tolerances.append(LOW_PRECISION_TOLERANCE)
+        if self.rules is None or CAUSAL_ATTENTION in self.rules:  # after the rules that make SDPA
+            notes[CAUSAL_ATTENTION], missed = causal_attention(gm.graph)
+            near_misses += missed
         gm.recompile()
         if dropped:
             notes["dropped_outputs"] = (f"{', '.join(dropped)} -> None: the fused loss never makes the logits "
@@ -125,8 +133,8 @@ class Fuse:
             notes["near_misses"] = [asdict(m) for m in near_misses]
             notes["unfused_sites"] = unfused_sites(gm.graph, near_misses)
         tolerance = tuple(max(t[i] for t in tolerances) for i in range(2)) if tolerances else None
-        return PassResult(changed=any(notes[rule.name] for rule in rules), notes=notes,
-                          tolerance=tolerance)
+        changed = any(notes[rule.name] for rule in rules) or notes.get(CAUSAL_ATTENTION, 0) > 0
+        return PassResult(changed=changed, notes=notes, tolerance=tolerance)
 
 
 def unfused_sites(graph: fx.Graph, near_misses: list) -> list[str]:

@@ -14,7 +14,8 @@ Signatures and semantics are in each module's docstring.
 """
 import torch
 
-from picofx.kernels.linear_cross_entropy import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from picofx.kernels.linear_cross_entropy import (DEFAULT_CHUNK_SIZE, linear_cross_entropy,
+                                                 linear_cross_entropy_decomposition)
 from picofx.kernels.rms_norm import add_rms_norm_reference, rms_norm_backward_reference, rms_norm_reference
 from picofx.kernels.rope import rope_backward_reference, rope_reference
 from picofx.kernels.swiglu import (gelu_mul_backward_reference, gelu_mul_reference, silu_mul_backward_reference,
@@ -29,7 +30,7 @@ def inductor_decompositions() -> dict:
     For compiling on CPU with Inductor: decomposed, they become ordinary ATen nodes that
     Inductor fuses into its own C++ loops, instead of opaque calls. They apply below
     autograd, so the backward is still the op's own formula (rms_norm_backward, ...), only
-    decomposed too. linear_cross_entropy is left out on purpose: its point is the chunking.
+    decomposed too. linear_cross_entropy decomposes with its chunks unrolled.
     """
     ops = torch.ops.picofx
     return {
@@ -42,4 +43,5 @@ def inductor_decompositions() -> dict:
         ops.gelu_mul_backward.default: gelu_mul_backward_reference,
         ops.rope.default: rope_reference,
         ops.rope_backward.default: rope_backward_reference,
+        ops.linear_cross_entropy.default: linear_cross_entropy_decomposition,
     }

@@ -7,6 +7,7 @@ final projection with the cross-entropy loss. Users add rules with `picofx.rules
 
 Notes: matches per rule; `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
+`loss_chunks`: each fused loss's chunk count and why (picofx.passes.fuse.loss sizes them for the device);
 with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse.sites: norms, gated
 MLPs, RoPE, attention, loss) with why it was not: a rule's near-miss, a reason no rule may fuse
@@ -70,7 +71,8 @@ class Fuse:
     def _fuse(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         notes: dict = {}
         near_misses, dropped, tolerances = [], [], []
-        rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]
+        chunking = loss.context_chunking(ctx)
+        rules = [rule.with_options(keep_logits=self.keep_logits, chunking=chunking) for rule in self.selected_rules()]
         directory = ctx.cache_directory if ctx else None  # the optimized-graph cache's, when on
         prepare(gm.graph, rules, PatternStore(directory) if directory else None)
         for rule in rules:
@@ -83,6 +85,8 @@ class Fuse:
             if any(_low_precision(m) for m in applied):
                 tolerances.append(LOW_PRECISION_TOLERANCE)
         gm.recompile()
+        if notes.get(loss.LINEAR_CROSS_ENTROPY.name):
+            notes["loss_chunks"] = loss.chunking_notes(gm.graph, chunking)
         if dropped:
             notes["dropped_outputs"] = (f"{', '.join(dropped)} -> None: the fused loss never makes the logits "
                                         "(Fuse(keep_logits=True) keeps them)")

@@ -41,18 +41,20 @@ LOGITS_MEMORY_SHARE = 1 / 16
 @dataclass(frozen=True)
 class LossChunking:
     """How the fused loss splits its tokens: chunks whose fp32 logits take at most `logits_bytes`,
-    of at least `min_tokens` and at most `max_tokens` tokens (None: no limit); `why` says where the
-    figures come from, for the pass's notes."""
+    of at least `min_tokens` and at most `max_tokens` tokens (None: no limit), all of one size when
+    `balanced` (2 x 4096 tokens, not 5232 + 2960); `why` says where the figures come from."""
     logits_bytes: int
     min_tokens: int = MIN_CHUNK_TOKENS
     max_tokens: int | None = None
+    balanced: bool = False
     why: str = ""
 
     def chunk_size(self, vocab: int, n_tokens: int) -> int:
         tokens = max(self.min_tokens, self.logits_bytes // (4 * vocab))
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
-        return int(max(1, min(tokens, n_tokens)))
+        tokens = max(1, min(tokens, n_tokens))
+        return int(-(-n_tokens // -(-n_tokens // tokens)) if self.balanced and n_tokens else tokens)
 
 
 CPU_CHUNKING = LossChunking(LOGITS_CHUNK_BYTES, max_tokens=DEFAULT_CHUNK_SIZE,
@@ -69,7 +71,7 @@ def chunking_for(device, memory_capacity: int | None = None) -> LossChunking:
     if memory_capacity is None:
         memory_capacity = torch.cuda.get_device_properties(device).total_memory
     budget = int(memory_capacity * LOGITS_MEMORY_SHARE)
-    return LossChunking(budget, min_tokens=1,
+    return LossChunking(budget, min_tokens=1, balanced=True,
                         why=f"{device.type}: a chunk's fp32 logits up to 1/{round(1 / LOGITS_MEMORY_SHARE)} of its "
                             f"{memory_capacity / 2**30:.0f} GiB ({budget / 2**30:.1f} GiB)")
 

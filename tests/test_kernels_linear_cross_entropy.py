@@ -160,3 +160,42 @@ OPCHECK_CASES = {
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(case):
     torch.library.opcheck(torch.ops.picofx.linear_cross_entropy.default, OPCHECK_CASES[case]())
+
+
+# ---- low-precision chunks: fp32 sums, one scaling pass ------------------------------------
+
+class WeightShapedOutputs(TorchDispatchMode):
+    """(op, dtype) of every op output shaped like the weight, (V, C), inside picofx ops too."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.outputs = torch.Size(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "picofx":  # record what its CPU kernel runs, not the op's own outputs
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        out = func(*args, **kwargs)
+        self.outputs += [(func.overloadpacket.__name__, t.dtype) for t in tree_leaves(out)
+                         if isinstance(t, torch.Tensor) and t.shape == self.shape]
+        return out
+
+
+def test_bf16_chunks_add_up_in_fp32_and_the_backward_scales_in_one_pass():
+    x, weight, _, labels = ce_inputs(n_tokens=64, hidden=8, vocab=40, dtype=torch.bfloat16)
+    with WeightShapedOutputs(weight.shape) as tracker:
+        fused_loss(4)(x, weight, None, labels).backward()  # 16 chunks of 4 tokens
+    matmuls = [dtype for op, dtype in tracker.outputs if op in ("mm", "addmm", "matmul")]
+    others = [op for op, dtype in tracker.outputs if op not in ("mm", "addmm", "matmul", "detach")]
+    assert matmuls == [torch.float32] * 16  # each chunk adds into the fp32 sum: no bf16 (V, C) product
+    assert sorted(others) == ["_to_copy", "mul"]  # the backward: sum * (grad / count), cast once
+    assert weight.grad.dtype == torch.bfloat16
+
+
+def test_one_bf16_chunk_has_no_accumulator():
+    x, weight, _, labels = ce_inputs(n_tokens=16, hidden=8, vocab=40, dtype=torch.bfloat16)
+    out = ops.linear_cross_entropy(x.detach(), weight.detach(), None, labels, -100, "mean", True, 16, True, 1.0, 0.0)
+    assert out[2].dtype == torch.bfloat16  # one matmul writes the gradient: nothing to add up
+    out = ops.linear_cross_entropy(x.detach(), weight.detach(), None, labels, -100, "mean", True, 8, True, 1.0, 0.0)
+    assert out[2].dtype == torch.float32  # two chunks: their fp32 sum, rounded once in the backward

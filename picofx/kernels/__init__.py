@@ -16,7 +16,8 @@ decomposed (`inductor_decompositions`) or, on CUDA, launched as its Triton kerne
 """
 import torch
 
-from picofx.kernels.linear_cross_entropy import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from picofx.kernels.linear_cross_entropy import (DEFAULT_CHUNK_SIZE, linear_cross_entropy,
+                                                 linear_cross_entropy_decomposition)
 from picofx.kernels.rms_norm import add_rms_norm_reference, rms_norm_backward_reference, rms_norm_reference
 from picofx.kernels.rope import rope_backward_reference, rope_reference
 from picofx.kernels.swiglu import (gelu_mul_backward_reference, gelu_mul_reference, silu_mul_backward_reference,
@@ -32,7 +33,8 @@ def inductor_decompositions() -> dict:
     that Inductor fuses with their neighbours (C++ loops on CPU, Triton on CUDA), instead of
     opaque calls; on CUDA the ops lowered to their Triton kernels (lowering.py) never reach
     this table. They apply below autograd, so the backward is still the op's own formula
-    (rms_norm_backward, ...), only decomposed too.
+    (rms_norm_backward, ...), only decomposed too. linear_cross_entropy decomposes
+    with its chunks unrolled (on CPU: one call of its own kernel, measured faster there).
     """
     ops = torch.ops.picofx
     return {
@@ -45,4 +47,5 @@ def inductor_decompositions() -> dict:
         ops.gelu_mul_backward.default: gelu_mul_backward_reference,
         ops.rope.default: rope_reference,
         ops.rope_backward.default: rope_backward_reference,
+        ops.linear_cross_entropy.default: linear_cross_entropy_decomposition,
     }

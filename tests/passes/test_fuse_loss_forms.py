@@ -1,6 +1,9 @@
 """Every way real code writes the causal-LM loss, through `fuse`: the fused projection + loss
 replaces it (loss and every gradient equal eager), or, where the fused op computes something else
 (label smoothing, class or per-token weights), the loss stays as written and explain says why."""
+import copy
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,10 +12,13 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from picofx.models import zoo
 from picofx.models.zoo import ZooModel, token_batch
+from picofx.cost.device import H200
+from picofx.cost.model import CostModel
 from picofx.passes.fuse.fuse import Fuse
+from picofx.passes.fuse.loss import CPU_CHUNKING, chunking_for
 from picofx.passes.fuse.sites import KINDS, census
 from picofx.rewrite import registered_rules
-from picofx.testing import assert_trains_like_eager, count_ops
+from picofx.testing import assert_trains_like_eager, captured, count_ops, run_pass
 
 aten, picofx_ops = torch.ops.aten, torch.ops.picofx
 VOCAB, HIDDEN, BATCH, SEQ = 96, 32, 2, 8
@@ -172,3 +178,34 @@ def test_gpt2_is_left_alone_by_the_llama_rules():
     after = census(opt.graph_module.graph)
     assert {kind: after[kind]["fused"] for kind in KINDS} == {"norm": 0, "gated_mlp": 0, "rope": 0, "attention": 0,
                                                               "loss": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return captured(zoo.build("llama-tiny"))  # 64 tokens, vocab 256: 64 KiB of fp32 logits
+
+
+def fused_loss_chunk(tiny_llama, device: str, memory_capacity: int | None):
+    """The fused loss's chunk size and the pass's note when fuse runs for `device` with that much memory."""
+    gm, ctx = copy.deepcopy(tiny_llama[0]), tiny_llama[1]
+    described = CostModel(dataclasses.replace(H200, memory_capacity=memory_capacity)) if memory_capacity else None
+    record = run_pass(Fuse(rules=("linear_cross_entropy",)), gm, dataclasses.replace(
+        ctx, device=torch.device(device), cost_model=described))
+    (node,) = gm.graph.find_nodes(op="call_function", target=picofx_ops.linear_cross_entropy.default)
+    return node.args[7], record.notes["loss_chunks"]
+
+
+def test_the_loss_chunks_come_from_the_device_memory(tiny_llama):
+    chunk, notes = fused_loss_chunk(tiny_llama, "cuda", 141 * 10**9)  # the logits fit: one chunk
+    assert chunk == 64 and notes[0].startswith("linear_cross_entropy: 1 chunk of 64 tokens")
+    chunk, notes = fused_loss_chunk(tiny_llama, "cuda", 16 * 16 * 1024)  # a sixteenth is 16 KiB: 16 tokens of logits
+    assert chunk == 16 and "4 chunks of 16 tokens" in notes[0] and "1/16 of its" in notes[0]
+    chunk, notes = fused_loss_chunk(tiny_llama, "cpu", None)  # at least 512 tokens a chunk, so all 64 at once
+    assert chunk == 64 and notes[0].endswith(CPU_CHUNKING.why)
+
+
+def test_llama_1b_loss_is_one_chunk_on_an_h200_and_sixteen_on_cpu():
+    tokens, vocab = 4 * 2048, 128_256  # 4.2 GB of fp32 logits
+    assert chunking_for("cuda", H200.memory_capacity).chunk_size(vocab, tokens) == tokens
+    assert chunking_for("cuda", 40 * 2**30).chunk_size(vocab, tokens) == 4096  # 2.5 GiB a chunk: 2 equal chunks
+    assert chunking_for("cpu").chunk_size(vocab, tokens) == 512

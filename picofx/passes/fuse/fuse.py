@@ -9,6 +9,7 @@ without it (causal_attention, in picofx.passes.fuse.attention). Users add rules 
 
 Notes: matches per rule (and causal_attention's count); `dropped_outputs` when the fused loss replaced logits that the graph
 returned (they become None, e.g. `out.logits is None`; Fuse(keep_logits=True) keeps them);
+`loss_chunks`: each fused loss's chunk count and why (picofx.passes.fuse.loss sizes them for the device);
 with explain=True, `near_misses`: each rejected candidate, its rule, the check and the reason, and
 `unfused_sites`: every site left that a rule could fuse (picofx.passes.fuse.sites: norms, gated
 MLPs, RoPE, attention, loss) with why it was not: a rule's near-miss, a reason no rule may fuse
@@ -104,7 +105,8 @@ class Fuse:
     def _fuse(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         notes: dict = {}
         near_misses, dropped, tolerances = [], [], []
-        rules = [rule.with_options(keep_logits=self.keep_logits) for rule in self.selected_rules()]
+        chunking = loss.context_chunking(ctx)
+        rules = [rule.with_options(keep_logits=self.keep_logits, chunking=chunking) for rule in self.selected_rules()]
         directory = ctx.cache_directory if ctx else None  # the optimized-graph cache's, when on
         prepare(gm.graph, rules, PatternStore(directory) if directory else None)
         lowering = self._lowering(gm, ctx, rules, notes)
@@ -126,6 +128,8 @@ class Fuse:
             notes[CAUSAL_ATTENTION], missed = causal_attention(gm.graph)
             near_misses += missed
         gm.recompile()
+        if notes.get(loss.LINEAR_CROSS_ENTROPY.name):
+            notes["loss_chunks"] = loss.chunking_notes(gm.graph, chunking)
         if dropped:
             notes["dropped_outputs"] = (f"{', '.join(dropped)} -> None: the fused loss never makes the logits "
                                         "(Fuse(keep_logits=True) keeps them)")

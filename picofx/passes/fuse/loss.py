@@ -10,8 +10,11 @@ the fused op then reads x[..., :-1, :]); divided by a scale (Granite) or soft-ca
 tanh(logits / c) * c (Gemma 2), which the fused op computes chunk by chunk too. Label smoothing,
 class weights and weighted per-token losses are other math: picofx.passes.fuse.sites names them.
 The pattern also returns the logits: when the graph returns them too (Hugging Face's output),
-they become None unless the rule's keep_logits option is set.
+they become None unless the rule's keep_logits option is set. Its chunking option sizes the chunks:
+`chunking_for` the device (the fuse pass sets it from ctx), one chunk on a GPU where the logits fit.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -19,18 +22,80 @@ import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.kernels import DEFAULT_CHUNK_SIZE
 from picofx.rewrite import Rule, register_rule, scalar, tensor
 
-# Tokens per chunk: as many as keep one chunk's fp32 logits near this many bytes (the op holds
-# one such buffer at a time), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the whole
-# (vocab x hidden) weight-gradient accumulator, and the logits matmul runs slower on few rows.
+# On a CPU, tokens per chunk: as many as keep one chunk's fp32 logits near this many bytes (the op
+# holds one such buffer at a time), but at least MIN_CHUNK_TOKENS: every chunk reads and writes the
+# whole (vocab x hidden) weight-gradient sum, and the logits matmul runs slower on few rows.
 # Measured on CPU at vocab 32000, hidden 256, 4096 tokens: 128-token chunks made the fused loss
 # 15% slower than torch.compile's unfused one, 512-token chunks 2% faster; there the 64 MiB chunk
 # buffer sets the step's peak (tools/bench_fuse.py: 601 MiB, 569 with 128-token chunks).
 LOGITS_CHUNK_BYTES = 64 * 2**20
 MIN_CHUNK_TOKENS = 512
+# On a GPU, one chunk while the fp32 logits of all tokens fit in this share of the device's memory:
+# every further chunk moves the (vocab x hidden) weight-gradient sum once more (at Llama-3.2-1B's
+# shape, 4 x 2048 tokens, 1 GB in fp32 a chunk) and runs the matmuls on fewer rows. An H200's
+# sixteenth is 8.8 GB, twice the 4.2 GB of fp32 logits at that shape. Where they do not fit, memory
+# alone sets the chunk (no floor).
+LOGITS_MEMORY_SHARE = 1 / 16
 
 
-def chunk_size(vocab: int) -> int:
-    return int(min(DEFAULT_CHUNK_SIZE, max(MIN_CHUNK_TOKENS, LOGITS_CHUNK_BYTES // (4 * vocab))))
+@dataclass(frozen=True)
+class LossChunking:
+    """How the fused loss splits its tokens: chunks whose fp32 logits take at most `logits_bytes`,
+    of at least `min_tokens` and at most `max_tokens` tokens (None: no limit), all of one size when
+    `balanced` (2 x 4096 tokens, not 5232 + 2960); `why` says where the figures come from."""
+    logits_bytes: int
+    min_tokens: int = MIN_CHUNK_TOKENS
+    max_tokens: int | None = None
+    balanced: bool = False
+    why: str = ""
+
+    def chunk_size(self, vocab: int, n_tokens: int) -> int:
+        tokens = max(self.min_tokens, self.logits_bytes // (4 * vocab))
+        if self.max_tokens is not None:
+            tokens = min(tokens, self.max_tokens)
+        tokens = max(1, min(tokens, n_tokens))
+        return int(-(-n_tokens // -(-n_tokens // tokens)) if self.balanced and n_tokens else tokens)
+
+
+CPU_CHUNKING = LossChunking(LOGITS_CHUNK_BYTES, max_tokens=DEFAULT_CHUNK_SIZE,
+                            why=f"CPU: {LOGITS_CHUNK_BYTES // 2**20} MiB of fp32 logits a chunk (at least "
+                                f"{MIN_CHUNK_TOKENS} tokens), the fastest measured there")
+
+
+def chunking_for(device, memory_capacity: int | None = None) -> LossChunking:
+    """The chunking on `device` (a torch.device), whose memory holds `memory_capacity` bytes
+    (picofx.cost's device description; None: the device's own total, for a GPU)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_CHUNKING
+    if memory_capacity is None:
+        memory_capacity = torch.cuda.get_device_properties(device).total_memory
+    budget = int(memory_capacity * LOGITS_MEMORY_SHARE)
+    return LossChunking(budget, min_tokens=1, balanced=True,
+                        why=f"{device.type}: a chunk's fp32 logits up to 1/{round(1 / LOGITS_MEMORY_SHARE)} of its "
+                            f"{memory_capacity / 2**30:.0f} GiB ({budget / 2**30:.1f} GiB)")
+
+
+def context_chunking(ctx) -> LossChunking:
+    """The chunking for the pass's context: its device, described by its cost model."""
+    if ctx is None:
+        return CPU_CHUNKING
+    described = getattr(ctx.cost_model, "device", None)
+    return chunking_for(ctx.device, getattr(described, "memory_capacity", None))
+
+
+def chunking_notes(graph: torch.fx.Graph, chunking: LossChunking) -> list[str]:
+    """One line per fused loss in `graph`: its chunk count and why."""
+    lines = []
+    for node in graph.find_nodes(op="call_function", target=torch.ops.picofx.linear_cross_entropy.default):
+        x, weight, chunk = node.args[0].meta.get("val"), node.args[1].meta.get("val"), node.args[7]
+        if x is None or weight is None:
+            continue
+        n_tokens = x.shape[:-1].numel()
+        chunks = -(-n_tokens // chunk) if n_tokens else 0
+        lines.append(f"{node.name}: {chunks} chunk{'s' * (chunks != 1)} of {chunk} tokens "
+                     f"({n_tokens} tokens x vocab {weight.shape[0]}); {chunking.why}")
+    return lines
 
 
 def view_last(scores):
@@ -64,9 +129,9 @@ def linear_cross_entropy_pattern(x, weight, bias, labels, ignore_index, reductio
 
 
 def linear_cross_entropy_replacement(x, weight, bias, labels, ignore_index, reduction, upcast, scale, softcap,
-                                     flatten, shift, keep_logits=False):
-    chunk = chunk_size(weight.shape[0])
+                                     flatten, shift, keep_logits=False, chunking=CPU_CHUNKING):
     tokens = x[..., :-1, :] if shift else x
+    chunk = chunking.chunk_size(weight.shape[0], tokens.shape[:-1].numel())
     loss = torch.ops.picofx.linear_cross_entropy(tokens, weight, bias, labels, ignore_index, reduction, upcast,
                                                  chunk, True, float(scale or 1.0), float(softcap or 0.0))[0]
     return loss, transformed(F.linear(x, weight, bias), scale, softcap) if keep_logits else None
@@ -99,7 +164,7 @@ LINEAR_CROSS_ENTROPY = register_rule(Rule(
               *({"dtype": dtype, "upcast": upcast, "shift": True, "labels": tensor(14, dtype=torch.int64)}
                 for dtype, upcast in UPCASTS[:2])],
     checks=(labels_are_token_ids,),
-    options={"keep_logits": False},
+    options={"keep_logits": False, "chunking": CPU_CHUNKING},
     # Chunked log-sum-exp and gradients computed in the forward round differently from
     # log_softmax + autograd: a few ulps of the fp32 loss and gradients.
     tolerance=(1e-5, 1e-5), tolerance_reason="the fused loss sums chunk by chunk, in another order",

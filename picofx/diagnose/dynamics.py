@@ -79,13 +79,15 @@ def divergence(records: list[dict]) -> Finding | None:
 
 
 def spike_steps(records: list[dict]) -> list[int]:
-    """Indices of steps whose loss sits far above the median of the window before them."""
+    """Indices of steps whose loss sits far above the median of the window before them, against the
+    step-to-step noise (differences, so a falling trend does not widen it)."""
     losses = [r["loss"] for r in records]
     w, found = window(len(losses)), []
-    for i in range(w, len(losses)):
-        before = losses[i - w:i]
+    for i in range(5, len(losses)):
+        before = losses[max(0, i - w):i]
         centre = median(before)
-        if losses[i] > centre + max(SPIKE_DEVIATIONS * spread(before), SPIKE_RISE * abs(centre)):
+        noise = spread([b - a for a, b in zip(before, before[1:])]) / 2 ** 0.5  # steps' noise, the trend aside
+        if losses[i] > centre + max(SPIKE_DEVIATIONS * noise, SPIKE_RISE * abs(centre)):
             found.append(i)
     return found
 

@@ -4,17 +4,19 @@ Ranks that meet in collectives every step end their steps together: the fast one
 slow one inside the step, so equal step times hide a straggler. Each rank's record therefore says
 where its own time went: `data_s` (waiting for its batch), `cpu_s` (CPU time its process spent
 in the step: computing on a CPU; a rank blocked in a gloo collective spends next to none) and
-`step_s`. A rank is named when, over the settled steps' medians, it waited for data longer than the
-median rank by more than a tenth of the step (data), spent 1.5x the median rank's CPU time
-(compute), or took longer than the median rank's step by a tenth without either (communication or
-other waits). On CUDA, CPU time is the launches', not the kernels': compute is not judged there.
+`step_s`. Each rank is compared with the median of the other ranks (over the settled steps'
+medians): it is named when it waited for data longer than they did by more than a tenth of the step
+(data), spent 1.5x their CPU time (compute), or took a tenth longer a step without either
+(communication or other waits). On CUDA, CPU time is the launches', not the kernels': compute is
+not judged there. A rank slowed by a busier core does the same work (the same CPU time) in longer:
+in lockstep with the others, it is not seen.
 """
 from __future__ import annotations
 
 from picofx.diagnose.finding import Finding, finite, median, seconds
 
 STEP_SHARE = 0.1       # an excess past a tenth of the median step names a rank
-CPU_RATIO = 1.5        # a rank computing 1.5x the median rank's CPU time is slow by its compute
+CPU_RATIO = 1.5        # a rank computing 1.5x the other ranks' CPU time is slow by its compute
 FIGURES = ("step_s", "data_s", "cpu_s")
 
 
@@ -74,21 +76,21 @@ def stragglers(records: list[dict], *, device: str = "cpu") -> list[Finding]:
     ranks = per_rank_medians(records)
     if len(ranks) < 2:
         return []
-    typical = {k: median(r[k] for r in ranks) for k in FIGURES}
-    if str(device).startswith("cuda"):
-        typical["cpu_s"] = float("nan")  # a GPU's compute is not the process's CPU time
     steps = [r["step"] for r in records if isinstance(r.get("ranks"), list)]
     found = []
     for index, rank in enumerate(ranks):
+        typical = {k: median(r[k] for i, r in enumerate(ranks) if i != index) for k in FIGURES}
+        if str(device).startswith("cuda"):
+            typical["cpu_s"] = float("nan")  # a GPU's compute is not the process's CPU time
         why = cause(rank, typical)
         if why is None:
             continue
         kind, excess, confidence = why
-        detail = {"data": f"it waited {seconds(rank['data_s'])} a step for its batches, the median rank "
+        detail = {"data": f"it waited {seconds(rank['data_s'])} a step for its batches, the other ranks "
                           f"{seconds(typical['data_s'])}",
-                  "compute": f"it spent {rank['cpu_s'] / typical['cpu_s']:.1f}x the median rank's CPU time a step "
+                  "compute": f"it spent {rank['cpu_s'] / typical['cpu_s']:.1f}x the other ranks' CPU time a step "
                              f"({seconds(rank['cpu_s'])} against {seconds(typical['cpu_s'])})",
-                  "communication or other waits": f"its step took {seconds(rank['step_s'])}, the median rank's "
+                  "communication or other waits": f"its step took {seconds(rank['step_s'])}, the other ranks' "
                                                    f"{seconds(typical['step_s'])}, with no more data wait or compute"}
         found.append(Finding("straggler", (steps[0], steps[-1]),
                              f"rank {index} is slow ({kind}): {detail[kind]}; the other ranks wait for it about "
@@ -96,5 +98,5 @@ def stragglers(records: list[dict], *, device: str = "cpu") -> list[Finding]:
                              ADVICE[kind].format(rank=index), confidence,
                              f"steps up to {seconds(excess)} shorter on every rank",
                              {"rank": index, "cause": kind, "excess_s": excess, "rank_figures": rank,
-                              "median_figures": typical}))
+                              "others_figures": typical}))
     return found

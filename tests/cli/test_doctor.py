@@ -78,3 +78,32 @@ def test_a_rank_with_late_batches_is_named_in_the_summary_and_by_the_doctor(tmp_
     assert "rank 1 is slow (data)" in printed and "rank 0 is slow" not in printed, printed
     report = doctor(metrics, capsys)
     assert "rank 1 is slow (data)" in report and "rank 0 is slow" not in report, report
+
+
+def more_compute_on_rank_1(rank: int, world: int) -> list:
+    """A run on 2 ranks where rank 1 computes 0.4 s of CPU time more each step; its findings."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    picofx = importlib.import_module("picofx")
+    optimize = picofx.optimize
+
+    def optimize_slower(*args, **kwargs):
+        model = optimize(*args, **kwargs)
+        step = model.forward_backward
+
+        def spin_then_step(**batch):
+            end = time.process_time() + 0.4  # CPU time, whatever else the machine runs
+            while time.process_time() < end:
+                pass
+            return step(**batch)
+        model.forward_backward = spin_then_step
+        return model
+    if rank == 1:
+        picofx.optimize = optimize_slower
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train([*FAST, "--steps", "8", "--metrics", os.devnull])
+    return [(f.evidence.get("rank"), f.evidence.get("cause")) for f in result["findings"] if f.kind == "straggler"]
+
+
+@pytest.mark.slow
+def test_a_rank_computing_longer_is_named_with_its_compute_and_no_other():
+    assert run_ranks(more_compute_on_rank_1, 2, timeout=300, collective_timeout=120)[0] == [(1, "compute")]

@@ -12,7 +12,7 @@ SPIKE_DEVIATIONS = 6.0   # a spike sits this many robust standard deviations abo
 SPIKE_RISE = 0.15        # ... and this fraction above it (a tiny spread alone flags no spike)
 RISE = 1.02              # divergence: the recent loss above the first steps' by 2% ...
 GRADIENT_GROWTH = 1.5    # ... while the gradient norm's median grew by half
-PLATEAU_GAIN = 0.005     # a plateau: the last window's median loss within 0.5% of the window before's
+PLATEAU_GAIN = 0.01      # a plateau: the last window's median loss surely (two standard errors) within 1%
 PLATEAU_STEPS = 100      # ... judged on runs of at least this many steps
 
 
@@ -117,9 +117,12 @@ def plateau(records: list[dict]) -> Finding | None:
     if len(records) < PLATEAU_STEPS:
         return None
     w = max(20, len(records) // 5)
-    before, last = median(r["loss"] for r in records[-2 * w:-w]), median(r["loss"] for r in records[-w:])
+    losses = [r["loss"] for r in records[-2 * w:]]
+    before, last = median(losses[:w]), median(losses[w:])
     gain = (before - last) / abs(before)
-    if not -PLATEAU_GAIN < gain < PLATEAU_GAIN:  # neither falling nor rising
+    noise = spread([b - a for a, b in zip(losses, losses[1:])]) / 2 ** 0.5
+    error = 1.25 * noise * (2 / w) ** 0.5 / abs(before)  # the standard error of a difference of two medians
+    if not (-PLATEAU_GAIN < gain and gain + 2 * error < PLATEAU_GAIN):  # a noisy loss may hide a slow descent
         return None
     return Finding("plateau", (records[-2 * w]["step"], records[-1]["step"]),
                    f"the loss stopped improving: median {before:.4g} then {last:.4g} over the last {2 * w} steps "

@@ -22,10 +22,10 @@ def data_wait(records: list[dict]) -> Finding | None:
     if not timed:
         return None
     total = sum(r["data_s"] for r in timed) / sum(r["step_s"] for r in timed)
-    typical = median(r["data_s"] / r["step_s"] for r in timed)
-    if total <= DATA_WAIT_SHARE or typical <= DATA_WAIT_SHARE / 2:  # a few stalls on a busy machine are no trend
-        return None
-    wait, step = median(r["data_s"] for r in timed), median(r["step_s"] for r in timed)
+    waits = sorted(r["data_s"] for r in timed)
+    wait, step = median(waits), median(r["step_s"] for r in timed)
+    if total <= DATA_WAIT_SHARE or waits[len(waits) // 4] <= DATA_WAIT_SHARE * step:
+        return None  # stalls on a busy machine come and go: three steps in four must wait
     compute = max(step - wait, 1e-6)
     workers = timed[-1].get("data_workers")
     if isinstance(workers, int) and workers > 0:  # each worker prepares a batch per `workers` steps
@@ -43,7 +43,7 @@ def data_wait(records: list[dict]) -> Finding | None:
                   ".to(device, non_blocking=True); picofx train does both)"
     return Finding("data_wait", (timed[0]["step"], timed[-1]["step"]),
                    f"the steps waited {100 * total:.1f}% of their time for batches (median {seconds(wait)} of a "
-                   f"{seconds(step)} step)", advice, 0.9 if typical > 4 * DATA_WAIT_SHARE else 0.7,
+                   f"{seconds(step)} step)", advice, 0.9 if wait > 4 * DATA_WAIT_SHARE * step else 0.7,
                    f"up to {100 * total:.0f}% faster steps once batches are ready ahead",
                    {"data_wait_share": total, "median_wait_s": wait, "median_step_s": step,
                     "workers": workers, "suggested_workers": needed})

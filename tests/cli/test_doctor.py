@@ -43,7 +43,8 @@ def test_a_far_too_high_learning_rate_is_flagged_within_fifty_steps(tmp_path, ca
 
 @pytest.mark.slow
 def test_a_healthy_run_raises_no_alarm(tmp_path, capsys):
-    result = train([*FAST, "--steps", "200", "--save", str(tmp_path / "run")])
+    # the default batch and sequence (8 x 128): the healthy run
+    result = train(["--backend", "eager", "--passes", "--steps", "200", "--save", str(tmp_path / "run")])
     assert result["findings"] == [] and "what to change" not in capsys.readouterr().out
     assert "no findings" in doctor(tmp_path / "run", capsys)  # the --save directory holds the records
 

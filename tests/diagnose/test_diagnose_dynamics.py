@@ -108,3 +108,10 @@ def test_every_finding_carries_its_evidence_and_prints_as_a_block():
     for f in found:
         assert f.steps[0] <= f.steps[1] and 0 < f.confidence <= 1 and f.effect and f.evidence
         assert f.as_dict()["kind"] == f.kind
+
+
+def test_a_loss_too_noisy_to_tell_a_slow_descent_from_a_plateau_is_not_called_one():
+    rng = random.Random(4)
+    records = [{"step": s, "loss": 3.0 - 0.001 * s + rng.gauss(0, 0.3), "lr": PEAK, "grad_norm": 1.0}
+               for s in range(1, 201)]
+    assert diagnose(records) == []

@@ -1,5 +1,5 @@
 """The `picofx` command: `train` the reference LLaMA, `plan` a run's layout, `dump` what the passes did,
-`export` a checkpoint as a Hugging Face model.
+`export` a checkpoint as a Hugging Face model, `doctor` a run's records: what to change.
 
 Exit status: 0 done; 1 the model, a pass or the run failed (the message is printed, no traceback);
 2 the command line is wrong (unknown model, pass or option).
@@ -12,6 +12,7 @@ import sys
 import torch
 
 import picofx
+from picofx.cli.doctor import add_doctor_parser, run_doctor
 from picofx.cli.dump import add_dump_parser, run_dump
 from picofx.cli.export import add_export_parser, run_export
 from picofx.cli.plan import add_plan_parser, plan_command
@@ -27,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_dump_parser(commands)
     add_export_parser(commands)
+    add_doctor_parser(commands)
     return top
 
 
@@ -47,4 +49,6 @@ def main(argv=None) -> int:
         return 0
     if args.command == "export":
         return run_export(args)
+    if args.command == "doctor":
+        return run_doctor(args)
     return run_dump(args)

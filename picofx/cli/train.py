@@ -48,6 +48,7 @@ from picofx.cli.train_layout import choose_layout, train_mesh
 from picofx.cli.train_data import Batches, DataError
 from picofx.cli.train_guards import NonFinite, clip_gradients, gradient_norm, group_timeout, step_collectives
 from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throughput
+from picofx.diagnose import StepLog, diagnose, what_to_change
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
 from picofx.parallel.launch import join_launched_group, rendezvous_store
@@ -284,11 +285,13 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
                                       options=run_options(args))  # before the loop: SIGTERM from here on saves
     history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
+    steps_log = StepLog(run={"batch": args.batch, "data_workers": args.data_workers, "device": args.device})
     progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
     for step in progress:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         ranks.at(step + 1, f"forward and backward ({collectives})")
         batch = s.first if step == 0 else s.batches.next()
+        data_s = time.perf_counter() - started
         loss = s.opt_model.forward_backward(**batch)
         replicas = (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None
         ranks.at(step + 1, "gradient norm and non-finite check (all-reduces)")
@@ -304,9 +307,13 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         interval["tokens"] += batch["input_ids"].numel()
         interval["steps"] += 1
         run_tokens += batch["input_ids"].numel()
+        record = {"step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": nonfinite.norm,  # for picofx.diagnose
+                  "step_s": time.perf_counter() - started, "data_s": data_s, "cpu_s": time.process_time() - cpu_started}
         if metrics is not None:
-            metrics.write(step + 1, loss=losses[-1], lr=lr, grad_norm=nonfinite.norm, tokens=batch["input_ids"].numel(),
-                          seconds=time.perf_counter() - started)
+            record = metrics.write(step + 1, loss=losses[-1], lr=lr, grad_norm=nonfinite.norm,
+                                   tokens=batch["input_ids"].numel(), seconds=record["step_s"], data_s=data_s,
+                                   cpu_s=record["cpu_s"])
+        steps_log.add(record)
         ranks.at(step + 1, "end (logging, checkpointing)")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             seconds = time.perf_counter() - interval["start"]
@@ -353,6 +360,9 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.say("  " + s.batches.wait_line(run_seconds, args.steps - s.start_step))
     if nonfinite.summary():
         ranks.say(f"  {nonfinite.summary()}")
+    findings = diagnose(steps_log.records)  # a healthy run's is empty, and says nothing
+    for line in what_to_change(findings):
+        ranks.say(f"  {line}")
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
@@ -369,7 +379,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.close()
     return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
             "throughput": measured, "skipped": nonfinite.skipped, "data_wait_s": s.batches.waited,
-            "run_s": run_seconds}
+            "run_s": run_seconds, "findings": findings}
 
 
 def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, metrics) -> dict:

@@ -21,6 +21,8 @@ import torch
 from picofx.cli.train_peak import cached_cpu_peak
 from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
+from picofx.diagnose import gather_rank_figures
+from picofx.diagnose.records import METRICS_NAME
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -189,8 +191,10 @@ class StepMetrics:
     the rank that `speaks` writes."""
 
     def __init__(self, *, path: str | None, tensorboard: str | None, flops_per_token: float, peak: Peak,
-                 layout: Layout, device: str, speaks: bool, append: bool):
+                 layout: Layout, device: str, speaks: bool, append: bool, run: dict | None = None):
         self.flops_per_token, self.peak, self.layout, self.device = flops_per_token, peak, layout, device
+        self.run = run or {}  # the run's own figures in every line, for picofx doctor (batch, data workers, device)
+        self.gathers = path is not None  # the same on every rank: each rank's times go into rank 0's lines
         self.file = self.board = None
         if speaks and path is not None:
             pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -204,32 +208,45 @@ class StepMetrics:
 
     @classmethod
     def of_run(cls, args, model, opt_model, *, speaks: bool, append: bool, total=None) -> StepMetrics | None:
-        """The run's writer, or None without --metrics and --tensorboard. A collective under torchrun."""
-        if args.metrics is None and args.tensorboard is None:
+        """The run's writer, or None without --metrics, --tensorboard and --save (whose directory then
+        holds the records, for picofx doctor). A collective under torchrun."""
+        path = args.metrics or (str(pathlib.Path(args.save) / METRICS_NAME) if args.save else None)
+        if path is None and args.tensorboard is None:
             return None
         layout = Layout.of(args)
         peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
-        return cls(path=args.metrics, tensorboard=args.tensorboard,
+        run = {"batch": args.batch, "data_workers": args.data_workers, "device": args.device}
+        if torch.device(args.device).type == "cuda":
+            run["memory_capacity_bytes"] = torch.cuda.get_device_properties(args.device).total_memory
+        return cls(path=path, tensorboard=args.tensorboard,
                    flops_per_token=palm_flops_per_token(model, args.seq), peak=peak, layout=layout,
-                   device=args.device, speaks=speaks, append=append)
+                   device=args.device, speaks=speaks, append=append, run=run)
 
-    def write(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, seconds: float) -> dict:
-        """One step's line (`tokens`: this replica's batch, in `seconds`)."""
+    def write(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, seconds: float,
+              data_s: float = 0.0, cpu_s: float = float("nan")) -> dict:
+        """One step's line (`tokens`: this replica's batch, in `seconds`, `data_s` of them waiting for
+        it, `cpu_s` the process's CPU time). Under torchrun every rank calls it: rank 0's line holds
+        every rank's times (`ranks`, one gather; picofx.diagnose names a slow rank from them)."""
+        timing = {"step_s": seconds, "data_s": data_s, "cpu_s": cpu_s}
+        ranks = gather_rank_figures(timing) if self.gathers else None
         replica_tokens_per_s = tokens / seconds
         entry = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                  "tokens_per_s": run_tokens_per_s(replica_tokens_per_s, self.layout),
                  "mfu": model_flops_utilization(self.flops_per_token, replica_tokens_per_s, self.peak.flops,
                                                 self.layout),
-                 "peak_memory_bytes": peak_memory_bytes(self.device)}
+                 "peak_memory_bytes": peak_memory_bytes(self.device), **timing, **self.run}
+        if ranks is not None:
+            entry["ranks"] = ranks
         if torch.device(self.device).type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.file is not None:
-            plain = {k: v if math.isfinite(v) else None for k, v in entry.items()}  # JSON has no NaN
+            plain = {k: v if not isinstance(v, float) or math.isfinite(v) else None  # JSON has no NaN
+                     for k, v in entry.items()}
             self.file.write(json.dumps(plain) + "\n")
             self.file.flush()
         if self.board is not None:
             for key, value in entry.items():
-                if key != "step":
+                if key != "step" and key not in self.run and isinstance(value, (int, float)):
                     self.board.add_scalar(f"train/{key}", value, step)
         return entry
 

@@ -88,7 +88,9 @@ class Fuse:
     def _lowering(self, gm: fx.GraphModule, ctx: Context, rules: list[Rule], notes: dict) -> dict[str, str]:
         """rule name -> "kernel", "decomposed" or "unfused"; rules not named keep the fixed lowering."""
         device = ctx.device if ctx else torch.device("cpu")
-        choose = self.choose or ("measure" if device.type == "cuda" else "fixed")
+        # Measured only where it runs: not while a GPU run is predicted on a machine without one.
+        on_gpu = device.type == "cuda" and torch.cuda.is_available()
+        choose = self.choose or ("measure" if on_gpu else "fixed")
         if isinstance(choose, Mapping):
             return dict(choose)
         if choose == "fixed":

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from picofx.api import optimize
 from picofx.capture.vocabulary import module_path
 from picofx.cost.device import devices
-from picofx.cost.inductor.traffic import traffic_by_label
+from picofx.cost.inductor.traffic import decomposed, traffic_by_label
 from picofx.cost.model import CostModel
 from picofx.cost.partition import inductor_recomputes, num_forward_outputs
 from picofx.manager import PassInfo, PassResult, Stage
@@ -144,14 +144,32 @@ def hf_llama(shape: str, layers: int):
     return model, {"input_ids": ids, "labels": ids}
 
 
+def inherit_tags(gm: fx.GraphModule) -> None:
+    """A backward node AOT made without a forward node to copy the tag from takes the tag its
+    inputs share (a sum of two gradients of the loss's logits is the loss's)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or TAG in (node.meta.get("custom") or {}):
+            continue
+        tags = {pattern_of(arg) for arg in node.all_input_nodes if arg.op == "call_function"}
+        if len(tags) == 1 and OTHER not in tags:
+            _tag(node, tags.pop())
+
+
 def step_traffic(model, inputs, fused: bool, gpu: str = "h200") -> dict[str, dict]:
-    """{pattern: {"read", "written", "kernels"}} of one training step (forward and backward)."""
+    """{pattern: {"read", "written", "kernels"}} of one training step (forward and backward).
+    On a GPU the fused ops run as the opaque kernels CUDA calls, so the graphs are counted as
+    captured; on "cpu", after the decompositions Inductor applies there (the pointwise fused ops
+    among them)."""
     if gpu not in devices():
         raise ValueError(f"pattern bytes: unknown device {gpu!r}; choose from {', '.join(devices())}")
-    cost_model = CostModel(devices()[gpu], fuses_pointwise=True)
+    cost_model = CostModel(devices()[gpu], fuses_pointwise=gpu == "cpu")
     opt = optimize(model, inputs, [TaggedFuse() if fused else TagReplaced(), InductorPartition()], backend="eager",
                    verify=None, cost_model=cost_model)
-    return traffic_by_label((opt.graphs["forward"], opt.graphs["backward"]), pattern_of)
+    graphs = [opt.graphs["forward"], opt.graphs["backward"]]
+    if gpu != "cpu":  # as CUDA lowers them (the CPU's table decomposed them already)
+        graphs = list(map(decomposed, graphs))
+    inherit_tags(graphs[1])
+    return traffic_by_label(graphs, pattern_of)
 
 
 def _scaled(one: dict, two: dict, layers: int) -> dict:

@@ -17,7 +17,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
 
-from picofx.cost.liveness import storage_key
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.mm.out, aten.addmm.default, aten.addmm.out, aten.addmm_.default, aten.bmm.default,
@@ -48,11 +47,18 @@ class _Op:
 
 
 class _Recorder(TorchDispatchMode):
-    """Each dispatched op's tensor reads and writes, by storage; views and allocations move nothing."""
+    """Each dispatched op's tensor reads and writes, by storage; views and allocations move nothing.
+    Storages are keyed by address, each tensor seen kept alive until the recording ends so that no
+    address is reused (weak references to fake storages crashed the garbage collector later)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[_Op] = []
+        self.seen: list[torch.Tensor] = []
+
+    def key(self, t: torch.Tensor) -> int:
+        self.seen.append(t)
+        return t.untyped_storage()._cdata
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,13 +72,13 @@ class _Recorder(TorchDispatchMode):
             for t in pytree.tree_leaves(value):
                 if isinstance(t, torch.Tensor):
                     if written:
-                        writes[storage_key(t)] = _nbytes(t)
+                        writes[self.key(t)] = _nbytes(t)
                     if not (written and argument.kwarg_only):  # an out= argument is only written
-                        reads[storage_key(t)] = max(reads.get(storage_key(t), 0), _nbytes(t))
+                        reads[self.key(t)] = max(reads.get(self.key(t), 0), _nbytes(t))
         inputs = set(reads) | set(writes)
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
-                writes[storage_key(t)] = _nbytes(t)
+            if isinstance(t, torch.Tensor) and self.key(t) not in inputs:
+                writes[self.key(t)] = _nbytes(t)
         if writes:  # an op whose outputs all alias its inputs (a view) moves nothing
             self.ops.append(_Op(func in MATMULS, reads, writes))
         return out
@@ -131,6 +137,7 @@ def opaque_traffic(op: torch._ops.OpOverload, args, kwargs) -> OpaqueTraffic:
         args, kwargs = pytree.tree_map(fresh, (args, kwargs))
         with _Recorder() as recorder:
             out = op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
-    returned = {storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-    _CACHE[key] = traffic = _fused(recorder.ops, returned)
+        returned = {recorder.key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        _CACHE[key] = traffic = _fused(recorder.ops, returned)
+        recorder.seen.clear()
     return traffic

@@ -13,6 +13,7 @@ step's traffic splits into the parts a caller cares about and adds up to the who
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,9 @@ from picofx.cost.inductor.kernel_order import inductor_fusion
 from picofx.cost.inductor.opaque_traffic import opaque_traffic
 from picofx.cost.liveness import schedule_of, storage_key, tensor_values
 from picofx.cost.model import is_alias
+
+
+MATMUL_PACKETS = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm}
 
 
 @dataclass
@@ -54,6 +58,21 @@ def _view_key(t: torch.Tensor) -> tuple:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def decomposed(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` traced again through Inductor's decompositions (as CUDA gets them: custom ops stay as
+    they are, and matmuls, which the CPU's table may rewrite for small shapes, stay matmuls), each
+    node's `custom` meta carried to the nodes it decomposes into."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    with fx_traceback.preserve_node_meta(), detect_fake_mode(values) or nullcontext():
+        table = {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", None) not in MATMUL_PACKETS}
+        return make_fx(fx.Interpreter(gm).run, decomposition_table=table)(*values)
 
 
 def graph_traffic(gm: fx.GraphModule, label=lambda node: "") -> list[KernelTraffic]:

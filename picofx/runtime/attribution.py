@@ -38,9 +38,12 @@ KINDS = (("loss", ("linear_cross_entropy",)), ("loss", ("log_softmax",)), ("loss
 
 
 def kind_of(name: str) -> str:
-    words = set(re.split(r"[_:.\s]+", name.lower()))
+    """A word of 4 letters or more is looked for anywhere in the name, a shorter one ("mm", "mul")
+    as a whole word between underscores, colons or dots."""
+    lowered = name.lower()
+    words = set(re.split(r"[_:.\s]+", lowered))
     for kind, needed in KINDS:
-        if all(w in words or any(w in x for x in words if len(w) > 4) for w in needed):
+        if all(w in lowered if len(w) >= 4 else w in words for w in needed):
             return kind
     return "other"
 
@@ -54,7 +57,7 @@ def sdpa_backend(name: str) -> str | None:
 @dataclass
 class Attribution:
     seconds: float = 0.0  # every root event's span (the traced steps)
-    by_node: dict = field(default_factory=lambda: defaultdict(float))  # node name -> seconds
+    by_node: dict = field(default_factory=lambda: defaultdict(float))  # "graph.node" -> seconds
     by_label: dict = field(default_factory=lambda: defaultdict(float))  # label -> seconds
     by_kind: dict = field(default_factory=lambda: defaultdict(float))  # kind_of -> seconds
     sdpa: Counter = field(default_factory=Counter)  # backend -> calls
@@ -82,34 +85,40 @@ def default_label(node: fx.Node) -> str:
 
 
 class _Nodes:
-    """The graphs' nodes by op name (queues, cycled: every step runs them again) and by name."""
+    """The graphs' nodes by op name (queues in graph order, cycled: every step runs them again) and
+    by name within each graph; a node is known as "graph.name"."""
 
     def __init__(self, graphs):
+        graphs = graphs if isinstance(graphs, dict) else {f"graph{i}": gm for i, gm in enumerate(graphs)}
         self.by_op: dict[str, deque] = defaultdict(deque)
-        self.by_name: dict[str, fx.Node] = {}
-        for gm in graphs:
+        self.by_name: dict[str, dict[str, fx.Node]] = {}
+        self.key: dict[fx.Node, str] = {}
+        for role, gm in graphs.items():
+            self.by_name[role] = {}
             for node in gm.graph.nodes:
                 if node.op == "call_function" and hasattr(node.target, "_schema"):
                     self.by_op[node.target._schema.name].append(node)
-                    self.by_name[node.name] = node
-        self.names = sorted(self.by_name, key=len, reverse=True)
+                    self.by_name[role][node.name] = node
+                    self.key[node] = f"{role}.{node.name}"
 
-    def next_of(self, op: str) -> fx.Node | None:
+    def next_of(self, op: str) -> list[fx.Node]:
         queue = self.by_op.get(op)
         if not queue:
-            return None
-        node = queue.popleft()
-        queue.append(node)
-        return node
+            return []
+        queue.rotate(-1)
+        return [queue[-1]]
 
     def named_in(self, names: str) -> list[fx.Node]:
-        found, rest = [], f"_{names}_"
-        for name in self.names:
-            token = f"_{name}_"
-            if token in rest:
-                found.append(self.by_name[name])
-                rest = rest.replace(token, "_", 1)
-        return found
+        """The nodes a kernel's name lists, from the graph where most of them are found."""
+        best = []
+        for by_name in self.by_name.values():
+            found, rest = [], f"_{names}_"
+            for name in sorted(by_name, key=len, reverse=True):
+                if f"_{name}_" in rest:
+                    found.append(by_name[name])
+                    rest = rest.replace(f"_{name}_", "_", 1)
+            best = max(best, found, key=len)
+        return best
 
 
 def _seconds(event) -> float:
@@ -122,8 +131,8 @@ def _is_unit(name: str) -> bool:
 
 
 def attribute(events, graphs=(), label=default_label) -> Attribution:
-    """`events`: a torch.profiler profile's `events()`; `graphs`: the GraphModules that ran (none
-    for a contender without graphs); `label(node)`: what to sum time by (default: the fused
+    """`events`: a torch.profiler profile's `events()`; `graphs`: the GraphModules that ran, by role
+    ({"forward": gm, "backward": gm}) or in a list (none for a contender without graphs); `label(node)`: what to sum time by (default: the fused
     pattern a node belongs to, else its module path)."""
     nodes, result = _Nodes(graphs), Attribution()
     roots = [e for e in events if e.cpu_parent is None and getattr(e, "device_type", None) is not None
@@ -136,17 +145,13 @@ def attribute(events, graphs=(), label=default_label) -> Attribution:
         if backend:
             result.sdpa[backend] += 1
         match = KERNEL.match(name)
-        if match:
-            owners = nodes.named_in(match.group("names"))
-        else:
-            node = nodes.next_of(name)
-            owners = [node] if node is not None else []
+        owners = nodes.named_in(match.group("names")) if match else nodes.next_of(name)
         result.by_kind[kind_of(name)] += seconds
         if not owners:
             result.unmatched += seconds
             return
         for node in owners:  # a fused kernel's time is shared equally among the nodes it names
-            result.by_node[node.name] += seconds / len(owners)
+            result.by_node[nodes.key[node]] += seconds / len(owners)
             result.by_label[label(node)] += seconds / len(owners)
 
     stack = list(reversed(roots))
@@ -159,14 +164,15 @@ def attribute(events, graphs=(), label=default_label) -> Attribution:
     return result
 
 
-def table(attributions: dict[str, Attribution], by: str = "by_kind") -> str:
-    """Milliseconds per kind (or label) for each contender side by side."""
-    keys = sorted({k for a in attributions.values() for k in getattr(a, by)})
-    names = list(attributions)
-    rows = [["", *names]]
-    rows += [[k, *(f"{getattr(attributions[n], by).get(k, 0.0) * 1e3:.2f}" for n in names)] for k in keys]
-    rows.append(["unattributed", *(f"{attributions[n].unattributed * 1e3:.2f}" for n in names)])
-    rows.append(["sdpa backends", *(", ".join(f"{b} x{c}" for b, c in attributions[n].sdpa.items()) or "-"
-                                    for n in names)])
+def table(attributions: dict[str, dict], by: str = "by_kind") -> str:
+    """Milliseconds per step for each kind (or label) of work, contenders side by side, from
+    `Attribution.as_dict()` results (with "steps": how many steps each traced, default 1)."""
+    keys = sorted({k for a in attributions.values() for k in a[by]})
+    per_step = {n: a.get("steps", 1) for n, a in attributions.items()}
+    rows = [["ms per step", *attributions]]
+    rows += [[k, *(f"{a[by].get(k, 0.0) * 1e3 / per_step[n]:.2f}" for n, a in attributions.items())] for k in keys]
+    rows.append(["unattributed", *(f"{a['unattributed'] * 1e3 / per_step[n]:.2f}" for n, a in attributions.items())])
+    rows.append(["sdpa backends", *(", ".join(f"{b} x{c}" for b, c in a["sdpa"].items()) or "-"
+                                    for a in attributions.values())])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
 
@@ -33,10 +32,7 @@ class OpaqueTraffic:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.numel()) * t.element_size()
-    except Exception:  # a data-dependent size (nonzero's): the rows it selects are few, count none
-        return 0
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -62,6 +58,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.nonzero.default:  # data-dependent: the loss's ignored tokens, none in a count
+            out = torch.empty((0, args[0].dim()), dtype=torch.long)
+            self.ops.append(_Op(False, {self.key(args[0]): _nbytes(args[0])}, {self.key(out): 0}))
+            return out
         out = func(*args, **kwargs)
         if func in ALLOCATIONS or torch.Tag.inplace_view in func.tags:
             return out
@@ -128,8 +128,7 @@ def opaque_traffic(op: torch._ops.OpOverload, args, kwargs) -> OpaqueTraffic:
     key = (str(op), tuple(map(_spec, pytree.tree_leaves((args, kwargs)))))
     if key in _CACHE:
         return _CACHE[key]
-    mode = FakeTensorMode(shape_env=ShapeEnv())  # nonzero's output size is data-dependent
-    with mode:
+    with FakeTensorMode():
         def fresh(value):
             if not isinstance(value, torch.Tensor):
                 return value

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
 
@@ -59,7 +58,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten.nonzero.default:  # data-dependent: the loss's ignored tokens, none in a count
-            out = torch.empty((0, args[0].dim()), dtype=torch.long)
+            out = torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
             self.ops.append(_Op(False, {self.key(args[0]): _nbytes(args[0])}, {self.key(out): 0}))
             return out
         out = func(*args, **kwargs)
@@ -124,19 +123,20 @@ def _spec(value):
 
 def opaque_traffic(op: torch._ops.OpOverload, args, kwargs) -> OpaqueTraffic:
     """The traffic of `op` called on `args` (fake or real tensors: only their shapes, strides and
-    dtypes are used), run as its CPU implementation on fresh fake tensors."""
+    dtypes are used), run as its CPU implementation on tensors of the meta device (a fresh fake
+    mode per op crashed the garbage collector later, under pytest)."""
     key = (str(op), tuple(map(_spec, pytree.tree_leaves((args, kwargs)))))
     if key in _CACHE:
         return _CACHE[key]
-    with FakeTensorMode():
-        def fresh(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
-        args, kwargs = pytree.tree_map(fresh, (args, kwargs))
-        with _Recorder() as recorder:
-            out = op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
-        returned = {recorder.key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-        _CACHE[key] = traffic = _fused(recorder.ops, returned)
-        recorder.seen.clear()
+
+    def fresh(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
+
+    args, kwargs = pytree.tree_map(fresh, (args, kwargs))
+    with _Recorder() as recorder:
+        out = op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+    returned = {recorder.key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+    _CACHE[key] = traffic = _fused(recorder.ops, returned)
     return traffic

@@ -17,7 +17,6 @@ the device, as the fused loss's chunks, sees it).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +88,9 @@ class TagReplaced:
     info = PassInfo(Stage.FORWARD, runs_before=("precision",), tags_only=True)
 
     def __call__(self, gm: fx.GraphModule, ctx) -> PassResult:
-        work = copy.deepcopy(gm)
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))  # nodes keep their names; values are shared, not copied
+        work = fx.GraphModule(gm, graph)
         origins = {node: {node.name} for node in work.graph.nodes}
         owner: dict[str, str] = {}
         prepare(work.graph, Fuse().selected_rules())
@@ -146,11 +147,13 @@ def hf_llama(shape: str, layers: int):
 
 def inherit_tags(gm: fx.GraphModule) -> None:
     """A backward node AOT made without a forward node to copy the tag from takes the tag its
-    inputs share (a sum of two gradients of the loss's logits is the loss's)."""
+    inputs share (a sum of two gradients of the loss's logits is the loss's): one step only, from
+    tags the nodes had, so that a tag does not spread down the whole backward."""
+    tagged = {node: pattern_of(node) for node in gm.graph.nodes if TAG in (node.meta.get("custom") or {})}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or TAG in (node.meta.get("custom") or {}):
+        if node.op != "call_function" or node in tagged:
             continue
-        tags = {pattern_of(arg) for arg in node.all_input_nodes if arg.op == "call_function"}
+        tags = {tagged.get(arg, OTHER) for arg in node.all_input_nodes if arg.op == "call_function"}
         if len(tags) == 1 and OTHER not in tags:
             _tag(node, tags.pop())
 

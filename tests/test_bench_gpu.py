@@ -39,3 +39,13 @@ def test_contenders_train_like_eager_on_cuda(tmp_path):
         assert c["loss_vs_eager"] < 2e-2, name
         assert c["peak_bytes"] > 0 and c["mfu"] > 0
 
+
+
+def test_profile_writes_a_trace_per_contender_and_times_each_kind_of_work(tmp_path, capsys):
+    r = bench_gpu.main(["--device", "cpu", "--shape", "tiny", "--batch", "1", "--seq", "16", "--warmup", "1",
+                        "--steps", "1", "--contenders", "eager", "--no-planner", "--profile", "1",
+                        "--json", str(tmp_path / "r.json")])
+    profiled = r["profile"]["eager"]
+    assert Path(profiled["trace"]).stat().st_size > 0 and profiled["steps"] == 1
+    assert profiled["by_kind"]["matmul"] > 0 and profiled["sdpa"]
+    assert "sdpa backends" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     python tools/bench_gpu.py                       # Llama-3.2-1B shape, batch 8 x 2048, on cuda
     python tools/bench_gpu.py --json gpu.json --steps 10
     python tools/bench_gpu.py --device cpu --shape tiny --batch 2 --seq 64 --steps 2   # a dry run
+    python tools/bench_gpu.py --profile 3           # also a torch.profiler trace of 3 steps of each contender
 
 Every contender trains the same model, Hugging Face's LlamaForCausalLM (the model Liger-Kernel
 patches), from the same initial weights on the same batch: fp32 parameters and AdamW state,
@@ -24,6 +25,12 @@ backward). Peak memory: the step's max_memory_allocated over what was allocated 
 the contender's own parameters, gradients, optimizer state and batch (picofx.cost.memory).
 The planner's prediction for the same run (`picofx.plan(..., world=1)`, its plain layout) is
 printed against the picofx contender's measured step and peak.
+--profile N: after the timed rounds, N more steps of each contender under torch.profiler (a Chrome
+trace per contender, which Perfetto opens), and a table of device time per kind of work (matmul,
+attention, rms_norm, swiglu, rope, loss, optimizer, ...: picofx's kernels against what
+torch.compile generated for the same ops) with the SDPA backend each attention call ran, from
+`picofx.runtime.attribution`; the picofx contender's time also per graph node and fused pattern.
+Inductor names its kernels after the graph nodes they fuse (`descriptive_names="inductor_node"`).
 """
 from __future__ import annotations
 
@@ -61,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                    help="also the planner's prediction for this run (its CPU work takes a minute)")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                   help="trace STEPS more steps of each contender with torch.profiler (default 3 when given)")
     p.add_argument("--json", help="where to write the results (default: a new temporary directory, printed)")
     return p.parse_args(argv)
 
@@ -119,7 +128,9 @@ def make_forward(name: str, model, batch: dict, device: torch.device, mixed: boo
                               backend="inductor")
         print(f"picofx.optimize: {time.perf_counter() - began:.1f}s (capture {opt.report.capture_seconds:.1f}s, "
               f"compile {opt.report.compile_seconds:.1f}s)", flush=True)
-        return lambda: opt(**batch).loss
+        forward = lambda: opt(**batch).loss  # noqa: E731
+        forward.graphs = opt.graphs  # what --profile attributes the kernels to
+        return forward
     elif name == "liger":
         rope = LigerRope()
         rope.patch(model)
@@ -240,7 +251,38 @@ def run(args) -> dict:
             print(f"round {index}: {c.name} {seconds * 1e3:.1f} ms, loss {c.losses[-1]:.4f}", flush=True)
     for c in contenders:
         c.peak = None if c.error else step_peak(c, batch, device)
-    return results(args, contenders, device)
+    out = results(args, contenders, device)
+    if args.profile:
+        out["profile"] = profiles(contenders, args.profile, device)
+    return out
+
+
+def profiles(contenders, steps: int, device: torch.device) -> dict:
+    """Each contender's `steps` steps under torch.profiler: a trace file and the attribution."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from picofx.runtime.attribution import attribute
+
+    folder = tempfile.mkdtemp(prefix="picofx-profile-")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    for c in contenders:
+        if c.error:
+            continue
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                c.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        trace = f"{folder}/{c.name.replace('.', '_')}.json"
+        prof.export_chrome_trace(trace)
+        graphs = getattr(c.forward, "graphs", None) or {}
+        found = attribute(prof.events(), {k: graphs[k] for k in ("forward", "backward") if k in graphs})
+        out[c.name] = {**found.as_dict(), "steps": steps, "trace": trace}
+        print(f"profiled {c.name}: {trace}", flush=True)
+    return out
 
 
 def results(args, contenders, device) -> dict:
@@ -313,12 +355,20 @@ def table(r: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.profile:  # kernels named after the graph nodes they fuse, so the trace maps back to the graph
+        from torch._inductor import config as inductor_config
+
+        inductor_config.triton.descriptive_names = inductor_config.cpp.descriptive_names = "inductor_node"
     r = run(args)
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from results import write_json  # tools/results.py
 
     write_json(r, args.json, "bench_gpu.json")
     print(table(r))
+    if r.get("profile"):
+        from picofx.runtime.attribution import table as profile_table
+
+        print(profile_table(r["profile"]))
     return r
 
 

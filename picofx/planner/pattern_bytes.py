@@ -29,6 +29,7 @@ from picofx.capture.vocabulary import module_path
 from picofx.cost.device import devices
 from picofx.cost.inductor.traffic import decomposed, traffic_by_label
 from picofx.cost.model import CostModel
+from picofx.kernels.linear_cross_entropy import linear_cross_entropy_decomposed
 from picofx.cost.partition import inductor_recomputes, num_forward_outputs
 from picofx.manager import PassInfo, PassResult, Stage
 from picofx.passes.fuse.fuse import Fuse
@@ -169,8 +170,10 @@ def step_traffic(model, inputs, fused: bool, gpu: str = "h200") -> dict[str, dic
     opt = optimize(model, inputs, [TaggedFuse() if fused else TagReplaced(), InductorPartition()], backend="eager",
                    verify=None, cost_model=cost_model)
     graphs = [opt.graphs["forward"], opt.graphs["backward"]]
-    if gpu != "cpu":  # as CUDA lowers them (the CPU's table decomposed them already)
-        graphs = list(map(decomposed, graphs))
+    if gpu != "cpu":  # as CUDA lowers them (the CPU's table decomposed them already): the pointwise
+        # fused ops as their Triton kernels, the loss decomposed
+        loss = {torch.ops.picofx.linear_cross_entropy.default: linear_cross_entropy_decomposed}
+        graphs = [decomposed(g, loss) for g in graphs]
     inherit_tags(graphs[1])
     return traffic_by_label(graphs, pattern_of)
 

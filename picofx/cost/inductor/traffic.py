@@ -60,10 +60,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def decomposed(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` traced again through Inductor's decompositions (as CUDA gets them: custom ops stay as
-    they are, and matmuls, which the CPU's table may rewrite for small shapes, stay matmuls), each
-    node's `custom` meta carried to the nodes it decomposes into."""
+def decomposed(gm: fx.GraphModule, extra: dict | None = None) -> fx.GraphModule:
+    """`gm` traced again through Inductor's decompositions (as CUDA gets them: matmuls, which the
+    CPU's table may rewrite for small shapes, stay matmuls) and the `extra` ones (custom ops that
+    CUDA decomposes), each node's `custom` meta carried to the nodes it decomposes into."""
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx import traceback as fx_traceback
@@ -72,6 +72,7 @@ def decomposed(gm: fx.GraphModule) -> fx.GraphModule:
     values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with fx_traceback.preserve_node_meta(), detect_fake_mode(values) or nullcontext():
         table = {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", None) not in MATMUL_PACKETS}
+        table.update(extra or {})
         return make_fx(fx.Interpreter(gm).run, decomposition_table=table)(*values)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from picofx.cost.gpus import GpuProfile
 import picofx.kernels  # noqa: F401  (registers torch.ops.picofx)
 from picofx.kernels import DEFAULT_CHUNK_SIZE
 from picofx.rewrite import Rule, register_rule, scalar, tensor
@@ -81,6 +82,8 @@ def context_chunking(ctx) -> LossChunking:
     if ctx is None:
         return CPU_CHUNKING
     described = getattr(ctx.cost_model, "device", None)
+    if isinstance(described, GpuProfile):  # a GPU run predicted on this machine chunks as on that GPU
+        return chunking_for("cuda", described.memory_capacity)
     return chunking_for(ctx.device, getattr(described, "memory_capacity", None))
 
 

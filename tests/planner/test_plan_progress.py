@@ -23,18 +23,14 @@ def test_on_a_terminal_each_step_is_told_before_it_runs_with_the_time_so_far(mon
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     assert main(TINY) == 0
+    layouts = int(re.search(r"; (\d+) layouts,", capsys.readouterr().out).group(1))
     told = terminal.getvalue().splitlines()
+    assert all(re.match(r"^\[ *[\d.]+ s\] ", line) for line in told)
     assert [re.sub(r"^\[ *[\d.]+ s\] ", "", line) for line in told] == [
         "capturing the step with 1 decoder layer on fake tensors (32 tokens) ...",
         "capturing the step with 2 decoder layers on fake tensors (32 tokens) ...",
         "predicting every layout ...",
-        f"predicting the neighbours of {len(told) and _layouts(capsys.readouterr().out):,} layouts for their "
-        "suggestions ..."]
-    assert all(re.match(r"^\[ *[\d.]+ s\] ", line) for line in told)
-
-
-def _layouts(printed: str) -> int:
-    return int(re.search(r"; (\d+) layouts,", printed).group(1))
+        f"predicting the neighbours of {layouts:,} layouts for their suggestions ..."]
 
 
 def test_in_a_pipe_nothing_but_the_results_is_printed(capsys):

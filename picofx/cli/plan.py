@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 
 from picofx.cli.train_args import at_least
 from picofx.planner.compress import DEFAULT_KINDS
@@ -53,11 +55,26 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--measure", action="store_true",
                    help="also run the top plans for a few steps on this machine's ranks (--gpu cpu: gloo) and "
                         "print predicted against measured")
-    p.add_argument("--measure-top", type=int, default=3, help="how many plans --measure runs (default 3)")
+    p.add_argument("--measure-top", type=at_least(1), default=3, help="how many plans --measure runs (default 3)")
     p.add_argument("--show", nargs="+", choices=("stages", "buckets"), default=[],
                    help="also, from the whole model's graph: stages, the best pipelined plan's stage cuts per "
                         "schedule (uniform against cost-balanced); buckets, the best replicated plan's gradient "
                         "buckets and exposed all-reduce (after the backward, overlapped, bf16)")
+
+
+def progress(stream=None):
+    """What `picofx plan` says while it works, a line each with the seconds since it began, on
+    stderr where that is a terminal; None (silence) where it is not: a pipe or log gets the results
+    alone."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - start:5.1f} s] {text} ...", file=stream, flush=True)
+
+    return say
 
 
 def plan_command(args) -> dict:
@@ -82,7 +99,7 @@ def plan_command(args) -> dict:
               global_batch=args.global_batch)
     device = calibrated_device(config, gpus) if here else None
     common = dict(gpu=args.gpu, gpus_per_node=args.gpus_per_node, seq=args.seq, global_batch=args.global_batch,
-                  device=device, passes=compute, compress=args.compress, network=args.network)
+                  device=device, passes=compute, compress=args.compress, network=args.network, say=progress())
     if layout:
         run, one = plan_layout(args.model, layout, **common)
         predictions = [one]
@@ -109,7 +126,7 @@ def plan_command(args) -> dict:
         print(f"\nplan 0 runs as passes [{describe_passes(made.passes)}] on a mesh of {mesh} "
               "(picofx.plan(...).recipe())")
     if args.measure:
-        print("\n" + measured_table(measure(predictions, run, max(3, args.measure_top))))
+        print("\n" + measured_table(measure(predictions, run, args.measure_top)))
     out = {"plans": [p.as_json() for p in predictions], "best": 0 if made else None,
            "recipe": made and {"passes": describe_passes(made.passes), "mesh": made.mesh_shape}}
     for what in args.show:

@@ -24,6 +24,7 @@ from picofx.planner import predict as plan
 from picofx.cost.model import CostModel, is_alias, kernel_of, node_flops
 from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.planner.models import parameter_count, with_layers
+from picofx.planner.store import CaptureStore
 
 PASSES = ("fuse", "precision")
 
@@ -141,12 +142,21 @@ def _works(gm) -> list:
 CAPTURED: dict = {}  # captured steps by what they depend on (not the device): timing on another needs no capture
 
 
-def capture(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes, batch: int = 1) -> Captured:
-    """The step of `config` with `layers` layers on `batch` sequences, captured on fake tensors."""
+def capture(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, passes, batch: int = 1,
+            store: CaptureStore | None = None, say=None) -> Captured:
+    """The step of `config` with `layers` layers on `batch` sequences, captured on fake tensors (or
+    read from `store`, and kept there). `say(text)` hears of a capture before it starts."""
     key = (repr(config), layers, seq, batch, tuple(map(str, passes)), cost_model.fuses_pointwise,
-           cost_model.backward_frees_inputs, cost_model.holds_outputs)
+           cost_model.backward_frees_inputs, cost_model.holds_outputs, cost_model.scratch.keywords.get("attention"))
     if key in CAPTURED:
         return CAPTURED[key]
+    stored = store and store.load(key)
+    if stored:
+        CAPTURED[key] = stored
+        return stored
+    if say:
+        say(f"capturing the step with {layers} decoder layer{'s' if layers > 1 else ''} on fake tensors "
+            f"({seq:,} tokens)")
     with plan.fake_mode():
         model = Llama(with_layers(config, layers, seq))
         ids = torch.zeros(batch, seq, dtype=torch.long)
@@ -165,11 +175,15 @@ def capture(config: LlamaConfig, layers: int, seq: int, cost_model: CostModel, p
                         sum(tensor_bytes(n.meta.get("val")) for n in saved if n in on_path),
                         sum(tensor_bytes(n.meta.get("val")) for n in saved if n in set(cheap)), step.memory)
     CAPTURED[key] = captured
+    if store:
+        store.save(key, captured)
     return captured
 
 
-def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PASSES) -> ModelCosts:
-    one, two = (capture(config, layers, seq, cost_model, passes) for layers in (1, 2))
+def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PASSES, say=None) -> ModelCosts:
+    """`say(text)`, where given, hears of each capture before it starts (they are most of a plan's time)."""
+    store = CaptureStore.from_environment()
+    one, two = (capture(config, layers, seq, cost_model, passes, store=store, say=say) for layers in (1, 2))
     device = cost_model.device
     time = [{part: step.seconds(device, getattr(step, part))
              for part in ("forward", "backward", "cheap", "per_call", "matmuls")} for step in (one, two)]

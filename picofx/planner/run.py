@@ -29,15 +29,16 @@ def check_run(config: LlamaConfig, name: str, *, gpus: int, gpus_per_node: int, 
 
 
 def make_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096, global_batch: int,
-             device=None, passes=PASSES, network: str | None = None) -> Run:
+             device=None, passes=PASSES, network: str | None = None, say=None) -> Run:
     """The Run of `model` (a name or path as `picofx plan` takes it, or a LlamaConfig) over `gpus`: its
     costs captured once. `device`: a picofx.cost.device.Device instead of the `gpu` kind's entry;
-    `network`: the cluster's network between nodes (picofx.cost.gpus.NETWORKS) instead of the profile's."""
+    `network`: the cluster's network between nodes (picofx.cost.gpus.NETWORKS) instead of the profile's;
+    `say(text)`: hears of each step that takes a while (the captures)."""
     config = model if isinstance(model, LlamaConfig) else model_config(model)
     check_run(config, model if isinstance(model, str) else "the model", gpus=gpus, gpus_per_node=gpus_per_node,
               seq=seq, global_batch=global_batch)
     device = device or gpu_profile(gpu, network)
-    return Run(model_costs(config, seq, CostModel(device), passes), device, gpus, min(gpus_per_node, gpus),
+    return Run(model_costs(config, seq, CostModel(device), passes, say), device, gpus, min(gpus_per_node, gpus),
                global_batch)
 
 
@@ -69,24 +70,30 @@ def compressors(gpu: str, device, compress) -> tuple:
 
 def plan_run(model, *, gpus: int, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
              global_batch: int, device=None, passes=PASSES, compress=None,
-             network: str | None = None) -> tuple[Run, list[Prediction]]:
+             network: str | None = None, say=None) -> tuple[Run, list[Prediction]]:
     """Every layout of `model` over `gpus`, predicted and ranked (those that fit first, fastest first),
     each with its suggestions. `compress`: the compressors replicated layouts are also planned with
-    (picofx.planner.compress.kinds_to_consider; None: the device's defaults)."""
+    (picofx.planner.compress.kinds_to_consider; None: the device's defaults). `say(text)`: hears of
+    each step before it starts."""
     kinds = compressors(gpu, device, compress)
     run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                   device=device, passes=passes, network=network)
-    return run, with_suggestions(run, plan_layouts(run, kinds), kinds)
+                   device=device, passes=passes, network=network, say=say)
+    if say:
+        say("predicting every layout")
+    predictions = plan_layouts(run, kinds)
+    if say:
+        say(f"predicting the neighbours of {len(predictions):,} layouts for their suggestions")
+    return run, with_suggestions(run, predictions, kinds)
 
 
 def plan_layout(model, layout: Layout, *, gpu: str = "h100", gpus_per_node: int = 8, seq: int = 4096,
                 global_batch: int, device=None, passes=PASSES, compress=None,
-                network: str | None = None) -> tuple[Run, Prediction]:
+                network: str | None = None, say=None) -> tuple[Run, Prediction]:
     """`layout` of `model` predicted as `plan_run` predicts it among the others, with its suggestions
     (its neighbours compared with the compressors `compress`); ValueError where the run cannot have it."""
     gpus = layout.gpus
     run = make_run(model, gpus=gpus, gpu=gpu, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                   device=device, passes=passes, network=network)
+                   device=device, passes=passes, network=network, say=say)
     why = valid(run, layout)
     if why is not None:
         raise ValueError(f"--layout {layout.describe()} cannot run {global_batch} sequences on {gpus} GPUs "

@@ -49,6 +49,7 @@ class Neighbourhood:
     def __init__(self, run: Run, kinds: tuple = (), predictions: list[Prediction] = ()):
         self.run, self.kinds = run, tuple(kinds)
         self.predicted: dict[Layout, Prediction | None] = {p.layout: p for p in predictions}
+        self.best: dict[Layout, Prediction | None] = {}  # best_with's answers, by the layout with 1 micro-batch
 
     def prediction(self, layout: Layout) -> Prediction | None:
         """`layout` predicted, or None where the run cannot have it."""
@@ -109,9 +110,12 @@ class Neighbourhood:
         same = dataclasses.replace(layout, dp=dp, tp=tp, pp=pp, cp=cp, shard=layout.shard and dp * cp > 1,
                                    sequence_parallel=layout.sequence_parallel and tp > 1,
                                    compress=layout.compress if dp > 1 and cp == 1 else None)
-        found = [self.prediction(dataclasses.replace(same, microbatches=m))
-                 for m in divisors(self.run.global_batch // dp) if m >= pp]
-        return best_of([p for p in found if p is not None])
+        key = dataclasses.replace(same, microbatches=1)  # many plans share their neighbour over tp x pp x cp
+        if key not in self.best:
+            found = [self.prediction(dataclasses.replace(same, microbatches=m))
+                     for m in divisors(self.run.global_batch // dp) if m >= pp]
+            self.best[key] = best_of([p for p in found if p is not None])
+        return self.best[key]
 
     def suggest(self, plan: Prediction) -> list[Suggestion]:
         """`plan`'s neighbours that help, best first: faster ones by the time they save, or, where `plan`

@@ -19,7 +19,7 @@ from picofx.models import zoo
 from picofx.passes import Overlap
 
 import overlap_ranks
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, run_scenarios
 
 LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
@@ -49,8 +49,17 @@ def assert_mean_loss(ranks: list, key: str, expected: torch.Tensor):
 
 
 @pytest.fixture(scope="module")
-def llama_ranks():
-    return run_ranks(overlap_ranks.reference_llama_checks, 2, BATCH, timeout=420)
+def two_ranks():
+    """The scenarios in one spawned group of 2 ranks (a group each cost a start, imports and fuse's
+    patterns); the ones that raise on purpose get groups of their own."""
+    calls = [(overlap_ranks.reference_llama_checks, BATCH), (overlap_ranks.hf_llama_checks, BATCH),
+             (overlap_ranks.precision_checkpoint_checks, BATCH), (overlap_ranks.inductor_checks, BATCH)]
+    return run_scenarios(calls, 2, timeout=1600, collective_timeout=300)
+
+
+@pytest.fixture(scope="module")
+def llama_ranks(two_ranks):
+    return two_ranks["reference_llama_checks"]
 
 
 def test_reference_llama_matches_full_batch(llama_ranks):
@@ -111,9 +120,9 @@ def test_bf16_compression(llama_ranks):
         assert any(not torch.equal(r["bf16_grads"][n], fp32[n]) for n in fp32), "nothing was compressed"
 
 
-def test_hf_llama_and_recapture_match_full_batch():
+def test_hf_llama_and_recapture_match_full_batch(two_ranks):
     z = zoo.build("hf-llama-tiny", batch=BATCH)
-    ranks = run_ranks(overlap_ranks.hf_llama_checks, 2, BATCH, timeout=300)
+    ranks = two_ranks["hf_llama_checks"]
     loss, expected = full_batch("hf-llama-tiny", z.example_inputs)
     shorter = {k: v[:, :16].contiguous() for k, v in z.example_inputs.items()}
     short_loss, short_expected = full_batch("hf-llama-tiny", shorter)
@@ -127,10 +136,10 @@ def test_hf_llama_and_recapture_match_full_batch():
     assert ranks[0]["link"]["link_source"] == "measured"
 
 
-def test_with_precision_and_checkpoint():
+def test_with_precision_and_checkpoint(two_ranks):
     """bf16 matmuls round per row alike in a half batch and the full one; tolerance that of precision."""
     z = zoo.build("llama-tiny", batch=BATCH)
-    ranks = run_ranks(overlap_ranks.precision_checkpoint_checks, 2, BATCH, timeout=300)
+    ranks = two_ranks["precision_checkpoint_checks"]
     assert {"fuse", "precision", "checkpoint", "overlap"} <= set(ranks[0]["passes"])
     loss, expected = full_batch("llama-tiny", z.example_inputs,
                                 passes=["fuse", "precision", picofx.passes.Checkpoint(budget=0.9)])
@@ -159,9 +168,9 @@ def test_no_process_group_says_how_to_launch():
         picofx.optimize(z.model, z.example_inputs, ["overlap"], backend="eager", loss_fn=z.loss_fn)
 
 
-def test_inductor_matches_full_batch_and_keeps_waits_late():
+def test_inductor_matches_full_batch_and_keeps_waits_late(two_ranks):
     z = zoo.build("llama-tiny", batch=BATCH)
-    ranks = run_ranks(overlap_ranks.inductor_checks, 2, BATCH, timeout=560, collective_timeout=300)
+    ranks = two_ranks["inductor_checks"]
     loss, expected = full_batch("llama-tiny", z.example_inputs)
     _, second = full_batch("llama-tiny", overlap_ranks.later_batch(z.example_inputs, 3))
     assert_mean_loss(ranks, "loss", loss)

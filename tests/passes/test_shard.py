@@ -17,7 +17,7 @@ from picofx.passes import Shard
 
 import shard_ranks
 from overlap_ranks import later_batch
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, run_scenarios
 
 LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
@@ -60,10 +60,22 @@ def reference_adamw(steps: int = 3) -> tuple[dict, torch.Tensor]:
     return {n: p.detach() for n, p in z.model.named_parameters()}, torch.stack(norms)
 
 
+VOCAB = 257  # odd: the embedding and head split 129 + 128 rows, padded to 129 in the graph
+
+
 @pytest.fixture(scope="module")
-def llama_ranks(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shard_checkpoint")
-    return run_ranks(shard_ranks.reference_llama_checks, 2, BATCH, str(directory), timeout=420)
+def two_ranks(tmp_path_factory):
+    """The 2-rank scenarios in one spawned group (a group each cost a start, imports and fuse's
+    patterns); the one that raises on purpose gets a group of its own."""
+    directory = str(tmp_path_factory.mktemp("shard_checkpoint"))
+    calls = [(shard_ranks.reference_llama_checks, BATCH, directory), (shard_ranks.hf_llama_checks, BATCH, VOCAB),
+             (shard_ranks.mixed_precision_checks, BATCH)]
+    return run_scenarios(calls, 2, timeout=1000, collective_timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llama_ranks(two_ranks):
+    return two_ranks["reference_llama_checks"]
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +182,8 @@ def test_composes_with_fuse_precision_and_checkpoint(llama_ranks, case):
             assert (r["grads"][name] - p.grad).norm() <= 2e-2 * p.grad.norm() + 1e-6, name
 
 
-def test_hf_llama_with_uneven_tied_vocabulary_and_recapture_match_full_batch():
-    vocab = 257  # odd: the embedding and head split 129 + 128 rows, padded to 129 in the graph
-    ranks = run_ranks(shard_ranks.hf_llama_checks, 2, BATCH, vocab, timeout=300)
+def test_hf_llama_with_uneven_tied_vocabulary_and_recapture_match_full_batch(two_ranks):
+    vocab, ranks = VOCAB, two_ranks["hf_llama_checks"]
     z = zoo.build("hf-llama-tiny", batch=BATCH, vocab_size=vocab, tie_word_embeddings=True)
     loss = full_batch(z, z.example_inputs)
     assert_mean_loss(ranks, loss)
@@ -294,12 +305,12 @@ def test_shard_times_pipeline_on_four_ranks():
     assert held == set(expected)  # every parameter on some stage
 
 
-def test_mixed_precision_policy_reduces_in_fp32_as_fsdp2_and_reports_memory_per_rank():
+def test_mixed_precision_policy_reduces_in_fp32_as_fsdp2_and_reports_memory_per_rank(two_ranks):
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): gathers in bf16, reduce-scatters
     the gradients cast up to fp32, fp32 master shards. Gradients against FSDP2 with the same policy:
     both compute in bf16 but round differently (FSDP2 runs every op in bf16, precision keeps norms
     and softmax in fp32), so per tensor normwise within 2e-2, the precision pass's own tolerance."""
-    ranks = run_ranks(shard_ranks.mixed_precision_checks, 2, BATCH, timeout=300)
+    ranks = two_ranks["mixed_precision_checks"]
     for r in ranks:
         assert r["gathered"] == ["torch.bfloat16"] and r["reduced"] == ["torch.float32"]
         assert r["param_dtypes"] == ["torch.float32"]

@@ -12,7 +12,7 @@ from picofx.models import real_models, zoo
 from picofx.passes import TensorParallel
 
 import tensor_parallel_ranks
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, run_scenarios
 
 LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
@@ -50,8 +50,26 @@ def single(z: zoo.ZooModel) -> tuple[torch.Tensor, dict]:
 
 
 @pytest.fixture(scope="module")
-def llama_ranks():
-    return run_ranks(tensor_parallel_ranks.llama, 2, timeout=300, collective_timeout=120)
+def two_ranks(tmp_path_factory):
+    """The 2-rank scenarios in one spawned group (a group each cost a start, imports and fuse's patterns)."""
+    module = tensor_parallel_ranks
+    calls = [(module.llama,), (module.adamw_and_checkpoint, str(tmp_path_factory.mktemp("tp") / "checkpoint")),
+             (module.with_fuse, "eager"), (module.awkward_shapes,)]
+    return {**run_scenarios(calls, 2, timeout=1500, collective_timeout=600), "directory": calls[1][1]}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The 4-rank scenarios in one spawned group."""
+    module = tensor_parallel_ranks
+    calls = [(module.with_data_parallel,), (module.with_shard, str(tmp_path_factory.mktemp("tp") / "checkpoint")),
+             (module.with_pipeline,), (module.uneven,)]
+    return {**run_scenarios(calls, 4, timeout=2400, collective_timeout=300), "directory": calls[1][1]}
+
+
+@pytest.fixture(scope="module")
+def llama_ranks(two_ranks):
+    return two_ranks["llama"]
 
 
 @pytest.mark.parametrize("case, build", [("reference", lambda: zoo.build("llama-tiny")),
@@ -154,9 +172,8 @@ def test_a_plan_tp_cannot_run_is_refused_before_anything_communicates():
         TensorParallel(plan={"*.q_proj.weight": "sideways"})
 
 
-def test_adamw_clipping_and_a_dcp_checkpoint_work_unchanged(tmp_path):
-    directory = str(tmp_path / "checkpoint")
-    ranks = run_ranks(tensor_parallel_ranks.adamw_and_checkpoint, 2, directory, timeout=300, collective_timeout=120)
+def test_adamw_clipping_and_a_dcp_checkpoint_work_unchanged(two_ranks):
+    ranks, directory = two_ranks["adamw_and_checkpoint"], two_ranks["directory"]
     z = zoo.build("llama-tiny")
     optimizer = torch.optim.AdamW(z.model.parameters(), lr=1e-3)
     for _ in range(3):
@@ -168,8 +185,9 @@ def test_adamw_clipping_and_a_dcp_checkpoint_work_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(backend):
-    ranks = run_ranks(tensor_parallel_ranks.with_fuse, 2, backend, timeout=900, collective_timeout=600)
+def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(backend, request):
+    ranks = request.getfixturevalue("two_ranks")["with_fuse"] if backend == "eager" else \
+        run_ranks(tensor_parallel_ranks.with_fuse, 2, backend, timeout=900, collective_timeout=600)
     loss, grads = single(zoo.build("llama-tiny"))
     for rank in ranks:
         assert rank["fused"]["swiglu"] == 2
@@ -178,8 +196,8 @@ def test_fuse_after_it_fuses_every_site_on_the_pieces_and_keeps_the_numbers(back
         assert_gradients_equal(rank["grads"], grads)
 
 
-def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
-    ranks = run_ranks(tensor_parallel_ranks.with_data_parallel, 4, timeout=600, collective_timeout=300)
+def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks(four_ranks):
+    ranks = four_ranks["with_data_parallel"]
     z = zoo.build("llama-tiny", batch=2, seed=0)
     batches = [{k: v.roll(r * 3, dims=-1).contiguous() for k, v in dict(z.example_inputs).items()} for r in (0, 1)]
     later = [{k: v.roll(1, dims=-1).contiguous() for k, v in batch.items()} for batch in batches]
@@ -201,15 +219,15 @@ def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks():
         assert_gradients_equal(rank["accumulated"], accumulated)  # no_sync's gradients are DTensors too
 
 
-def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quarter_and_trains_as_one_process(tmp_path):
+def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quarter_and_trains_as_one_process(
+        four_ranks):
     """dp_shard 2 x tp 2: parameters 2-D DTensors (FSDP2 over TP), the dp ranks on halves of the batch.
     [Shard, TensorParallel] and [fuse, Shard, TensorParallel] run as tensor_parallel, fuse, shard
     and equal one process; then 3 AdamW steps with clipping, and the DCP checkpoint loaded into the
     plain model."""
     from overlap_ranks import later_batch
 
-    directory = str(tmp_path / "checkpoint")
-    ranks = run_ranks(tensor_parallel_ranks.with_shard, 4, directory, timeout=900, collective_timeout=300)
+    ranks, directory = four_ranks["with_shard"], four_ranks["directory"]
     z = zoo.build("llama-tiny", batch=4)
     loss, grads = single(z)
     for order, ran in (("shard first", ["tensor_parallel", "shard"]),
@@ -242,8 +260,8 @@ def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quart
     assert_trained_and_saved_as(ranks, z.model, directory)
 
 
-def test_tensor_parallel_listed_before_pipeline_runs_after_it_on_four_ranks_and_equals_one_process():
-    ranks = run_ranks(tensor_parallel_ranks.with_pipeline, 4, timeout=600, collective_timeout=300)
+def test_tensor_parallel_listed_before_pipeline_runs_after_it_on_four_ranks_and_equals_one_process(four_ranks):
+    ranks = four_ranks["with_pipeline"]
     z = zoo.build("llama-tiny", batch=4)
     loss, grads = single(z)
     held = set()
@@ -257,8 +275,8 @@ def test_tensor_parallel_listed_before_pipeline_runs_after_it_on_four_ranks_and_
 
 
 @pytest.fixture(scope="module")
-def uneven_ranks():
-    return run_ranks(tensor_parallel_ranks.uneven, 4, timeout=600, collective_timeout=300)
+def uneven_ranks(four_ranks):
+    return four_ranks["uneven"]
 
 
 @pytest.mark.parametrize("case, build", [
@@ -301,8 +319,8 @@ def test_pipeline_times_sharded_data_parallel_times_tensor_parallel_on_eight_ran
     assert held == set(grads)
 
 
-def test_shapes_tp_cannot_split_are_refused_by_name_or_kept_whole_and_still_equal_one_process():
-    result = run_ranks(tensor_parallel_ranks.awkward_shapes, 2, timeout=600, collective_timeout=120)[0]
+def test_shapes_tp_cannot_split_are_refused_by_name_or_kept_whole_and_still_equal_one_process(two_ranks):
+    result = two_ranks["awkward_shapes"][0]
     assert "decoder_layers.0.mlp.gate_proj.weight has 97 rows, which tp=2 does not divide" in result["rows"]
     assert result["rows seconds"] < 60  # raised at the forward stage, before anything communicates
     for case, whole in (("heads", "q_proj"), ("kv groups", "k_proj")):

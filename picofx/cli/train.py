@@ -346,8 +346,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     report = s.opt_model.report
     layout = Layout.of(args)
     ranks.say(f"\nsummary: {args.model or args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
-              f"tokens on "
-              f"{args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
+              f"tokens on {args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
     ranks.say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}, first step to last (validation {val_loss:.3f})")
     if layout.dp > 1:  # replicas step in lockstep on batches of the same size
         ranks.say(f"  tokens/s across {layout.dp} data-parallel replicas: {tokens_per_s * layout.dp:,.0f}")
@@ -391,10 +390,8 @@ def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, m
     if metrics is not None:
         metrics.close()
     ranks.close()
-    if by == signal.SIGINT:
-        if ranks.world > 1:
-            os._exit(INTERRUPTED)
-        sys.exit(INTERRUPTED)
+    if by == signal.SIGINT:  # a rank with a process group can hang at interpreter exit
+        os._exit(INTERRUPTED) if ranks.world > 1 else sys.exit(INTERRUPTED)
     return {"losses": losses, "preempted": step}
 
 

@@ -48,12 +48,13 @@ def test_the_chunked_loss_rereads_the_weight_and_its_gradient_once_per_chunk():
     w = torch.empty(vocab, hidden, dtype=torch.bfloat16, device="meta")
     labels = torch.empty(tokens, dtype=torch.long, device="meta")
     op = torch.ops.picofx.linear_cross_entropy.default
-    one, four = (opaque_traffic(op, (x, w, None, labels, -100, "mean", True, chunk, True, 1.0, 0.0), {})
-                 for chunk in (tokens, tokens // 4))
-    assert four.kernels > one.kernels
+    two, four, eight = (opaque_traffic(op, (x, w, None, labels, -100, "mean", True, tokens // n, True, 1.0, 0.0), {})
+                        for n in (2, 4, 8))
+    assert two.kernels < four.kernels < eight.kernels
     weight, accumulator = vocab * hidden * 2, vocab * hidden * 4
-    # each further chunk reads the weight in two matmuls (logits, grad_x), writes the weight-shaped
-    # bf16 product of the third and reads it to add it into the fp32 accumulator (read, write); the
-    # logits and activations move the same in total
-    extra = 3 * (2 * weight + 2 * weight + 2 * accumulator)
-    assert four.read + four.written - (one.read + one.written) == extra
+    # each further chunk reads the bf16 weight in two matmuls (logits, grad_x) and adds its weight
+    # gradient into the fp32 sum in place (read, write); the logits and activations move the same in
+    # total, and no bf16 (vocab x hidden) product is written
+    extra = 2 * weight + 2 * accumulator
+    assert (four.read + four.written) - (two.read + two.written) == 2 * extra
+    assert (eight.read + eight.written) - (four.read + four.written) == 4 * extra

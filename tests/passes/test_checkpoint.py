@@ -109,7 +109,7 @@ def test_sixty_percent_of_measured_peak_end_to_end():
 
 def test_after_fuse_the_fused_kernels_scratch_memory_is_predicted():
     z = zoo.reference_llama("tiny", 4, 64)
-    opt = picofx.optimize(z.model, z.example_inputs, ["fuse", Checkpoint(budget=0.85)], backend="eager",
+    opt = picofx.optimize(z.model, z.example_inputs, ["fuse", Checkpoint(budget=0.92)], backend="eager",
                           loss_fn=z.loss_fn)
     assert any(str(n.target).startswith("picofx.") for n in opt.graphs["forward"].graph.nodes)
 

@@ -64,7 +64,9 @@ BF16_LOOSER = {name: (5e-2, BF16[1]) for name in ("hf-gemma3", "hf-glm4", "hf-ap
 COMBINATIONS = {"none": [], "fuse": [Fuse()], "precision": [Precision()], "fuse+precision": [Fuse(), Precision()]}
 # budgets as fractions of the peak without checkpointing, between it and the smallest reachable
 # (parameters, gradients and AdamW-free state dominate these tiny steps: 89% and 98%)
-CHECKPOINTED = {"hf-llama": 0.93, "hf-mixtral": 0.995}
+# Budgets between the smallest reachable peak and the peak. hf-mixtral left: at 16 tokens, since fuse
+# stopped holding concatenated weights for the backward, no recomputation lowers its peak.
+CHECKPOINTED = {"hf-llama": 0.96}
 optimize_module = importlib.import_module("picofx.api")  # the module: picofx.optimize is also the function
 
 

@@ -173,7 +173,7 @@ def test_composes_with_fuse_precision_and_checkpoint(llama_ranks, case):
     wire = ["torch.bfloat16"] if case == "mixed" else ["torch.float32"]
     assert composed[0]["gathered"] == wire and composed[0]["reduced"] == wire
     assert composed[0]["param_dtypes"] == ["torch.float32"]
-    z = zoo.build("llama-tiny", batch=BATCH)
+    z = zoo.build("llama-tiny", batch=BATCH, seq=shard_ranks.COMPOSED_SEQ)
     opt = picofx.optimize(z.model, z.example_inputs, shard_ranks.COMPOSED, backend="eager", loss_fn=z.loss_fn)
     loss = opt.forward_backward(**z.example_inputs)
     torch.testing.assert_close(torch.stack([r["loss"] for r in composed]).mean(), loss, rtol=1e-2, atol=1e-3)

@@ -11,8 +11,9 @@ The key covers everything the graph depends on that picofx can see: the model's 
 (classes, their simple attributes and config), parameter and buffer names, shapes, dtypes and
 devices, the source files of the model's classes and of the loss function, the call's input
 shapes and values, the passes and their options, the registered rewrite rules (their functions'
-source), the backend and the options, and the versions of picofx (its source files), torch and
-Python. Not cached, and the report says why: passes that communicate, split the graph, measure a
+source), the backend and the options, the device the model is on (a GPU by its name and compute
+capability: fuse may have timed its kernels there) and the versions of picofx (its source files),
+torch, triton and Python. Not cached, and the report says why: passes that communicate, split the graph, measure a
 real step or run on the partitioned graphs; models or inputs on fake tensors or the meta device;
 a given cost model; numerics verification; instruments that need every pass to run (dumps).
 """
@@ -38,6 +39,7 @@ from picofx.manager import Stage
 from picofx.manager.passes import pass_info, pass_name, runs_at
 from picofx.manager.progress import Progress
 from picofx.rewrite import registered_rules
+from picofx.runtime.kernel_choice import environment
 from picofx.capture.vocabulary import SIGNATURE_META
 
 FORMAT = 3  # bump when an entry's layout changes: older entries are then ignored and rewritten
@@ -134,7 +136,9 @@ def cache_key(model: nn.Module, inputs_key: tuple, *, passes, loss_fn, backend: 
 
 def _digest(model, inputs_key, passes, loss_fn, backend, verify, options) -> str:
     loss = None if loss_fn is None else [describe(loss_fn), file_digest(inspect.getsourcefile(loss_fn))]
-    parts = [FORMAT, torch.__version__, sys.version, _picofx_sources(passes), model_description(model), model.training,
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    # the card and triton too: fuse may have chosen its kernels by timing them there (kernel_choice)
+    parts = [FORMAT, environment(device), sys.version, _picofx_sources(passes), model_description(model), model.training,
              inputs_key, loss, backend, verify, describe(options), torch.get_default_dtype(),
              [(pass_name(p), describe(p)) for p in passes], [describe(rule) for rule in registered_rules()]]
     return hashlib.sha256(pickle.dumps(repr(parts))).hexdigest()[:32]

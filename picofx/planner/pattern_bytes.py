@@ -22,18 +22,15 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from torch.utils.checkpoint import CheckpointPolicy
-
 from picofx.api import optimize
 from picofx.capture.vocabulary import module_path
 from picofx.cost.device import devices
 from picofx.cost.inductor.traffic import decomposed, traffic_by_label
 from picofx.cost.model import CostModel
 from picofx.kernels.linear_cross_entropy import linear_cross_entropy_decomposed
-from picofx.cost.partition import inductor_recomputes, num_forward_outputs
 from picofx.manager import PassInfo, PassResult, Stage
 from picofx.passes.fuse.fuse import Fuse
-from picofx.planner.predict import fake_mode
+from picofx.planner.predict import InductorPartition, fake_mode
 from picofx.rewrite.matcher import prepare
 
 TAG = "fused_pattern"  # the key in node.meta["custom"], which AOT copies to the backward's nodes
@@ -110,19 +107,6 @@ class TagReplaced:
             if node.name in owner:
                 _tag(node, owner[node.name])
         return PassResult(False, {"tagged": len(owner)})
-
-
-class InductorPartition:
-    """Tags what Inductor's min-cut partition recomputes in the backward, so that the eager
-    compile here partitions the step as Inductor's does (as `picofx.planner.predict` does)."""
-
-    info = PassInfo(Stage.JOINT, plans_partition=True, tags_only=True)
-
-    def __call__(self, gm: fx.GraphModule, ctx) -> PassResult:
-        recomputed = inductor_recomputes(gm, num_forward_outputs(gm))
-        for node in recomputed:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        return PassResult(bool(recomputed), {"recomputed": len(recomputed)})
 
 
 def hf_llama(shape: str, layers: int):

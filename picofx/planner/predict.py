@@ -51,7 +51,7 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
     cost_model = cost_model or CostModel.for_backend(_device_of(model), backend)
     passes = resolve_passes(passes)
     if cost_model.fuses_pointwise and not any(pass_info(p).plans_partition for p in passes):
-        passes.append(_InductorPartition())
+        passes.append(InductorPartition())
     opt = optimize(model, example_inputs, passes, backend="eager", loss_fn=loss_fn, verify=None, cost_model=cost_model)
     fw, bw = opt.graphs["forward"], opt.graphs["backward"]
     memory = cost_model.step_memory(fw, bw, optimizer_state_bytes(optimizer, model.parameters()))
@@ -59,9 +59,9 @@ def predict(model: nn.Module, example_inputs, *, loss_fn=None, passes=(), optimi
                           cost_model.graph_flops(fw) + cost_model.graph_flops(bw), fw, bw)
 
 
-class _InductorPartition:
+class InductorPartition:
     """Tags what Inductor's min-cut partition recomputes, so that an eager compile partitions the
-    step as an Inductor compile without `checkpoint` does."""
+    step as an Inductor compile without `checkpoint` does (the byte model's compiles too)."""
 
     info = PassInfo(Stage.JOINT, plans_partition=True, tags_only=True)
 

@@ -148,9 +148,8 @@ def check_choices(choices, rules: list[Rule]) -> dict[str, str]:
     return dict(choices)
 
 
-def mark_lowering(graph: fx.Graph, before: set, chosen: str | None) -> None:
+def mark_lowering(graph: fx.Graph, before: set, chosen: str) -> None:
     """Record on the fused op nodes a rule just inserted how Inductor lowers them
     (picofx.runtime.compile.triton_lowered_ops reads it; without a mark, the kernel where there is one)."""
-    if chosen is not None:
-        for node in _inserted(before, graph):
-            node.meta["lowering"] = chosen
+    for node in _inserted(before, graph):
+        node.meta["lowering"] = chosen

@@ -116,9 +116,11 @@ class Fuse:
             if lowering.get(rule.name) == "unfused":
                 notes[rule.name] = 0
                 continue
-            before = set(gm.graph.nodes)
+            chosen = lowering.get(rule.name)
+            before = set(gm.graph.nodes) if chosen else None  # only a chosen lowering marks the new nodes
             applied, missed, dropped_here = rewrite(gm, rule)
-            mark_lowering(gm.graph, before, lowering.get(rule.name))
+            if chosen:
+                mark_lowering(gm.graph, before, chosen)
             notes[rule.name] = len(applied)
             near_misses += missed
             dropped += dropped_here

@@ -83,6 +83,7 @@ class Checkpointing(enum.StrEnum):
 
 
 CHECKPOINTS = tuple(Checkpointing)  # what layouts are planned with: none, selective, full
+PRECISIONS = ("bf16", "float8", "float8_rowwise")  # float8: torchao's tensorwise recipe
 
 
 @dataclass(frozen=True)
@@ -97,21 +98,29 @@ class Layout:
     sequence_parallel: bool = False
     compress: str | None = None
     cp: int = 1  # context-parallel ranks: each sequence split over them (picofx.planner.context)
+    precision: str = "bf16"  # one of PRECISIONS: the matmuls' precision
+    shard_stage: int = 3  # with shard: 1 optimizer state, 2 and gradients, 3 and parameters (ZeRO's stages)
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint", Checkpointing.of(self.checkpoint))
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
+        if self.shard_stage not in (1, 2, 3):
+            raise ValueError(f"shard_stage {self.shard_stage!r}: 1, 2 or 3")
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
     def describe(self) -> str:
-        parts = [f"dp{self.dp}" + (" shard" if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
+        stage = "" if self.shard_stage == 3 else f" stage {self.shard_stage}"
+        parts = [f"dp{self.dp}" + (" shard" + stage if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
                                                                                   else ""), f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
         return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
-            (f", {self.compress}" if self.compress else "")
+            (f", {self.compress}" if self.compress else "") + \
+            (f", {self.precision}" if self.precision != "bf16" else "")
 
 
 @dataclass

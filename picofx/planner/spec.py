@@ -1,6 +1,7 @@
 """A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
 as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective"
-(cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full").
+(cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full"; precision=bf16|float8|float8_rowwise;
+shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3).
 
 Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
 from __future__ import annotations
@@ -9,9 +10,9 @@ import dataclasses
 
 from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
 from picofx.planner.compress import kinds_to_consider
-from picofx.planner.layouts import Checkpointing, Layout
+from picofx.planner.layouts import PRECISIONS, Checkpointing, Layout
 
-WHOLE = ("dp", "tp", "pp", "microbatches", "cp")
+WHOLE = ("dp", "tp", "pp", "microbatches", "cp", "shard_stage")
 YES_NO = ("shard", "sequence_parallel")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 FIELDS = [f.name for f in dataclasses.fields(Layout)]
@@ -34,6 +35,10 @@ def parse_value(key: str, text: str):
     if key == "schedule":
         if text not in SINGLE_STAGE_SCHEDULES:
             raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)}")
+        return text
+    if key == "precision":
+        if text not in PRECISIONS:
+            raise ValueError(f"precision={text!r}: one of {', '.join(PRECISIONS)}")
         return text
     kinds = kinds_to_consider(text)  # compress: the spelling Overlap(compress=...) takes, or none
     if len(kinds) > 1:
@@ -60,6 +65,9 @@ def parse_layout(spec: str, gpus: int | None = None) -> Layout:
             given[key] = parse_value(key, text)
         except ValueError as e:
             raise ValueError(f"--layout: {e}") from None
+    if "shard_stage" in given:
+        if given.setdefault("shard", True) is False:
+            raise ValueError("--layout: shard_stage with shard=false; leave shard out or set it true")
     tp, pp, cp = given.setdefault("tp", 1), given.setdefault("pp", 1), given.setdefault("cp", 1)
     given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
     return Layout(**given)

@@ -253,7 +253,7 @@ def test_train_script_reports_mean_throughput_mfu_by_dtype_and_a_summary(capsys)
 
 
 def test_train_script_offers_sizes_that_fit_and_refuses_one_that_does_not(capsys):
-    from picofx.cli.train_args import fits
+    from picofx.cli.train_parser import fits
 
     train = load_train_script()
     args = train.parse_args([])

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from picofx.cli.train_args import at_least
+from picofx.cli.train_parser import at_least
 from picofx.planner.compress import DEFAULT_KINDS
 from picofx.planner.costs import PASSES
 from picofx.planner.measure import calibrated_device, measure

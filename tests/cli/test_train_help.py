@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from picofx.cli import train
-from picofx.cli.train_args import build_parser, parse_args
+from picofx.cli.train_args import parse_args
+from picofx.cli.train_parser import build_parser
 
 STEPS = ["--steps", "2", "--backend", "eager"]  # the last of a repeated option wins
 EIGHT_RANKS = "8 ranks, each capturing and compiling its step, take many minutes on the 2 cores CI has"

@@ -246,7 +246,7 @@ def resized(files, root: pathlib.Path, **fields) -> pathlib.Path:
 
 def test_the_device_fit_check_and_the_plan_take_the_models_own_shape(files, tmp_path, capsys, monkeypatch):
     from picofx.cli import train_layout
-    from picofx.cli.train_args import step_bytes
+    from picofx.cli.train_parser import step_bytes
     from picofx.cli.train_model import planned_shape
     from picofx.planner.layouts import Layout
 

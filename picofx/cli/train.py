@@ -47,6 +47,7 @@ from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_o
 from picofx.cli.train_layout import choose_layout, train_mesh
 from picofx.cli.train_data import Batches, DataError
 from picofx.cli.train_guards import NonFinite, clip_gradients, gradient_norm, group_timeout, step_collectives
+from picofx.cli.train_report import write_report
 from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throughput
 from picofx.diagnose import StepLog, diagnose, what_to_change
 from picofx.manager import pass_name
@@ -283,7 +284,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
                                  total=ranks.total)
     saves = train_state.PeriodicSaves(args, s, group=ranks.agreement, rank=ranks.rank, replica=ranks.replica,
                                       options=run_options(args))  # before the loop: SIGTERM from here on saves
-    history, losses, interval = [], [], {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
+    history, losses, interval = [], saves.losses, {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
     steps_log = StepLog(run={"batch": args.batch, "data_workers": args.data_workers, "device": args.device})
     progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
@@ -326,7 +327,8 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
             interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
         if saves.after_step(step + 1):  # saved before the validation batch is drawn, as a resumed run would draw it
             break
-    if saves.stopped_at is not None:
+    if saves.stopped_at is not None:  # the report (--report) records the stop
+        write_report(args, ranks, s, saves, layout_line(args), stopped=saves.stop_line(args.save))
         return preempted(saves.stopped_at, saves.stopped_by, args, ranks, losses, metrics)
     run_seconds = time.perf_counter() - run_start
     ranks.at(args.steps, "end of the run (saving, validation, summary)")
@@ -365,11 +367,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
-    if args.report and ranks.speaks:
-        report.to_html(args.report, losses=losses, title=f"picofx: picofx train, {args.size} model",
-                       subtitle=f"{layout_line(args)}; {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
-                                f"tokens on {args.device}, passes {' '.join(s.passes) or '(none)'}")
-        ranks.say(f"wrote {args.report}")
+    write_report(args, ranks, s, saves, layout_line(args))
     if args.save:
         ranks.say(f"saved step {args.steps} to {args.save}/step-{args.steps} (continue with --resume {args.save} "
                   "and a larger --steps)")

@@ -8,6 +8,7 @@ bit for bit."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import warnings
 
 import torch
@@ -21,6 +22,7 @@ from picofx.runtime.checkpoints import AsyncSaver, Preemption
 # AdamW's state and hyperparameters keyed by parameter name: a pipeline rank's are its stages' own,
 # and no key (such as a whole param_groups list) holds different values on different ranks.
 BY_PARAMETER = StateDictOptions(flatten_optimizer_state_dict=True)
+LOSSES = "loss_history"  # every step's loss from step 1 (rank 0's), for the report of a resumed run
 
 
 def process_rank() -> int:
@@ -63,7 +65,10 @@ class PeriodicSaves:
     save is waited on, and the run stops there; `stopped_by` names the signal)."""
 
     def __init__(self, args, session, *, group, rank: int, replica: int, options: dict):
-        self.args, self.session, self.replica, self.options = args, session, replica, options
+        self.args, self.session, self.replica, self.options, self.rank = args, session, replica, options, rank
+        self.earlier = saved_losses(args.resume) if args.resume and rank == 0 else []  # the steps before this run's
+        self.losses: list[float] = []  # this run's, appended by the loop
+        self.first_step = session.start_step + 1 - len(self.earlier)  # > 1: an older checkpoint kept no losses
         self.saver = AsyncSaver(args.save, keep=args.keep, group=group, rank=rank) if args.save else None
         notice = "picofx train: Ctrl-C: saving at the end of this step, then stopping (Ctrl-C again: stop now, unsaved)"
         self.preemption = Preemption(notice if rank == 0 else None).install() if args.save else None
@@ -80,11 +85,21 @@ class PeriodicSaves:
             s = self.session
             state = run_state(s.opt_model, s.optimizer, s.schedule, s.batches, step=step, replica=self.replica)
             with single_process_quiet():
-                self.saver.save({**state, "options": self.options}, step)
+                history = {LOSSES: self.history()} if self.rank == 0 else {}
+                self.saver.save({**state, **history, "options": self.options}, step)
         if preempted is not None:
             self.stopped_at = step
             self.finish()
         return preempted is not None
+
+    def history(self) -> list[float]:
+        """Every step's loss from the run's first step, across resumes (rank 0's)."""
+        return self.earlier + self.losses
+
+    def stop_line(self, save: str) -> str:
+        """What stopped the run early and where its state went."""
+        what = "Ctrl-C" if self.stopped_by == signal.SIGINT else self.stopped_by.name
+        return f"stopped by {what} after step {self.stopped_at}, saved to {save}/step-{self.stopped_at}"
 
     def finish(self) -> None:
         """Wait for the save in flight; SIGTERM and Ctrl-C end the process again."""
@@ -101,6 +116,14 @@ def saved_run(directory: str, option_names) -> tuple[int, dict]:
     with single_process_quiet():
         dcp.load(state, checkpoint_id=directory, no_dist=True, planner=DefaultLoadPlanner(allow_partial_load=True))
     return int(state["step"]), state["options"]
+
+
+def saved_losses(directory: str) -> list[float]:
+    """The losses a checkpoint holds from the run's first step to its own ([] where it holds none)."""
+    state = {LOSSES: None}
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=directory, no_dist=True, planner=DefaultLoadPlanner(allow_partial_load=True))
+    return list(state[LOSSES] or [])
 
 
 def resume_disagreement(resume: str | None, group) -> str | None:

@@ -44,13 +44,13 @@ def _numel(shape) -> int:
 
 
 def render(report=None, *, graphs: dict | list | None = None, pipeline=None, plans: dict | None = None,
-           losses: list[float] | dict | None = None, measured_peak: int | None = None, world: int | None = None,
-           cost_model=None, title: str = "picofx report", subtitle: str = "") -> str:
+           losses: list[float] | dict | None = None, first_step: int = 1, measured_peak: int | None = None,
+           world: int | None = None, cost_model=None, title: str = "picofx report", subtitle: str = "") -> str:
     """The page's HTML. `report`: a Report's to_dict() as Report.to_html gives it; `graphs`: the step's graphs
     ({"forward", "backward", ...}, or a list of pipeline stage graphs); `pipeline`: a PipelineLayout
     (found on the graphs where not given); `plans`: `picofx plan --json`'s dict (or its "plans" as planner
-    Predictions); `losses`: per step (or {run name: per step}); `measured_peak`: bytes (else a pass's
-    "measured_peak"); `world`: ranks the timeline predicts for (else the ranks the layouts were made
+    Predictions); `losses`: per step from `first_step` (or {run name: per step}); `measured_peak`: bytes
+    (else a pass's "measured_peak"); `world`: ranks the timeline predicts for (else the ranks the layouts were made
     for; one rank: the page says there is no communication)."""
     graphs = dict(enumerate(graphs)) if isinstance(graphs, list) else dict(graphs or {})
     as_dict = report or {}
@@ -64,7 +64,7 @@ def render(report=None, *, graphs: dict | list | None = None, pipeline=None, pla
              sections.timeline_section(data.comm_timeline(graphs, world, cost_model)),
              sections.pipeline_section(data.pipeline_schedule(pipeline or found_pipeline)),
              plans_section(plans),
-             sections.loss_section(losses)]
+             sections.loss_section(losses, first_step)]
     return page(title, subtitle, parts)
 
 

@@ -94,7 +94,8 @@ def plans_section(plans: dict | None, top: int = 12, unfit: int = 4) -> str:
     chosen += [i for i in range(len(chosen), len(every)) if not every[i]["fits"]][:unfit]
     shown = [every[i] for i in chosen]
     kind = {i: "best" if i == best else "fits" if p["fits"] else "nofit" for i, p in zip(chosen, shown)}
-    head = ("<tr><th>#</th><th>layout</th><th>memory/GPU</th><th>step</th><th>tokens/s</th><th>MFU</th>"
+    head = ("<tr><th>#</th><th>layout</th><th>predicted memory/GPU</th><th>predicted step</th><th>predicted tokens/s"
+            "</th><th>predicted MFU</th>"
             "<th>fits</th><th>bottleneck</th><th>best change: expected gain</th></tr>")
     rows = [head]
     for i, p in zip(chosen, shown):

@@ -71,7 +71,7 @@ def memory_section(curve: dict | None, measured_peak: int | None = None) -> str:
                        x_label="predicted time in the step (ms)", y_label="live memory",
                        x_fmt=lambda v: f"{v:.3g}", y_fmt=format_bytes, marks=marks, spans=spans, y_ticks=binary_ticks)
     text = (f"Predicted peak {format_bytes(curve['peak'])} in the {curve['peak_phase']} at {curve['peak_at']}; "
-            f"resident (parameters, buffers, inputs, optimizer state) {format_bytes(curve['resident'])}.")
+            f"predicted resident (parameters, buffers, inputs, optimizer state) {format_bytes(curve['resident'])}.")
     if measured_peak:
         error = curve["peak"] / measured_peak - 1
         off = "exact to 0.1%" if abs(error) < 5e-4 else f"{error:+.1%} off"
@@ -87,7 +87,7 @@ def timeline_section(timeline: dict | None) -> str:
     if not timeline:
         return ""
     if timeline["world"] == 1:
-        return section("timeline", "Compute and communication per rank", para(
+        return section("timeline", "Compute and communication per rank (predicted)", para(
             f"One process: the passes placed {timeline['collectives']} collective"
             f"{'s' if timeline['collectives'] > 1 else ''}, carrying "
             f"{format_bytes(timeline['payload_bytes'])} per step, but over one rank they send nothing, so there is "
@@ -101,10 +101,10 @@ def timeline_section(timeline: dict | None) -> str:
     chart = gantt([{"label": "rank compute", "bars": compute}, {"label": "rank comm", "bars": comm}],
                   x_label="predicted time (ms)", x_fmt=lambda v: f"{v:.3g}", end=timeline["step_ms"])
     hidden = timeline["comm_ms"] - timeline["exposed_ms"]
-    text = (f"Each of {timeline['world']} ranks over {timeline['link']}: step {ms(timeline['step_ms'])}, "
-            f"communication {ms(timeline['comm_ms'])} of which {ms(max(hidden, 0))} hides behind compute and "
+    text = (f"Each of {timeline['world']} ranks over {timeline['link']}: predicted step {ms(timeline['step_ms'])}, "
+            f"predicted communication {ms(timeline['comm_ms'])} of which {ms(max(hidden, 0))} hides behind compute and "
             f"{ms(timeline['exposed_ms'])} is exposed (compute waits).")
-    return section("timeline", "Compute and communication per rank", para(text),
+    return section("timeline", "Compute and communication per rank (predicted)", para(text),
                    legend(*drawn(compute + comm, ("compute", "compute"), ("comm", "collective on the link"),
                                  ("exposed", "exposed: compute waits for a collective"))), chart)
 
@@ -128,9 +128,9 @@ def pipeline_section(schedule: dict | None) -> str:
         rows.append({"label": f"rank {rank}", "bars": bars_})
     chart = gantt(rows, x_label="predicted time (ms)", x_fmt=lambda v: f"{v:.3g}", end=schedule["step_ms"])
     text = (f"{schedule['schedule']}, {schedule['ranks']} ranks x {schedule['virtual']} stages each, "
-            f"{schedule['microbatches']} micro-batches: step {ms(schedule['step_ms'])}, bubble "
+            f"{schedule['microbatches']} micro-batches: predicted step {ms(schedule['step_ms'])}, predicted bubble "
             f"{schedule['bubble']:.0%} of rank time (the plan predicts {schedule['predicted_bubble']:.0%}).")
-    return section("pipeline", "Pipeline schedule", para(text),
+    return section("pipeline", "Pipeline schedule (predicted)", para(text),
                    legend(*drawn([bar for row in rows for bar in row["bars"]], ("forward", "forward (F<micro-batch>)"),
                                  ("backward", "backward (B<micro-batch>)"), ("bubble", "bubble: rank idle"))), chart)
 
@@ -138,20 +138,22 @@ def pipeline_section(schedule: dict | None) -> str:
 SERIES = len(RUNS)  # distinct line colours (.run0 ...); more runs reuse them in order
 
 
-def loss_section(losses: list[float] | dict[str, list[float]] | None) -> str:
-    """`losses`: per step, one run's, or several runs' by name (drawn side by side, one colour each)."""
+def loss_section(losses: list[float] | dict[str, list[float]] | None, first_step: int = 1) -> str:
+    """`losses`: per step from `first_step`, one run's, or several runs' by name (drawn side by side,
+    one colour each)."""
     if not losses:
         return ""
     runs = losses if isinstance(losses, dict) else {"training loss": losses}
-    series = [{"name": name, "points": [(i + 1, float(v)) for i, v in enumerate(values)],
+    series = [{"name": name, "points": [(first_step + i, float(v)) for i, v in enumerate(values)],
                "cls": f"loss run{k % SERIES}" if len(runs) > 1 else "loss"}
               for k, (name, values) in enumerate(runs.items())]
     chart = line_chart(series, x_label="step", y_label="loss", x_fmt=lambda v: f"{v:g}", y_fmt=lambda v: f"{v:.3g}",
                        from_zero=False)
     if len(runs) == 1:
         v = next(iter(runs.values()))
+        steps = f"{len(v)} steps" if first_step == 1 else f"Steps {first_step} to {first_step + len(v) - 1}"
         return section("loss", "Loss over the training run",
-                       para(f"{len(v)} steps: loss {v[0]:.4f} at the first, {v[-1]:.4f} at the last."), chart)
+                       para(f"{steps}: loss {v[0]:.4f} at the first, {v[-1]:.4f} at the last."), chart)
     rows = ["<tr><th>run</th><th>steps</th><th>first loss</th><th>last loss</th></tr>"] + [
         f'<tr><td><span class="key run{k % SERIES}"></span>{escape(name)}</td><td>{len(v)}</td><td>{v[0]:.4f}</td>'
         f"<td>{v[-1]:.4f}</td></tr>" for k, (name, v) in enumerate(runs.items())]

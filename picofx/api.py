@@ -19,7 +19,7 @@ from picofx.manager.combinations import check_combination
 from picofx.manager.dump import DumpGraphs
 from picofx.manager.progress import Progress, tell
 from picofx.manager.report import Report, notices
-from picofx.parallel.mesh import ParallelMesh, mesh_for
+from picofx.parallel.mesh import ParallelMesh, mesh_for, root_of_sub_meshes
 from picofx.runtime.cache import (GraphCache, JointDecisions, JointMismatch, NotCacheable, cache_key, cached_records,
                                   cached_signature, default_directory, prepared_graph)
 from picofx.runtime.compile import compile_graph
@@ -361,6 +361,8 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
 def run_mesh(mesh, passes: list, model: nn.Module) -> ParallelMesh | None:
     """The run's ParallelMesh: the user's (a DeviceMesh is named into one), else the one the
     distributed passes ask for (None in a single process)."""
+    if mesh is None:  # sub-meshes of one DeviceMesh given to the passes: the run's mesh is that one
+        mesh = root_of_sub_meshes([getattr(p, field, None) for p in passes for field in ("mesh", "group")])
     if mesh is None:
         device = next(model.parameters(), torch.empty(0)).device
         return mesh_for([(pass_info(p).mesh_dims, pass_info(p).mesh_size) for p in passes], device.type)

@@ -228,6 +228,18 @@ def mesh_for(requests: list[tuple[tuple[str, ...], int | None]], device_type: st
     return ParallelMesh.build(**sizes, device_type=device_type)
 
 
+def root_of_sub_meshes(specs) -> Any:
+    """The DeviceMesh that the DeviceMeshes among `specs` (what the passes were given: names,
+    ProcessGroups, DeviceMeshes) were sliced from, as FSDP2 and DTensor users write them
+    (`mesh["dp"]`, `mesh["tp"]`); None where no sub-mesh is given."""
+    roots = {id(root): root for spec in specs if hasattr(spec, "_get_root_mesh")
+             for root in [spec._get_root_mesh()] if root is not spec}
+    if len(roots) > 1:
+        raise DistributedError("the passes were given sub-meshes of different DeviceMeshes; slice every pass's "
+                               "mesh from one (mesh['dp_shard'], mesh['tp']) or pass optimize(..., mesh=...).")
+    return next(iter(roots.values()), None)
+
+
 def resolve_dim(spec, mesh: ParallelMesh | None, default: str, who: str) -> MeshDim:
     """The dimension a pass works over. `spec` is what the user gave the pass: None (the run's
     mesh's `default` dimension, or every rank where the run has no mesh), a dimension name, a
@@ -270,7 +282,8 @@ def pipeline_dims(spec, mesh: ParallelMesh | None, stages: int) -> PipelineDims:
     ProcessGroup, a DeviceMesh with a "pp" dimension, or the name "pp"), else the run's mesh, else
     the whole world, which must then hold exactly `stages` ranks."""
     require_process_group("the pipeline pass")
-    if spec is None and mesh is not None and mesh.size("pp") > 1:
+    sliced = getattr(spec, "_get_root_mesh", None) and mesh is not None and spec._get_root_mesh() is mesh.device_mesh
+    if (spec is None or sliced) and mesh is not None and mesh.size("pp") > 1:  # mesh["pp"]: the run's mesh's
         spec = mesh
     elif hasattr(spec, "mesh_dim_names") and spec.ndim > 1:
         if "pp" not in (spec.mesh_dim_names or ()):

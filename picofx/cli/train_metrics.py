@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from picofx.cli.train_peak import cached_cpu_peak
+from picofx.runtime.peaks import cached_cpu_peak
 from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
 from picofx.diagnose import gather_rank_figures

@@ -273,3 +273,37 @@ def test_mfu_and_the_captured_flops_count_every_context_parallel_rank():
     assert layout.ranks == 2
     assert model_flops_utilization(100.0, 10.0, 1000.0, layout) == 100.0 * 10.0 / (1000.0 * 2)
     assert captured_flops_per_token(50.0, 10, layout, total=lambda x: 2 * x) == 10.0  # both halves, one replica
+
+
+def test_precision_on_a_cpu_without_bf16_matmul_units_warns_once_with_its_measured_cost(monkeypatch, tmp_path):
+    """The rates are measured once per machine, kept beside the CPU peak; a CPU with bf16 units is told nothing."""
+    import warnings
+
+    import picofx
+    from picofx.passes.precision import precision
+    from picofx.passes.precision.precision import PrecisionCostWarning, warn_if_slower_on_cpu
+    from picofx.runtime import peaks
+
+    monkeypatch.setattr(precision, "WARNED_CPU_COST", set())  # as a fresh process
+
+    measured, rates = [], {torch.float32: 40e9, torch.bfloat16: 10e9}
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path / "slow"))
+    monkeypatch.setattr(peaks, "matmul_flops", lambda dtype, device, **_: measured.append(dtype) or rates[dtype])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Flatten(0))  # a matmul, as small as it gets
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        picofx.optimize(model, {"input": torch.randn(4, 8)}, passes=["precision"], backend="eager")
+        warn_if_slower_on_cpu(torch.bfloat16)  # as a second optimize would
+    shown = [str(w.message) for w in caught if issubclass(w.category, PrecisionCostWarning)]
+    assert len(shown) == 1, "\n".join(shown)
+    assert shown[0].startswith(
+        "precision: bfloat16 matmuls run at 10 GFLOP/s on this CPU against 40 GFLOP/s in fp32 (4.0x slower"), shown
+    assert measured == [torch.float32, torch.bfloat16]
+    assert re.search(r"units; measured \d{4}-\d\d-\d\d \d\d:\d\d UTC\)", shown[0]), shown[0]
+    monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path / "fast"))
+    rates[torch.bfloat16] = 160e9
+    monkeypatch.setattr(precision, "WARNED_CPU_COST", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        warn_if_slower_on_cpu(torch.bfloat16)
+    assert not [w for w in caught if issubclass(w.category, PrecisionCostWarning)]

@@ -19,6 +19,7 @@ fp16 needs loss scaling: pass the `torch.amp.GradScaler` the training loop steps
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from picofx.manager import PassInfo, PassResult, Stage, register_pass
 from picofx.passes.precision.casts import insert_casts
 from picofx.passes.precision.rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
                                           parse_dtype, resolve_op_names, rule_table, weight_free_nodes)
+from picofx.runtime.peaks import low_precision_cost
 
 # (rtol, atol), norm-wise per tensor, against the fp32 graph on the example inputs: rounding the
 # inputs of every matmul to 8 (bf16) or 11 (fp16) significant bits moves the loss in its 3rd (4th)
@@ -83,6 +85,8 @@ class Precision:
         changes = insert_casts(gm, plan)
         planned = set(plan.values())
         loosest = next((d for d in (torch.bfloat16, torch.float16) if d in planned), torch.float32)
+        if ctx.device.type == "cpu" and loosest != torch.float32:
+            warn_if_slower_on_cpu(loosest)
         notes = {
             "dtype": str(compute).replace("torch.", ""),
             "low_precision_nodes": sum(d in LOW_PRECISION for d in plan.values()),
@@ -99,6 +103,30 @@ class Precision:
             notes["loss_scale"] = type(self.loss_scale).__name__  # the loop scales, steps and updates with it
         return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=TOLERANCE[loosest],
                           normwise=loosest != torch.float32)
+
+
+class PrecisionCostWarning(UserWarning):
+    """Low precision makes this machine's matmuls slower, not faster."""
+
+
+WARNED_CPU_COST: set = set()  # the dtypes this process has warned about (warnings' own "once" resets on any filter change)
+
+
+def warn_if_slower_on_cpu(dtype: torch.dtype) -> None:
+    """Warn, once per process, where `dtype` matmuls run slower than fp32 ones on this CPU, which
+    then has no units for them; the rates are measured once per machine and kept in picofx's cache
+    (picofx.runtime.peaks)."""
+    if dtype in WARNED_CPU_COST:
+        return
+    fp32, low, when = low_precision_cost(dtype)
+    if low >= fp32:
+        return
+    WARNED_CPU_COST.add(dtype)
+    name = str(dtype).replace("torch.", "")
+    warnings.warn(f"precision: {name} matmuls run at {low / 1e9:.3g} GFLOP/s on this CPU against {fp32 / 1e9:.3g} "
+                  f"GFLOP/s in fp32 ({fp32 / low:.1f}x slower: it has no {name} matmul units; {when}), so the pass "
+                  f"makes the step slower; it pays on GPUs and on CPUs with {name} units (AMX, AVX512-BF16): "
+                  "leave it out here", PrecisionCostWarning)
 
 
 def assign_dtypes(gm: fx.GraphModule, compute: torch.dtype, overrides: dict[str, torch.dtype],

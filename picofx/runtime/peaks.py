@@ -1,4 +1,6 @@
-"""The CPU peak that picofx train's MFU divides by, measured once per machine: a matmul's FLOP/s
+"""Matmul rates measured once per machine and kept: the CPU peak that picofx train's MFU divides
+by, and what bf16 costs against fp32 on a CPU (`low_precision_cost`, for the precision pass's
+warning). The CPU peak: a matmul's FLOP/s
 varies between runs by a factor of two or more on a shared machine, so a figure measured at every
 start makes runs incomparable. The first run on a machine measures it (every rank at once, as the
 run shares the machine) and stores it in picofx's cache directory (`peaks/`, beside the graph
@@ -16,7 +18,10 @@ import socket
 
 import torch
 
+from picofx.cost.device import matmul_flops
 from picofx.runtime.cache import default_directory
+
+COST_MATMUL = 1024  # the side of the matmuls that compare bf16 with fp32: picofx train's peak's, so fp32's is shared
 
 
 def cpu_model() -> str:
@@ -65,3 +70,12 @@ def cached_cpu_peak(measure, dtype: torch.dtype, threads: int, ranks: int, total
     except OSError:  # a cache that cannot be written: measured again next time
         pass
     return flops, f"measured {when}, now (kept in picofx's cache for later runs)"
+
+
+def low_precision_cost(dtype: torch.dtype, threads: int | None = None) -> tuple[float, float, str]:
+    """(fp32 FLOP/s, `dtype` FLOP/s, "measured <when>") of a matmul on this machine's CPU at `threads`
+    (default: torch's now), each measured once per machine and kept beside the CPU peak."""
+    threads = threads or torch.get_num_threads()
+    rates = [cached_cpu_peak(lambda d=d: matmul_flops(d, "cpu", size=COST_MATMUL, repeats=3), d, threads, 1)
+             for d in (torch.float32, dtype)]
+    return rates[0][0], rates[1][0], rates[1][1].partition(",")[0]  # "measured <date>"

@@ -231,13 +231,16 @@ def mesh_for(requests: list[tuple[tuple[str, ...], int | None]], device_type: st
 def root_of_sub_meshes(specs) -> Any:
     """The DeviceMesh that the DeviceMeshes among `specs` (what the passes were given: names,
     ProcessGroups, DeviceMeshes) were sliced from, as FSDP2 and DTensor users write them
-    (`mesh["dp"]`, `mesh["tp"]`); None where no sub-mesh is given."""
+    (`mesh["dp"]`, `mesh["tp"]`); None where no sub-mesh is given, or where the mesh's dimensions
+    are not named as picofx's (each pass then works on its own sub-mesh alone)."""
     roots = {id(root): root for spec in specs if hasattr(spec, "_get_root_mesh")
              for root in [spec._get_root_mesh()] if root is not spec}
     if len(roots) > 1:
         raise DistributedError("the passes were given sub-meshes of different DeviceMeshes; slice every pass's "
                                "mesh from one (mesh['dp_shard'], mesh['tp']) or pass optimize(..., mesh=...).")
-    return next(iter(roots.values()), None)
+    root = next(iter(roots.values()), None)
+    names = [ALIASES.get(n, n) for n in (getattr(root, "mesh_dim_names", None) or ())]
+    return root if names and all(n in DIMS for n in names) else None
 
 
 def resolve_dim(spec, mesh: ParallelMesh | None, default: str, who: str) -> MeshDim:

@@ -30,6 +30,8 @@ def test_the_run_mesh_is_the_one_the_passes_sub_meshes_were_sliced_from():
         found = run_mesh(None, passes, model)
         assert found is not None and found.device_mesh is mesh
         assert dict(found.sizes) == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}
+        named_otherwise = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicas", "sequence"))
+        assert run_mesh(None, [ContextParallel(mesh=named_otherwise["sequence"])], model).device_mesh is None
         with pytest.raises(DistributedError, match="sub-meshes of different DeviceMeshes"):
             run_mesh(None, [Shard(mesh=mesh["dp"]), TensorParallel(mesh=other["tp"])], model)
     finally:

@@ -53,7 +53,10 @@ def leave_launcher_quietly(speaks: bool) -> None:
         return
     if speaks:
         sys.stderr.flush()
-        os.kill(agent, signal.SIGKILL)
+        try:
+            os.kill(agent, signal.SIGKILL)
+        except ProcessLookupError:  # another rank that spoke ended it first
+            pass
         return
     deadline = time.monotonic() + 60
     while os.getppid() == agent and time.monotonic() < deadline:

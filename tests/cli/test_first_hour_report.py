@@ -26,9 +26,9 @@ def test_every_prediction_on_the_page_says_it_is_predicted():
     units = [Unit(f"layers.{i}", 1e-3, 1000, 1000, 100) for i in range(4)]
     plan = plan_for(units, [0, 2], schedule="1F1B", microbatches=4, virtual=1, link=Link("test", 1e12, 0.0),
                     state_per_parameter_byte=16)
-    timeline = {"world": 2, "link": "test link", "compute": [(0.0, 2.0, "forward")], "comm": [(1.0, 3.0, "all_reduce g")],
-                "exposed": [(2.0, 3.0, "waits for g")], "step_ms": 3.0, "exposed_ms": 1.0, "comm_ms": 2.0,
-                "collectives": 1, "payload_bytes": 4096}
+    timeline = {"world": 2, "link": "test link", "compute": [(0.0, 2.0, "forward")],
+                "comm": [(1.0, 3.0, "all_reduce g")], "exposed": [(2.0, 3.0, "waits for g")], "step_ms": 3.0,
+                "exposed_ms": 1.0, "comm_ms": 2.0, "collectives": 1, "payload_bytes": 4096}
     curve = {"points": [(0.0, 100.0), (1.0, 300.0)], "backward_starts_ms": 0.5, "resident": 100, "peak": 300,
              "peak_at": "mm", "peak_phase": "backward"}
     plan_row = dict(dp=2, tp=1, pp=1, shard=False, microbatches=1, schedule="1F1B", checkpoint=False, compress=None,

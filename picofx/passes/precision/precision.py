@@ -109,7 +109,8 @@ class PrecisionCostWarning(UserWarning):
     """Low precision makes this machine's matmuls slower, not faster."""
 
 
-WARNED_CPU_COST: set = set()  # the dtypes this process has warned about (warnings' own "once" resets on any filter change)
+# the dtypes this process has warned about (warnings' own "once" starts again at any filter change)
+WARNED_CPU_COST: set = set()
 
 
 def warn_if_slower_on_cpu(dtype: torch.dtype) -> None:

@@ -53,10 +53,7 @@ def leave_launcher_quietly(speaks: bool) -> None:
         return
     if speaks:
         sys.stderr.flush()
-        try:
-            os.kill(agent, signal.SIGKILL)
-        except ProcessLookupError:  # another rank that spoke ended it first
-            pass
+        os.kill(agent, signal.SIGKILL)
         return
     deadline = time.monotonic() + 60
     while os.getppid() == agent and time.monotonic() < deadline:

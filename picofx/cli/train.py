@@ -52,7 +52,7 @@ from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throug
 from picofx.diagnose import StepLog, diagnose, what_to_change
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
-from picofx.parallel.launch import join_launched_group, leave_launcher_quietly, rendezvous_store
+from picofx.parallel.launch import join_launched_group, rendezvous_store
 from picofx.runtime.checkpoints import SecondInterrupt, probe_writable
 from picofx.runtime.distributed import first_failure
 from picofx.runtime.watchdog import Watchdog
@@ -100,7 +100,6 @@ class Ranks:
         rank, text = failure
         where = f" (rank {rank})" if rank != 0 else ""
         self.say(f"picofx train: error{where}: {text}", file=sys.stderr)
-        leave_launcher_quietly(self.speaks)  # under torchrun: this line, not its traceback after it
         self.close()
         os._exit(1)  # a rank with a process group can hang at interpreter exit
 

@@ -8,7 +8,6 @@ import sys
 from picofx.cost.device import device_for
 from picofx.cost.units import check_budget
 from picofx.models.llama import CONFIGS
-from picofx.parallel.launch import leave_launcher_quietly
 from picofx.cli.train_guards import add_guard_options
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -24,7 +23,6 @@ class OneLineParser(argparse.ArgumentParser):
         if self.speaks:
             hint = " (--help lists the options)" if message.startswith(ARGPARSE_ERRORS) else ""
             print(f"{self.prog}: error: {message}{hint}", file=sys.stderr)
-        leave_launcher_quietly(self.speaks)  # under torchrun: this line, not its traceback after it
         sys.exit(2)
 
 

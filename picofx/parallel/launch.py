@@ -26,40 +26,6 @@ class RankError(AssertionError):
     pass
 
 
-def torchrun_agent(environ=os.environ) -> int | None:
-    """The process id of the single-node torchrun agent that started this process, else None."""
-    if "TORCHELASTIC_RUN_ID" not in environ or environ.get("GROUP_WORLD_SIZE", "1") != "1":
-        return None
-    agent = os.getppid()
-    try:
-        with open(f"/proc/{agent}/cmdline", "rb") as f:
-            command = f.read()
-    except OSError:
-        return None
-    return agent if b"torchrun" in command or b"torch.distributed.run" in command else None
-
-
-def leave_launcher_quietly(speaks: bool) -> None:
-    """Before every rank exits non-zero on an error one of them has printed in one line: under a
-    single-node torchrun, whose agent answers any failed rank with a 40-line ChildFailedError
-    traceback, the speaking rank ends the agent (SIGKILL: torchrun handles SIGTERM, SIGINT, SIGHUP
-    and SIGQUIT by printing that traceback; the shell sees status 137) and the others wait until it
-    has gone, so no rank's exit reaches it. Elsewhere (one process, multi-node, other launchers) nothing."""
-    import signal
-    import sys
-
-    agent = torchrun_agent()
-    if agent is None:
-        return
-    if speaks:
-        sys.stderr.flush()
-        os.kill(agent, signal.SIGKILL)
-        return
-    deadline = time.monotonic() + 60
-    while os.getppid() == agent and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def join_launched_group(device: str, timeout: datetime.timedelta, agreement_timeout: datetime.timedelta):
     """This process's rank in the group torchrun launched (made here unless a caller made it), and
     a second gloo group of its own timeout on which ranks agree whether their setup succeeded.

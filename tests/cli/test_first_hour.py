@@ -307,16 +307,3 @@ def test_precision_on_a_cpu_without_bf16_matmul_units_warns_once_with_its_measur
         warnings.simplefilter("default")
         warn_if_slower_on_cpu(torch.bfloat16)
     assert not [w for w in caught if issubclass(w.category, PrecisionCostWarning)]
-
-
-def test_a_torchrun_layout_mismatch_is_one_line_without_torchrun_s_traceback(tmp_path):
-    """torchrun answers any rank's non-zero exit with a 40-line ChildFailedError: the rank that
-    printed the error ends the (single-node) agent first, and the status stays non-zero."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # set: torchrun does not warn about it
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "picofx", "train",
-               *FAST, "--dp", "2", "--tp", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert done.returncode != 0
-    assert done.stderr.strip().splitlines() == ["picofx train: error: the layout --dp 2 x --tp 2 x --pp 1 is 4 ranks, "
-                                                "but torchrun started 2: launch with --nproc-per-node 4, or change "
-                                                "--dp/--tp/--pp"], done.stderr

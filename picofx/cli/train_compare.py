@@ -4,7 +4,7 @@ stored one, else the device's nominal figures), component by component against r
 mean; --calibrate's new device profile; under --pp the stages' measured balance against the cut's."""
 from __future__ import annotations
 
-from picofx.diagnose.finding import seconds
+from picofx.diagnose.profiler import milliseconds as seconds
 
 # The planner's time terms that the trace measures as one component.
 COMPUTE = ("compute", "recompute")

@@ -11,11 +11,10 @@ the cut's prediction. It goes into the summary, into the --metrics lines of the 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
-from picofx.diagnose.breakdown import COMPONENTS
-from picofx.diagnose.finding import seconds
-from picofx.diagnose.profiler import NAMES, crash_records, profile, where_the_time_went
+from picofx.diagnose.profiler import crash_records, milliseconds as seconds, profile, where_the_time_went
 
 WAIT, WARMUP = 2, 1  # untraced steps before the window (capture, compilation, the workers' start), warm-up
 
@@ -93,8 +92,7 @@ class RunProfile:
         every = gather(mine, ranks.world)
         if every is None:
             return []
-        if metrics is not None and metrics.file is not None:
-            write_breakdowns(metrics.file, records, self.traced_steps, every)
+        write_breakdowns(metrics.file if metrics is not None else None, records, self.traced_steps, every)
         lines = [f"where the time went ({len(self.traced_steps)} traced steps, traces in {profile_directory(self.args)}):"]
         lines += [f"  rank {r}: {where_the_time_went(figures['mean'])}" for r, figures in enumerate(every)]
         lines += layers_line(every[0]["attribution"])
@@ -122,8 +120,12 @@ def write_breakdowns(file, records: list[dict], traced: list[int], every: list[d
         if step not in by_step:
             continue
         per_rank = [figures["steps"][index] if index < len(figures["steps"]) else None for figures in every]
-        file.write(json.dumps({**by_step[step], "breakdown": per_rank, "stage_s": [f["stages"] for f in every]}) + "\n")
-    file.flush()
+        by_step[step]["breakdown"] = per_rank  # the summary's detectors read it too
+        if file is not None:
+            line = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in by_step[step].items()}
+            file.write(json.dumps({**line, "stages": [f["stages"] for f in every]}) + "\n")  # JSON has no NaN
+    if file is not None:
+        file.flush()
 
 
 def layers_line(attribution: dict) -> list[str]:
@@ -155,6 +157,3 @@ def predicted_lines(args, session, every: list[dict]) -> list[str]:
     from picofx.cli.train_compare import compare_with_plan, stage_balance_lines
 
     return compare_with_plan(args, session, every) + stage_balance_lines(every)
-
-
-__all__ = ["COMPONENTS", "NAMES", "RunProfile", "add_profile_options", "armed", "check_profile_options"]

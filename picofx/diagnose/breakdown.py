@@ -120,7 +120,8 @@ class StepBreakdown:
 
 def in_flight(spans: list[Span], main: int) -> list[tuple[float, float]]:
     """When collectives were in flight: functional collectives from issue to the end of their wait
-    (issues and waits matched in order), and collectives on threads other than the stepping one."""
+    (issues and waits matched in order), and every collective's own span (a blocking one on the
+    stepping thread, or one running on another thread)."""
     issued: deque = deque()
     flying = []
     for span in sorted((s for s in spans if s.thread == main), key=lambda s: s.start):
@@ -128,7 +129,7 @@ def in_flight(spans: list[Span], main: int) -> list[tuple[float, float]]:
             issued.append(span.start)
         elif span.name == WAIT and issued:
             flying.append((issued.popleft(), span.end))
-    flying += [(s.start, s.end) for s in spans if s.thread != main and is_comm(s.name)]
+    flying += [(s.start, s.end) for s in spans if is_comm(s.name)]  # blocking ones, and other threads''
     return union(flying)
 
 
@@ -175,3 +176,34 @@ def mean_breakdown(steps: list[StepBreakdown]) -> dict:
         return {}
     keys = [*COMPONENTS, "hidden_comm", "comm_in_flight", "seconds"]
     return {k: sum(s.as_dict()[k] for s in steps) / len(steps) for k in keys}
+
+
+EXPOSED_SHARE = 0.2  # communication that stops the step a fifth of its time is worth changing
+
+
+def exposed_communication(records: list[dict]):
+    """A Finding where a rank's traced steps (records with `breakdown`, written by --profile) waited
+    on collectives more than EXPOSED_SHARE of their time; else None."""
+    from picofx.diagnose.finding import Finding, seconds
+
+    traced = [r for r in records if isinstance(r.get("breakdown"), list)]
+    if not traced:
+        return None
+    worst = None
+    for rank in range(len(traced[0]["breakdown"])):
+        rows = [r["breakdown"][rank] for r in traced if rank < len(r["breakdown"]) and r["breakdown"][rank]]
+        step = sum(row["seconds"] for row in rows)
+        if step > 0:
+            share = sum(row["exposed_comm"] for row in rows) / step
+            hidden = sum(row["hidden_comm"] for row in rows) / len(rows)
+            worst = max(worst or (share, rank, hidden, step / len(rows)), (share, rank, hidden, step / len(rows)))
+    if worst is None or worst[0] <= EXPOSED_SHARE:
+        return None
+    share, rank, hidden, step = worst
+    return Finding("communication", (traced[0]["step"], traced[-1]["step"]),
+                   f"rank {rank}'s traced steps waited on collectives {100 * share:.0f}% of their {seconds(step)} "
+                   f"({seconds(hidden)} a step more was hidden behind compute)",
+                   "overlap the gradient exchange with the backward (--dp's pass overlap), send less (--compress "
+                   "bf16), or on a CPU fewer ranks or threads per machine (gloo's threads share the cores)",
+                   0.6, f"up to {100 * share:.0f}% shorter steps",
+                   {"rank": rank, "exposed_share": share, "hidden_s": hidden, "step_s": step})

@@ -26,11 +26,11 @@ import functools
 import os
 import pathlib
 import re
+import warnings
 
 import torch
 
 from picofx.diagnose.breakdown import COMPONENTS, mean_breakdown, spans_of, step_breakdowns
-from picofx.diagnose.finding import seconds as say_seconds
 
 PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
 
@@ -66,9 +66,11 @@ class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.prof
         from torch.profiler import ProfilerActivity, schedule
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = torch.profiler.profile(activities=activities, on_trace_ready=self._ready,
-                                            schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.steps,
-                                                              repeat=1))
+        with warnings.catch_warnings():  # no warm-up is a choice here (a run as short as the window)
+            warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
+            self._prof = torch.profiler.profile(activities=activities, on_trace_ready=self._ready,
+                                                schedule=schedule(wait=self.wait, warmup=self.warmup,
+                                                                  active=self.steps, repeat=1))
         self._prof.__enter__()
         return self
 
@@ -140,6 +142,10 @@ def attribute_by_layer_and_pass(events, graphs) -> dict:
             "attributed": by_layer.attributed, "unattributed": by_layer.unattributed}
 
 
+def milliseconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms"
+
+
 NAMES = {"exposed_comm": "exposed communication", "hidden_comm": "hidden communication"}
 
 
@@ -149,9 +155,9 @@ def where_the_time_went(mean: dict) -> str:
     step = mean["seconds"]
     parts = [f"{NAMES.get(k, k)} {100 * mean[k] / step:.0f}%" for k in COMPONENTS if mean[k] >= 0.005 * step
              or k == "unattributed"]
-    hidden = f"; {say_seconds(mean['hidden_comm'])} of communication hidden behind compute" \
+    hidden = f"; {milliseconds(mean['hidden_comm'])} of communication hidden behind compute" \
         if mean.get("comm_in_flight") else ""
-    return f"{say_seconds(step)} a step: {', '.join(parts)}{hidden}"
+    return f"{milliseconds(step)} a step: {', '.join(parts)}{hidden}"
 
 
 def crash_records(directory: str | os.PathLike, rank: int) -> list[str]:

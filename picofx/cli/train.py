@@ -366,7 +366,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
     if args.report and ranks.speaks:
-        report.to_html(args.report, losses=losses, title=f"picofx: picofx train, {args.size} model",
+        report.to_html(args.report, losses=losses, **profiling.html, title=f"picofx: picofx train, {args.size} model",
                        subtitle=f"{layout_line(args)}; {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
                                 f"tokens on {args.device}, passes {' '.join(s.passes) or '(none)'}")
         ranks.say(f"wrote {args.report}")

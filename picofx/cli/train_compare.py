@@ -54,7 +54,8 @@ def measured_components(mean: dict) -> dict:
             "exposed_comm": mean["exposed_comm"], "step": mean["seconds"] - mean["data"] - mean["checkpoint"]}
 
 
-def compare_with_plan(args, session, every: list[dict]) -> list[str]:
+def compare_with_plan(args, session, every: list[dict], found: dict) -> list[str]:
+    """The summary's line of predicted against measured; `found` gets the prediction's components."""
     mean = every[0]["mean"]
     if not mean:
         return []
@@ -66,6 +67,7 @@ def compare_with_plan(args, session, every: list[dict]) -> list[str]:
     if prediction is None:
         return ["  predicted: the planner plans no layout like this run's (its options are not a planner Layout)"]
     predicted, measured = components(prediction), measured_components(mean)
+    found.update(predicted)
     parts = [f"{name} {seconds(predicted[name])} predicted, {seconds(measured[name])} measured"
              f"{ratio(measured[name], predicted[name])}" for name in ("step", "compute", "optimizer", "exposed_comm")]
     lines = [f"  predicted against measured (rank 0, per step, data wait and checkpoint aside; device {source}): "

@@ -58,6 +58,7 @@ class RunProfile:
     def __init__(self, args, session, saves):
         self.args, self.session, self.traced_steps, self.prof = args, session, [], None
         self.measured = None  # every rank's figures, on rank 0 after finish
+        self.predicted: dict = {}  # the planner's prediction of the layout, by component (seconds)
         run_steps = args.steps - session.start_step
         if not args.profile:
             return
@@ -93,12 +94,21 @@ class RunProfile:
         if every is None:
             return []
         write_breakdowns(metrics.file if metrics is not None else None, records, self.traced_steps, every)
-        lines = [f"where the time went ({len(self.traced_steps)} traced steps, traces in {profile_directory(self.args)}):"]
+        traces = profile_directory(self.args)
+        lines = [f"where the time went ({len(self.traced_steps)} traced steps, traces in {traces}):"]
         lines += [f"  rank {r}: {where_the_time_went(figures['mean'])}" for r, figures in enumerate(every)]
         lines += layers_line(every[0]["attribution"])
-        lines += predicted_lines(self.args, self.session, every)
+        lines += predicted_lines(self.args, self.session, every, self.predicted)
         self.measured = every
         return lines
+
+    @property
+    def html(self) -> dict:
+        """Report.to_html's `measured` (each rank's measured step beside the predicted one), or nothing."""
+        if not self.measured:
+            return {}
+        return {"measured": {"ranks": [figures["mean"] for figures in self.measured],
+                             "predicted": self.predicted or None}}
 
 
 def gather(mine: dict, world: int) -> list[dict] | None:
@@ -151,9 +161,10 @@ def stage_times(session, mean: dict) -> dict:
             "measured_s": mean["forward"] + mean["backward"]}
 
 
-def predicted_lines(args, session, every: list[dict]) -> list[str]:
+def predicted_lines(args, session, every: list[dict], predicted: dict) -> list[str]:
     """The planner's prediction of the layout that ran, component by component, beside rank 0's
-    measured mean; and under --pp each stage's share of the measured and of the predicted time."""
+    measured mean (the prediction's components also into `predicted`); and under --pp each stage's share
+    of the measured and of the predicted time."""
     from picofx.cli.train_compare import compare_with_plan, stage_balance_lines
 
-    return compare_with_plan(args, session, every) + stage_balance_lines(every)
+    return compare_with_plan(args, session, every, predicted) + stage_balance_lines(every)

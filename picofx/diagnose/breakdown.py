@@ -156,8 +156,8 @@ def step_breakdowns(spans: list[Span]) -> list[StepBreakdown]:
         optimizer = [(passes_end if passes_end is not None and passes_end < end else start, end)
                      for start, end in marks.get("optimizer", [])]
         backward = intersect([(s.start, s.end) for s in inside if s.name.startswith(BACKWARD)], passes)
-        parts = {"data": subtract(intersect(data, window), comm), "checkpoint": subtract(intersect(checkpoint, window), comm),
-                 "exposed_comm": comm}
+        parts = {"data": subtract(intersect(data, window), comm), "exposed_comm": comm,
+                 "checkpoint": subtract(intersect(checkpoint, window), comm)}
         parts["backward"] = subtract(backward, comm + data + checkpoint)
         parts["forward"] = subtract(intersect(passes, window), backward + comm + data + checkpoint)
         parts["optimizer"] = subtract(intersect(optimizer, window), passes + comm + data + checkpoint)

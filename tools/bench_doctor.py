@@ -1,0 +1,111 @@
+"""Benchmark: what picofx.profile costs the steps it does not trace, and whether the components of the
+steps it traces add up to them.
+
+    python tools/bench_doctor.py [--size tiny] [--batch 8] [--seq 128] [--backend eager] [--untraced 20]
+                                 [--traced 3] [--json PATH]
+
+Two copies of the same picofx step (the reference LLaMA at --size, AdamW), in one process:
+  plain      no profiler
+  profiled   inside picofx.profile, its phases wrapping the batches, forward_backward and the optimizer
+             (as `picofx train --profile` does)
+Their untraced steps are taken in turn (plain, profiled, plain, ...), --untraced before the traced
+window and --untraced after it, so they share the machine's load alike; the first two of each copy
+(compilation) are left out. The window (one warm-up step and --traced steps) runs alone, since the
+profiler records every thread. Reported: each contender's median untraced step and their ratio
+(target: profiled <= 1.05x plain), and for each traced step the loop's own clock beside the sum of
+its measured components (target: within 5%), with the components.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+
+import torch
+
+import picofx
+from picofx.diagnose.breakdown import COMPONENTS
+from picofx.models.llama import CONFIGS, Llama, causal_lm_loss
+from results import write_json  # tools/results.py
+
+
+class Contender:
+    def __init__(self, args, seed: int):
+        torch.manual_seed(seed)
+        config = dataclasses.replace(CONFIGS[args.size], vocab_size=256)
+        self.ids = torch.randint(0, 256, (args.batch, args.seq))
+        self.model = picofx.optimize(Llama(config), {"input_ids": self.ids, "labels": self.ids}, passes=[],
+                                     backend=args.backend, loss_fn=causal_lm_loss)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+
+    def next(self) -> dict:
+        return {"input_ids": self.ids, "labels": self.ids}
+
+    def step(self, prof=None) -> None:
+        started = time.perf_counter()
+        self.model.forward_backward(**self.next())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if prof is not None:
+            prof.step()
+        self.times.append(time.perf_counter() - started)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--backend", default="eager")
+    p.add_argument("--untraced", type=int, default=20, help="untraced steps of each copy before the window and after")
+    p.add_argument("--traced", type=int, default=3)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    plain, profiled = Contender(args, 0), Contender(args, 0)
+    prof = picofx.profile(args.traced, wait=args.untraced, warmup=1, directory=tempfile.mkdtemp(prefix="picofx-"))
+    with prof:
+        for owner, method, phase in ((profiled, "next", "data"), (profiled.model, "forward_backward",
+                                     "forward_backward"), (profiled.optimizer, "step", "optimizer")):
+            prof.wrap(owner, method, phase)
+        for _ in range(args.untraced):
+            plain.step()
+            profiled.step(prof)
+        for _ in range(1 + args.traced):  # the warm-up and the traced steps, alone
+            profiled.step(prof)
+        window = profiled.times[-args.traced:]
+        for _ in range(args.untraced):
+            plain.step()
+            profiled.step(prof)
+    assert not torch.autograd.profiler._is_profiler_enabled  # off after its window
+    untraced = {"plain": plain.times[2:args.untraced] + plain.times[args.untraced + 2:],
+                "profiled": profiled.times[2:args.untraced] + profiled.times[-args.untraced + 2:]}
+    medians = {name: statistics.median(times) for name, times in untraced.items()}
+    ratio = medians["profiled"] / medians["plain"]
+    traced = []
+    for clock, step in zip(window, prof.breakdowns):
+        parts = sum(step.parts[k] for k in COMPONENTS)
+        traced.append({"clock_s": clock, "components_s": parts, "difference": parts / clock - 1,
+                       **{k: step.parts[k] for k in COMPONENTS}})
+    print(f"{args.size}, batch {args.batch} x {args.seq}, backend {args.backend}; medians of "
+          f"{len(untraced['plain'])} untraced steps each, taken in turn")
+    print(f"{'contender':<10} {'untraced step ms':>17} {'vs plain':>9}")
+    for name, median in medians.items():
+        print(f"{name:<10} {1e3 * median:17.1f} {median / medians['plain']:8.3f}x")
+    print(f"\ntraced step  {'clock ms':>9} {'sum ms':>9} {'diff':>7}  " + "  ".join(f"{k:>12}" for k in COMPONENTS))
+    for i, row in enumerate(traced):
+        print(f"{i:<12} {1e3 * row['clock_s']:9.1f} {1e3 * row['components_s']:9.1f} {100 * row['difference']:6.2f}%  "
+              + "  ".join(f"{1e3 * row[k]:12.2f}" for k in COMPONENTS))
+    worst = max(abs(r["difference"]) for r in traced)
+    print(f"\nuntraced steps under the profiler: {ratio:.3f}x plain (target <= 1.05x); components against the "
+          f"clock: at most {100 * worst:.2f}% apart (target <= 5%)")
+    result = {"config": vars(args), "untraced_median_s": medians, "untraced_ratio": ratio, "traced": traced,
+              "worst_difference": worst}
+    write_json(result, args.json, "bench_doctor.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()

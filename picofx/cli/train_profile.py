@@ -145,7 +145,7 @@ def layers_line(attribution: dict) -> list[str]:
     layers = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in sorted(attribution["by_layer"].items()))
     passes = ", ".join(f"{name} {100 * s / total:.0f}%" for name, s in sorted(attribution["by_pass"].items()))
     return [f"  rank 0's ops by layer: {layers}; by pass: {passes}; "
-            f"{seconds(attribution['unattributed'])} of op time matched to no graph node"]
+            f"{seconds(attribution['unattributed'])} a step of op time matched to no graph node"]
 
 
 def stage_times(session, mean: dict) -> dict:

@@ -184,7 +184,10 @@ EXPOSED_SHARE = 0.2  # communication that stops the step a fifth of its time is 
 def exposed_communication(records: list[dict]):
     """A Finding where a rank's traced steps (records with `breakdown`, written by --profile) waited
     on collectives more than EXPOSED_SHARE of their time; else None."""
-    from picofx.diagnose.finding import Finding, seconds
+    from picofx.diagnose.finding import Finding
+
+    def seconds(value: float) -> str:
+        return f"{value * 1e3:.3g} ms"
 
     traced = [r for r in records if isinstance(r.get("breakdown"), list)]
     if not traced:
@@ -203,7 +206,8 @@ def exposed_communication(records: list[dict]):
     return Finding("communication", (traced[0]["step"], traced[-1]["step"]),
                    f"rank {rank}'s traced steps waited on collectives {100 * share:.0f}% of their {seconds(step)} "
                    f"({seconds(hidden)} a step more was hidden behind compute)",
-                   "overlap the gradient exchange with the backward (--dp's pass overlap), send less (--compress "
-                   "bf16), or on a CPU fewer ranks or threads per machine (gloo's threads share the cores)",
+                   "hide it behind compute (--dp's pass overlap all-reduces gradient buckets during the backward; "
+                   "fewer, larger buckets), send less (--compress bf16), or on a CPU fewer ranks or threads per "
+                   "machine (gloo's threads share the cores)",
                    0.6, f"up to {100 * share:.0f}% shorter steps",
                    {"rank": rank, "exposed_share": share, "hidden_s": hidden, "step_s": step})

@@ -108,7 +108,7 @@ class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.prof
         events = prof.events()
         self.breakdowns = step_breakdowns(spans_of(events))
         if self.graphs:
-            self.attribution = attribute_by_layer_and_pass(events, self.graphs)
+            self.attribution = attribute_by_layer_and_pass(events, self.graphs, steps=max(1, len(self.breakdowns)))
 
     def mean(self) -> dict:
         """Seconds per traced step of each component (see picofx.diagnose.breakdown)."""
@@ -119,10 +119,10 @@ class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.prof
         return where_the_time_went(self.mean())
 
 
-def attribute_by_layer_and_pass(events, graphs) -> dict:
-    """Seconds per decoder layer and per pass of the traced steps' ops, from the graph node each came
-    from: a node of a fused pattern or a picofx op is fuse's, a functional collective the
-    communication passes', any other the model's own."""
+def attribute_by_layer_and_pass(events, graphs, steps: int = 1) -> dict:
+    """Seconds per step (of `steps` traced) per decoder layer and per pass of the ops, from the graph
+    node each came from: a node of a fused pattern or a picofx op is fuse's, a functional collective
+    the communication passes', any other the model's own."""
     from picofx.capture.vocabulary import traced_module_path
     from picofx.runtime.attribution import attribute
 
@@ -138,8 +138,9 @@ def attribute_by_layer_and_pass(events, graphs) -> dict:
     graphs = {k: graphs[k] for k in ("forward", "backward") if k in graphs} if isinstance(graphs, dict) else graphs
     by_layer = attribute(events, graphs, label=layer_of)
     by_pass = attribute(events, graphs, label=pass_of)
-    return {"by_layer": dict(by_layer.by_label), "by_pass": dict(by_pass.by_label),
-            "attributed": by_layer.attributed, "unattributed": by_layer.unattributed}
+    return {"by_layer": {k: v / steps for k, v in by_layer.by_label.items()},
+            "by_pass": {k: v / steps for k, v in by_pass.by_label.items()},
+            "attributed": by_layer.attributed / steps, "unattributed": by_layer.unattributed / steps}
 
 
 def milliseconds(value: float) -> str:

@@ -11,11 +11,11 @@ Two copies of the same picofx step (the reference LLaMA at --size, AdamW), in on
 Their untraced steps are taken in turn (plain, profiled, plain, ...), --untraced before the traced
 window and --untraced after it, so they share the machine's load alike; the first two of each copy
 (compilation) are left out. The window (one warm-up step and --traced steps) runs alone, since the
-profiler records every thread. Reported: each contender's median untraced step, and the median
-of the ratios of each profiled step to the plain step just before it (target: <= 1.05x), and for each traced step the loop's own clock beside the sum of
-its measured components (target: within 5%), with the components; the clock runs from the end of one
-`prof.step()` to the start of the next, as the trace's step does (the last traced step's
-`prof.step()` writes the trace).
+profiler records every thread. Reported: each contender's median untraced step, and the median of
+the ratios of each profiled step to the plain step just before it (target: <= 1.05x); for each
+traced step the loop's own clock beside the sum of its measured components (target: within 5%),
+with the components. The clock runs from the end of one `prof.step()` to the start of the next, as
+the trace's step does (the last traced step's `prof.step()` writes the trace).
 """
 from __future__ import annotations
 

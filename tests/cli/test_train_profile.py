@@ -30,7 +30,7 @@ def train(argv: list) -> dict:
 @pytest.mark.slow  # about 15 s on an idle machine: the run, then the planner's capture for its prediction
 def test_profile_traces_its_steps_says_where_the_time_went_and_the_doctor_reads_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    result = train([*FAST, "--steps", "6", "--profile", "2", "--metrics", "m.jsonl"])
+    result = train([*FAST, "--steps", "6", "--profile", "2", "--metrics", "m.jsonl", "--report", "r.html"])
     printed = capsys.readouterr().out
     assert "where the time went (2 traced steps" in printed and "rank 0: " in printed, printed
     assert "unattributed" in printed and "predicted against measured" in printed, printed
@@ -43,6 +43,8 @@ def test_profile_traces_its_steps_says_where_the_time_went_and_the_doctor_reads_
         assert sum(rank0[k] for k in COMPONENTS) == pytest.approx(rank0["seconds"])
         assert rank0["seconds"] == pytest.approx(r["step_s"], rel=0.05)  # the loop's clock agrees with the trace's
     assert result["profile"][0]["mean"]["forward"] > 0
+    page = (tmp_path / "r.html").read_text()
+    assert "Measured step per rank" in page and "rank 0 measured" in page and ">predicted<" in page
     capsys.readouterr()
     assert picofx_main(["doctor", "m.jsonl"]) == 0
     assert "where the time went (2 traced steps)" in capsys.readouterr().out

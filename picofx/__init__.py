@@ -13,6 +13,7 @@ from picofx.manager import Context, DumpGraphs, PassManager, PassResult, Stage, 
 from picofx.api import OptimizedModule, optimize
 from picofx import rules  # noqa: E402  (public module: picofx.rules.Rule)
 from picofx.cost import device  # noqa: E402  (picofx.device.H100, picofx.device.calibrate)
+from picofx.diagnose.profiler import profile  # noqa: E402  (picofx.profile: a trace of one's own loop's steps)
 
 
 try:
@@ -27,4 +28,4 @@ from picofx.planner.api import plan  # noqa: E402  isort: skip
 
 __all__ = ["BudgetError", "CaptureError", "Context", "DistributedError", "DumpGraphs", "InputShapeError", "OptimizedModule", "PassError",
            "PassManager", "PassResult", "Stage", "VerificationError", "device", "optimize", "passes", "plan",
-           "register_pass", "rules"]
+           "profile", "register_pass", "rules"]

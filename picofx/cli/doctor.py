@@ -9,10 +9,12 @@ import json
 import sys
 
 from picofx.diagnose import diagnose, read_run, what_to_change
+from picofx.diagnose.breakdown import COMPONENTS, StepBreakdown, mean_breakdown
+from picofx.diagnose.profiler import where_the_time_went
 from picofx.diagnose.finding import finite, median, seconds
 from picofx.diagnose.stragglers import per_rank_medians
 
-CHECKED = "divergence, loss spikes, warm-up, plateau, data wait, memory headroom, slow ranks"
+CHECKED = "divergence, loss spikes, warm-up, plateau, data wait, memory headroom, slow ranks, exposed communication"
 
 
 def add_doctor_parser(commands) -> None:
@@ -34,9 +36,24 @@ def overview(records: list[dict]) -> list[str]:
     if steps:
         waited = sum(r.get("data_s") or 0.0 for r in records[2:] or records) / sum(steps)
         lines.append(f"  median step {seconds(median(steps))}, waiting for data {100 * waited:.2f}% of it")
+    lines += traced_lines(records)
     for rank, figures in enumerate(per_rank_medians(records)):
         lines.append(f"  rank {rank}: median step {seconds(figures['step_s'])}, data wait {seconds(figures['data_s'])}, "
                      f"CPU time {seconds(figures['cpu_s']) if finite(figures['cpu_s']) else 'unknown'}")
+    return lines
+
+
+def traced_lines(records: list[dict]) -> list[str]:
+    """Where the time of the steps `picofx train --profile` traced went, per rank (their `breakdown`)."""
+    traced = [r["breakdown"] for r in records if isinstance(r.get("breakdown"), list)]
+    if not traced:
+        return []
+    lines = [f"  where the time went ({len(traced)} traced steps):"]
+    for rank in range(len(traced[0])):
+        steps = [StepBreakdown(i, row[rank]["seconds"], {k: row[rank][k] for k in COMPONENTS},
+                               row[rank]["hidden_comm"], row[rank]["comm_in_flight"])
+                 for i, row in enumerate(traced) if rank < len(row) and row[rank]]
+        lines.append(f"    rank {rank}: {where_the_time_went(mean_breakdown(steps))}")
     return lines
 
 

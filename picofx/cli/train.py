@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 import picofx
-from picofx.cli import train_model, train_state
+from picofx.cli import train_model, train_profile, train_state
 from picofx.models.llama import causal_lm_loss
 from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
 from picofx.cli.train_layout import choose_layout, train_mesh
@@ -241,7 +241,7 @@ def run(args) -> dict:
         if os.environ.get("RANK", "0") == "0":
             print(f"picofx train: {args.complete}", flush=True)
         return {"losses": [], "complete": True}
-    ranks = Ranks(args)
+    ranks = Ranks(train_profile.armed(args))  # --profile on CUDA: OOM snapshot, flight recorder, before the group
     ranks.stop_if_failed(train_state.resume_disagreement(args.resume, ranks.agreement))
     if args.save:  # every rank, before any capture or step: an unwritable --save would lose the run
         ranks.stop_if_failed(probe_writable(args.save, ranks.rank))
@@ -277,20 +277,20 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")
 
-    collectives = step_collectives(args)
     nonfinite = NonFinite(skip=args.skip_nonfinite, world=args.world, order=[n for n, _ in s.model.named_parameters()],
                           speaks=ranks.speaks, close=ranks.close)
     metrics = StepMetrics.of_run(args, s.model, s.opt_model, speaks=ranks.speaks, append=s.start_step > 0,
                                  total=ranks.total)
     saves = train_state.PeriodicSaves(args, s, group=ranks.agreement, rank=ranks.rank, replica=ranks.replica,
                                       options=run_options(args))  # before the loop: SIGTERM from here on saves
+    profiling = train_profile.RunProfile(args, s, saves)  # --profile N: its phases wrap s's and saves' methods
     history, losses, interval = [], saves.losses, {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
     steps_log = StepLog(run={"batch": args.batch, "data_workers": args.data_workers, "device": args.device})
     progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
     for step in progress:
         started, cpu_started = time.perf_counter(), time.process_time()
-        ranks.at(step + 1, f"forward and backward ({collectives})")
+        ranks.at(step + 1, f"forward and backward ({step_collectives(args)})")
         batch = s.first if step == 0 else s.batches.next()
         data_s = time.perf_counter() - started
         loss = s.opt_model.forward_backward(**batch)
@@ -325,7 +325,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
                 progress.write(f"step {entry['step']:5d}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:,.0f} tokens/s")
             progress.set_postfix(loss=f"{entry['loss']:.3f}", tokens_per_s=f"{entry['tokens_per_s']:,.0f}")
             interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
-        if saves.after_step(step + 1):  # saved before the validation batch is drawn, as a resumed run would draw it
+        if profiling.end_step(step + 1, saves.after_step):  # saved before the validation batch is drawn (as resumed)
             break
     if saves.stopped_at is not None:  # the report (--report) records the stop
         write_report(args, ranks, s, saves, layout_line(args), stopped=saves.stop_line(args.save))
@@ -358,16 +358,16 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
                           device=args.device, layout=layout, total=ranks.total)
     ranks.say("  " + measured.line(layout))
-    ranks.say("  " + s.batches.wait_line(run_seconds, args.steps - s.start_step))
-    if nonfinite.summary():
-        ranks.say(f"  {nonfinite.summary()}")
+    for line in filter(None, [s.batches.wait_line(run_seconds, args.steps - s.start_step), nonfinite.summary(),
+                              *profiling.finish(ranks, metrics, steps_log.records)]):  # --profile: where the time went
+        ranks.say(f"  {line}")
     findings = diagnose(steps_log.records)  # a healthy run's is empty, and says nothing
     for line in what_to_change(findings):
         ranks.say(f"  {line}")
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
-    write_report(args, ranks, s, saves, layout_line(args))
+    write_report(args, ranks, s, saves, layout_line(args), measured=profiling.html)
     if args.save:
         ranks.say(f"saved step {args.steps} to {args.save}/step-{args.steps} (continue with --resume {args.save} "
                   "and a larger --steps)")
@@ -376,7 +376,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.close()
     return {"history": history, "losses": losses, "val_loss": val_loss, "tokens_per_s": tokens_per_s,
             "throughput": measured, "skipped": nonfinite.skipped, "data_wait_s": s.batches.waited,
-            "run_s": run_seconds, "findings": findings}
+            "run_s": run_seconds, "findings": findings, "profile": profiling.measured}
 
 
 def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, metrics) -> dict:

@@ -13,6 +13,7 @@ from picofx.cost.units import format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
 from picofx.cli.train_guards import check_guard_options
+from picofx.cli.train_profile import check_profile_options
 from picofx.cli.train_parser import build_parser, step_bytes
 from picofx.cli.train_model import check_model, planned_shape
 from picofx.cli.train_state import saved_run
@@ -44,6 +45,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
         check_device(args)
         check_paths(args)
         check_guard_options(args)
+        check_profile_options(args)
         check_model(args)
     except ValueError as e:
         p.error(str(e))

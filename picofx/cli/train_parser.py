@@ -9,6 +9,7 @@ from picofx.cost.device import device_for
 from picofx.cost.units import check_budget
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_guards import add_guard_options
+from picofx.cli.train_profile import add_profile_options
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 ARGPARSE_ERRORS = ("argument ", "unrecognized arguments", "the following arguments")
@@ -159,4 +160,5 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--measure-cuts", action=argparse.BooleanOptionalAction, default=True,
                    help="under --pp, cut where unit times measured on rank 0 balance (--no-measure-cuts: predicted)")
     add_guard_options(p)  # --collective-timeout, --skip-nonfinite, --metrics, --tensorboard
+    add_profile_options(p)  # --profile, --calibrate
     return p

@@ -9,8 +9,9 @@ def model_name(args) -> str:
     return args.model or f"reference LLaMA {args.size}"
 
 
-def write_report(args, ranks, session, saves, layout: str, *, stopped: str = "") -> None:
-    """Rank 0 writes --report (where given); `stopped`: why and where the run stopped early."""
+def write_report(args, ranks, session, saves, layout: str, *, stopped: str = "", measured: dict | None = None) -> None:
+    """Rank 0 writes --report (where given); `stopped`: why and where the run stopped early; `measured`:
+    --profile's to_html arguments (each rank's measured step)."""
     if not args.report or not ranks.speaks:
         return
     losses, first = saves.history(), saves.first_step
@@ -20,5 +21,6 @@ def write_report(args, ranks, session, saves, layout: str, *, stopped: str = "")
     subtitle = (f"{layout}; {steps} of {args.batch} x {args.seq} tokens on {args.device}{resumed}, passes {passes}"
                 + (f"; {stopped}" if stopped else ""))
     session.opt_model.report.to_html(args.report, losses=losses, first_step=first,
-                                     title=f"picofx train: {model_name(args)}", subtitle=subtitle)
+                                     title=f"picofx train: {model_name(args)}", subtitle=subtitle,
+                                     **(measured or {}))
     ranks.say(f"wrote {args.report}")

@@ -1,6 +1,7 @@
 """Every detector over one run's records, and the "what to change" block that says what they found."""
 from __future__ import annotations
 
+from picofx.diagnose.breakdown import exposed_communication
 from picofx.diagnose.dynamics import dynamics
 from picofx.diagnose.finding import Finding
 from picofx.diagnose.resources import data_wait, memory_headroom
@@ -14,7 +15,8 @@ def diagnose(records: list[dict]) -> list[Finding]:
     if not records:
         return []
     device = str(records[-1].get("device", "cpu"))
-    found = [*dynamics(records), data_wait(records), memory_headroom(records), *stragglers(records, device=device)]
+    found = [*dynamics(records), data_wait(records), memory_headroom(records), *stragglers(records, device=device),
+             exposed_communication(records)]
     return sorted((f for f in found if f is not None), key=lambda f: -f.confidence)
 
 

@@ -24,6 +24,7 @@ from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES
 from picofx.planner.layouts import Checkpointing, Layout, Prediction, Run
+from picofx.planner.device_profile import read_device_profile
 from picofx.planner.measure import calibrated_device
 from picofx.planner.models import HF_KEYS, model_config
 from picofx.planner.recipe import Recipe, planned_recipe
@@ -105,7 +106,10 @@ def _device(gpu, config: LlamaConfig, world: int, link, say):
     if gpu is None:
         gpu = "cuda" if torch.cuda.is_available() else "cpu"
     if gpu == "cpu":
-        return calibrated_device(config, world, link=link, say=say), ("fuse",)
+        stored = read_device_profile(world)  # picofx train --profile --calibrate's, on this machine
+        if stored is not None:
+            say(f"device: {stored[1]} (delete the file to measure again)")
+        return (stored[0] if stored else calibrated_device(config, world, link=link, say=say)), ("fuse",)
     if gpu.startswith("cuda"):
         return device_for(gpu), PASSES
     if gpu not in devices():

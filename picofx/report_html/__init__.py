@@ -8,6 +8,7 @@ from torch import fx
 
 from picofx.parallel.layouts import recorded
 from picofx.report_html import data, sections
+from picofx.report_html.measured import measured_section
 from picofx.report_html.plans import plans_section
 from picofx.report_html.page import page
 
@@ -45,13 +46,15 @@ def _numel(shape) -> int:
 
 def render(report=None, *, graphs: dict | list | None = None, pipeline=None, plans: dict | None = None,
            losses: list[float] | dict | None = None, first_step: int = 1, measured_peak: int | None = None,
-           world: int | None = None, cost_model=None, title: str = "picofx report", subtitle: str = "") -> str:
+           world: int | None = None, cost_model=None, measured: dict | None = None, title: str = "picofx report",
+           subtitle: str = "") -> str:
     """The page's HTML. `report`: a Report's to_dict() as Report.to_html gives it; `graphs`: the step's graphs
     ({"forward", "backward", ...}, or a list of pipeline stage graphs); `pipeline`: a PipelineLayout
     (found on the graphs where not given); `plans`: `picofx plan --json`'s dict (or its "plans" as planner
     Predictions); `losses`: per step from `first_step` (or {run name: per step}); `measured_peak`: bytes
     (else a pass's "measured_peak"); `world`: ranks the timeline predicts for (else the ranks the layouts were made
-    for; one rank: the page says there is no communication)."""
+    for; one rank: the page says there is no communication); `measured`: a run's measured step per rank
+    beside the predicted one (picofx.report_html.measured)."""
     graphs = dict(enumerate(graphs)) if isinstance(graphs, list) else dict(graphs or {})
     as_dict = report or {}
     layouts, found_pipeline = recorded_layouts(graphs)
@@ -62,6 +65,7 @@ def render(report=None, *, graphs: dict | list | None = None, pipeline=None, pla
     parts = [sections.passes_section(as_dict, layouts),
              sections.memory_section(data.memory_curve(graphs, cost_model), measured_peak),
              sections.timeline_section(data.comm_timeline(graphs, world, cost_model)),
+             measured_section(measured),
              sections.pipeline_section(data.pipeline_schedule(pipeline or found_pipeline)),
              plans_section(plans),
              sections.loss_section(losses, first_step)]

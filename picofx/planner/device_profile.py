@@ -1,0 +1,73 @@
+"""This machine's CPU as a run measured it: `picofx train --profile N --calibrate` writes a Device whose
+compute and optimizer rates make the planner's prediction of the run's own layout equal to what the
+trace measured, and `picofx plan` (picofx.plan with gpu="cpu") on this machine predicts with it
+instead of measuring a step of its own. Stored in picofx's cache directory (`devices/`, beside the
+measured CPU peak's `peaks/` and the graph cache), keyed by the machine, its CPU, torch and the
+number of ranks; delete the file to measure again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import socket
+
+import torch
+
+from picofx.cost.hardware import Device
+
+
+def _cpu_name() -> str:
+    try:
+        return next((line.partition(":")[2].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.machine())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def profile_path(ranks: int) -> pathlib.Path:
+    from picofx.runtime.cache import default_directory
+
+    directory = pathlib.Path(os.environ.get("PICOFX_CACHE_DIR") or default_directory()) / "devices"
+    what = f"{socket.gethostname()} {_cpu_name()} torch {torch.__version__} {ranks} ranks"
+    return directory / f"cpu-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+
+
+def write_device_profile(device: Device, ranks: int, how: str) -> pathlib.Path:
+    """Stores `device` for plans of `ranks` ranks on this machine; returns the file."""
+    fields = dataclasses.asdict(device)
+    fields["peak_flops"] = {str(dtype).removeprefix("torch."): flops for dtype, flops in device.peak_flops.items()}
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path = profile_path(ranks)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"device": fields, "measured": when, "how": how}, indent=1))
+    partial.replace(path)
+    return path
+
+
+def read_device_profile(ranks: int) -> tuple[Device, str] | None:
+    """(the stored Device, when and how it was measured), or None where none is stored or it cannot be read."""
+    path = profile_path(ranks)
+    try:
+        found = json.loads(path.read_text())
+        fields = dict(found["device"])
+        fields["peak_flops"] = {getattr(torch, name): float(flops) for name, flops in fields["peak_flops"].items()}
+        return Device(**fields), f"{path}: measured {found['measured']} by {found['how']}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def scaled(device: Device, compute: float, optimizer_tensor_overhead: float) -> Device:
+    """`device` whose compute takes `compute` times as long (FLOP/s, memory bandwidth and per-op
+    overhead scaled alike) with the optimizer's per-tensor overhead given."""
+    return dataclasses.replace(device, peak_flops={d: f / compute for d, f in device.peak_flops.items()},
+                               memory_bandwidth=device.memory_bandwidth / compute,
+                               op_overhead=device.op_overhead * compute,
+                               optimizer_tensor_overhead=max(0.0, optimizer_tensor_overhead),
+                               name=device.name.replace(", nominal", "") + ", calibrated by a run",
+                               source="calibrated: picofx train --profile --calibrate")

@@ -14,7 +14,7 @@ rewritten so that every rank computes on its pieces:
 `picofx.parallel.collectives` holds the operators: at capture they are the autograd boundary
 (tp_copy's backward is the all-reduce of the input gradient). Partitioned stage: in the forward
 and backward graphs that run, each becomes torch's functional collective, issued and waited in
-separate nodes, and is scheduled as Megatron does (picofx.passes.tensor_parallel.lower). The
+separate nodes, and is scheduled as Megatron does (picofx.parallel.lower). The
 decision is recorded as a TensorParallelLayout on the graph; the runtime
 (picofx.runtime.tensor_parallel) makes the model's parameters DTensors with those placements and
 feeds the graph their local pieces.
@@ -38,12 +38,12 @@ from picofx.passes.tensor_parallel.plan import (LINEARS, ParameterPlan, check_pl
                                                 weight_name)
 from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
+from picofx.parallel.lower import lower_collectives
 from picofx.parallel.mesh import resolve_dim
+from picofx.parallel.stage_inputs import received_sequence_shards
 from picofx.passes.fuse.fuse import Fuse
-from picofx.passes.pipeline.pipeline import received_sequence_shards
 from picofx.passes.tensor_parallel.async_overlap import overlap_sequence_parallel
 from picofx.passes.tensor_parallel.loss import fused_losses, vocabulary_parallel_loss
-from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
 STYLES = ("colwise", "rowwise", "vocab", "replicate")

@@ -10,9 +10,9 @@ its output a partial sum, all-reduced). Everything the walk cannot follow leaves
 with the reason. The embedding table is vocabulary-parallel (rows split, the lookup masked, the
 partial results summed); a linear whose output reaches the loss without another linear, or the
 weight of a loss fuse_loss fused with its projection, is the LM head, column-parallel with a
-vocabulary-parallel cross-entropy; tied embedding and head share one
-row split; a vocabulary tp does not divide is padded to a multiple of it, as Megatron does. Norm
-weights and anything else are replicated.
+vocabulary-parallel cross-entropy; tied embedding and head share one row split; a vocabulary tp
+does not divide is padded to a multiple of it, as Megatron does. Norm weights and anything else
+are replicated.
 """
 from __future__ import annotations
 

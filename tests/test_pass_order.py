@@ -63,7 +63,8 @@ def test_a_required_pass_is_added_once_before_the_first_that_requires_it_and_the
         assert "b declares requires='a'" in given_late.order_changes
     finally:
         PASSES.pop("a", None)
-    with pytest.raises(ValueError, match=r"pass 'b' declares requires=\['nowhere'\], which no registered pass is named"):
+    with pytest.raises(ValueError, match=r"pass 'b' declares requires=\['nowhere'\], but no pass is registered "
+                                         r"under that name"):
         PassManager([declared("b", requires=("nowhere",))])
 
 

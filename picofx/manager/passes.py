@@ -260,5 +260,5 @@ def check_declarations(passes: list) -> None:
             check_name(dim)
         unknown = [r for r in info.requires if r not in PASSES]
         if unknown:
-            raise ValueError(f"pass {name!r} declares requires={unknown}, which no registered pass is named; "
+            raise ValueError(f"pass {name!r} declares requires={unknown}, but no pass is registered under that name; "
                              f"registered: {', '.join(sorted(PASSES))}")

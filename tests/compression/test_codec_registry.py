@@ -70,7 +70,9 @@ def test_the_architecture_page_lists_the_files_a_codec_touches_and_each_codec_li
     page = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     section = page.split("### Adding a codec", 1)[1].split("\n#", 1)[0]
     listed = re.findall(r"^\d\. `([^`]+)`", section, flags=re.M)
-    assert listed == ["picofx/compression/<name>.py", "picofx/compression/registry.py", "tests/compression/test_<name>.py"]
+    assert listed == ["picofx/compression/<name>.py", "picofx/compression/registry.py",
+                      "tests/compression/test_<name>.py"]
     for codec in registry.CODECS:  # each codec's class, with its record, in a module of its own
         module = codec.__module__.split(".")
-        assert module[:2] == ["picofx", "compression"] and (ROOT / "picofx" / "compression" / f"{module[2]}.py").is_file()
+        assert module[:2] == ["picofx", "compression"]
+        assert (ROOT / "picofx" / "compression" / f"{module[2]}.py").is_file()

@@ -11,6 +11,10 @@
 - Graph meta keys are named constants (capture/vocabulary.py, parallel/layouts.py), never
   `meta["picofx_..."]` literals.
 - No module imports another module's private (_underscore) names.
+- Pass families are independent: nothing in picofx/passes/X imports picofx/passes/Y (nor the
+  picofx.passes package, which imports them all), at the top or inside a function. What several
+  families share lives below them (picofx/parallel/, picofx/cost/); a pass that needs another
+  declares it in its PassInfo (`requires`).
 - picofx/ has at most 8 top-level modules and at least 4 subpackages; no module is over 400 lines.
 
 Each rule is also run on a small tree that breaks it, so a rule that stopped seeing its breach fails.
@@ -145,6 +149,26 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+def family_of(module: str) -> str | None:
+    """The pass family a module belongs to (picofx.passes.<family>...), None outside one."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["picofx", "passes"] and len(parts) > 2 else None
+
+
+def family_problems(root: Path) -> list[str]:
+    """Imports from one pass family into another (or into picofx.passes, which imports every family)."""
+    problems = []
+    for name, (path, _, found) in parsed(root).items():
+        family = family_of(name)
+        if family is None:
+            continue
+        for i in found:
+            if i.module == "picofx.passes" or family_of(i.module) not in (None, family):
+                problems.append(f"{path.relative_to(root)}:{i.statement.lineno} imports {i.module}, "
+                                f"outside pass family {family!r}")
+    return problems
+
+
 # Dependencies run down this list (a module may import its own layer and the layers below).
 LAYERS = {"picofx.errors": 0, "picofx.capture": 1, "picofx.models": 1, "picofx.cost": 2, "picofx.rewrite": 2,
           "picofx.kernels": 2, "picofx.parallel": 3, "picofx.manager": 4, "picofx.compression": 4,
@@ -237,6 +261,12 @@ def parallel_problems(root: Path) -> list[str]:
     return problems
 
 
+def test_pass_families_import_no_other_family():
+    assert family_problems(ROOT) == []
+    # The imports are seen: a family's own modules import each other.
+    assert import_graph(ROOT).has_edge("picofx.passes.shard.shard", "picofx.passes.shard.reduce")
+
+
 def test_dependencies_run_down_the_layers():
     assert layer_problems(ROOT) == []
 
@@ -305,6 +335,12 @@ BREACHES = {
     "too many modules": ({f"picofx/m{i}.py": "" for i in range(8)}, size_problems, "10 top-level modules"),
     "too few subpackages": ({"picofx/capture/__init__.py": None, "picofx/runtime/__init__.py": None},
                             size_problems, "3 subpackages"),
+    "a pass imports another family": ({"picofx/passes/two/__init__.py": "",
+                                       "picofx/passes/two/two.py": "from picofx.passes.one import One\n"},
+                                      family_problems, "picofx/passes/two/two.py:1 imports picofx.passes.one"),
+    "a pass imports another family in a function": (
+        {"picofx/passes/two/__init__.py": "", "picofx/passes/two/two.py": "def f():\n    from picofx import passes\n"},
+        family_problems, "picofx/passes/two/two.py:2 imports picofx.passes, outside pass family 'two'"),
     "a long module": ({"picofx/cost/units.py": "GiB = 2**30\n" * 401}, size_problems, "units.py has 401 lines"),
 }
 
@@ -322,7 +358,8 @@ def write_tree(root: Path, files: dict[str, str | None]) -> Path:
 
 def test_a_tree_that_keeps_the_rules_passes(tmp_path):
     root = write_tree(tmp_path, GOOD_TREE)
-    checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems, parallel_problems)
+    checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems, parallel_problems,
+              family_problems)
     assert [check(root) for check in checks] == [[]] * len(checks)
     assert set(import_graph(root).edges) == {
         ("picofx", "picofx.api"), ("picofx", "picofx.passes"), ("picofx.api", "picofx.cost.model"),

@@ -25,7 +25,7 @@ def run_order(passes) -> list[str]:
 
 @pytest.mark.parametrize("given", [[Shard(), TensorParallel()], [TensorParallel(), Shard()]])
 def test_tensor_parallel_runs_before_shard_in_either_order_given(given):
-    assert run_order(given) == ["tensor_parallel", "shard"]
+    assert run_order(given) == ["fuse_loss", "tensor_parallel", "shard"]  # fuse_loss: tensor_parallel requires it
 
 
 @pytest.mark.parametrize("given", [["shard", "fuse"], ["fuse", "shard"]])
@@ -35,7 +35,7 @@ def test_shard_runs_after_fuse_in_either_order_given(given):
 
 def test_every_layout_pass_lands_where_its_declarations_put_it():
     given = ["shard", "precision", "fuse", TensorParallel(), Pipeline(stages=2, microbatches=2), "checkpoint"]
-    assert run_order(given) == ["pipeline", "tensor_parallel", "fuse", "precision", "shard", "checkpoint"]
+    assert run_order(given) == ["pipeline", "fuse_loss", "tensor_parallel", "fuse", "precision", "shard", "checkpoint"]
 
 
 def test_the_order_given_stays_where_no_constraint_speaks():
@@ -48,7 +48,24 @@ def test_the_order_given_stays_where_no_constraint_speaks():
 
 def test_a_moved_pass_leaves_the_others_in_their_given_order():
     given = [declared("x"), Shard(), declared("y"), TensorParallel(), declared("z")]
-    assert run_order(given) == ["x", "y", "tensor_parallel", "shard", "z"]
+    assert run_order(given) == ["x", "y", "fuse_loss", "tensor_parallel", "shard", "z"]
+
+
+def test_a_required_pass_is_added_once_before_the_first_that_requires_it_and_the_report_says_so():
+    needs_a = [declared("x"), declared("b", requires=("a",)), declared("c", requires=("a",))]
+    try:
+        register_pass("a", PassInfo(runs_after=("x",)))(lambda gm, ctx: picofx.PassResult())
+        manager = PassManager(needs_a)
+        assert [pass_name(p) for p in manager.passes] == ["x", "a", "b", "c"]
+        assert manager.order_changes == "given x, b, c; run as x, a, b, c\n  added a: b declares requires='a'"
+        given_late = PassManager([declared("b", requires=("a",)), PASSES["a"]()])  # given: not added again
+        assert [pass_name(p) for p in given_late.passes] == ["a", "b"]
+        assert "b declares requires='a'" in given_late.order_changes
+    finally:
+        PASSES.pop("a", None)
+    with pytest.raises(ValueError, match=r"pass 'b' declares requires=\['nowhere'\], but no pass is registered "
+                                         r"under that name"):
+        PassManager([declared("b", requires=("nowhere",))])
 
 
 def test_a_cycle_is_refused_naming_both_passes():

@@ -7,6 +7,7 @@ import sys
 import time
 
 from picofx.cli.train_parser import at_least
+from picofx.compression.registry import spellings
 from picofx.planner.compress import DEFAULT_KINDS
 from picofx.planner.costs import PASSES
 from picofx.planner.measure import calibrated_device, measure
@@ -47,7 +48,7 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--compress", metavar="KINDS",
                    help="gradient compressors to plan for replicated data parallel, comma-separated, as "
                         "Overlap(compress=...) spells them (default: " + ",".join(DEFAULT_KINDS) + "; on --gpu cpu "
-                        "none; lossy topk:F and powersgd:R only when listed; 'none': no compression)")
+                        f"none; lossy {' and '.join(spellings(lossy=True))} only when listed; 'none': no compression)")
     p.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
     p.add_argument("--json", help="write {'plans': [...], 'best': index} here")
     p.add_argument("--html", metavar="FILE", help="write the plan table and charts of step and memory per plan as "

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import sys
 
+from picofx.compression.registry import spellings
 from picofx.cost.device import device_for
 from picofx.cost.units import check_budget
 from picofx.models.llama import CONFIGS
@@ -146,8 +147,8 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
                         "every key)")
     p.add_argument("--compress", metavar="KIND",
                    help="under --dp, the replicas exchange compressed gradients in the backward (pass overlap's "
-                        "compress; with --shard, pass shard's, its reduce-scatter compressed): bf16, int8, int8:ef, "
-                        "topk:F, powersgd:R, sparse_rows or sparse_rows+KIND")
+                        "compress; with --shard, pass shard's, its reduce-scatter compressed): "
+                        f"{', '.join(spellings())}, sparse_rows or sparse_rows+KIND")
     p.add_argument("--compress-warmup", metavar="N", type=at_least(0), default=0,
                    help="with --compress, the run's first N steps exchange whole gradients (the passes' warmup, "
                         "as torch's PowerSGD hook's start_powerSGD_iter); a resumed run warms up what is left")

@@ -20,6 +20,15 @@ class Dense(Codec):
     their number. Dense() is no compression."""
 
     cast: torch.dtype | None = None
+    kind, spelling, example = "bf16", '"bf16"', "bf16"
+
+    @classmethod
+    def parse(cls, argument: str | None) -> Dense | None:
+        return cls(torch.bfloat16) if argument is None else None
+
+    @property
+    def traffic_per_element(self) -> int:
+        return 12 if self.cast else 0  # cast to bf16 (4 + 2), back to fp32 (2 + 4)
 
     @property
     def label(self) -> str:

@@ -38,6 +38,18 @@ class Int8(Codec):
 
     block: int = 256
     feedback: bool = False
+    kind, spelling, example = "int8", '"int8", "int8:ef"', "int8"
+
+    @classmethod
+    def parse(cls, argument: str | None) -> Int8 | None:
+        return cls(feedback=argument == "ef") if argument in (None, "ef") else None
+
+    @property
+    def traffic_per_element(self) -> int:
+        # blocks (8), quantize (4 + 4 + 1), dequantize and sum the copies (1 + 4 + 4), dequantize the
+        # gathered result (1 + 4), back from blocks (8); error feedback: the residual added (4 + 4), the
+        # quantization error stored (4 + 4)
+        return 55 if self.feedback else 39
 
     @property
     def label(self) -> str:

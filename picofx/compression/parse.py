@@ -9,16 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from picofx.compression import registry
 from picofx.compression.dense import Dense
-from picofx.compression.int8 import Int8
-from picofx.compression.powersgd import PowerSGD
 from picofx.compression.protocol import Codec
-from picofx.compression.topk import TopK
 
-KINDS = ('None, "bf16", "int8", "int8:ef", "topk:F" (0 < F < 1), "powersgd:R" (R >= 1), "sparse_rows", '
-         '"sparse_rows+KIND"')
+KINDS = registry.kinds_text()
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,7 @@ def parse_compress(spec: str | None, owner: str = "Overlap") -> CompressSpec:
     if not isinstance(spec, str):
         raise ValueError(f"{owner}(compress={spec!r}): a string, one of {KINDS}")
     parts = spec.split("+")
-    rows = parts[0] == "sparse_rows"
+    rows = parts[0] == registry.ROWS
     rest = parts[1:] if rows else parts
     if len(rest) > 1:
         raise ValueError(f"{owner}(compress={spec!r}): at most 'sparse_rows+KIND'; use one of {KINDS}")
@@ -46,16 +41,14 @@ def parse_compress(spec: str | None, owner: str = "Overlap") -> CompressSpec:
 
 
 def codec(kind: str, spec: str, owner: str) -> Codec:
-    name, _, arg = kind.partition(":")
-    try:
-        if kind == "bf16":
-            return Dense(torch.bfloat16)
-        if name == "int8" and arg in ("", "ef"):
-            return Int8(feedback=arg == "ef")
-        if name == "topk" and 0 < float(arg) < 1:
-            return TopK(float(arg))
-        if name == "powersgd" and int(arg) >= 1:
-            return PowerSGD(int(arg))
-    except ValueError:
-        pass
-    raise ValueError(f"{owner}(compress={spec!r}): {kind!r} is not a compressor; use one of {KINDS}")
+    """The registered codec `kind` ("int8:ef") spells, its record's parse reading the argument."""
+    name, colon, argument = kind.partition(":")
+    for registered in registry.CODECS:  # read at each call: a codec registered later is found
+        if registered.kind == name:
+            try:
+                made = registered.parse(argument if colon else None)
+            except ValueError:
+                made = None
+            if made is not None:
+                return made
+    raise ValueError(f"{owner}(compress={spec!r}): {kind!r} is not a compressor; use one of {registry.kinds_text()}")

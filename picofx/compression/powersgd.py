@@ -26,6 +26,13 @@ class PowerSGD(Codec):
     rank: int
     scatters = False
     starts = True
+    kind, spelling, example, lossy = "powersgd", '"powersgd:R" (R >= 1)', "powersgd:8", True
+    # residual added (12), M Q and M^T P read M (8), P Q^T written (4), residual stored (12), cast (8)
+    traffic_per_element = 44
+
+    @classmethod
+    def parse(cls, argument: str | None) -> PowerSGD | None:
+        return cls(int(argument)) if argument is not None and int(argument) >= 1 else None
 
     @property
     def label(self) -> str:

@@ -95,11 +95,30 @@ class Pending:
 class Codec:
     """What every codec provides (each is a frozen dataclass deriving from this): a `label` (its
     spelling in notes), `issue`, and `bucket_bytes`, the bytes each rank sends. Each also has a
-    `wire_bytes` over plain shapes, for the planner (its parameters are the codec's own)."""
+    `wire_bytes` over plain shapes, for the planner (its parameters are the codec's own).
+
+    Its record, beside its class, is all that names it elsewhere (registry.py lists the classes):
+    `kind`, `spelling` and `parse` (how `compress` names it), `example` (the setting the
+    combination table trains), `lossy`, and `traffic_per_element` (the planner's compute price)."""
 
     label: str
     scatters = True  # it has a reduce-scatter form; False: it runs on the whole gradients
     starts = False   # its first synced steps go as int8 (picofx/compression/start.py)
+    kind = ""        # the name `compress` spells it by: "int8" in "int8:ef"
+    spelling = ""    # its spellings, as errors and help list them: '"topk:F" (0 < F < 1)'
+    example = ""     # the spelling the combination table trains (a lossy codec at a setting whose error is bounded)
+    # It changes what the model learns beyond rounding each entry (drops entries, or rank): the
+    # planner plans it only when asked.
+    lossy = False
+    # Memory traffic per fp32 gradient element beyond the uncompressed exchange's (reads + writes,
+    # bytes), counted from its ops as a GPU compiler fuses them: the planner's price of its compute.
+    traffic_per_element = 0
+
+    @classmethod
+    def parse(cls, argument: str | None) -> "Codec | None":
+        """The codec `kind:argument` spells (argument None: `kind` alone); None when it takes no such
+        argument (a ValueError from float() or int() says the same)."""
+        raise NotImplementedError
 
     def issue(self, em: "Emitter", b: Bucket) -> Pending:
         raise NotImplementedError

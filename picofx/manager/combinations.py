@@ -16,11 +16,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from picofx.compression import registry
 from picofx.manager.passes import pass_name
 
 PARALLEL = ("overlap", "shard", "hsdp", "tensor_parallel", "sequence_parallel", "async_tp", "pipeline",
             "context_parallel", "ring")
-COMPRESSION = ("bf16", "int8", "topk", "powersgd", "sparse_rows")
+CODECS = registry.codec_kinds()  # one per exchange; sparse_rows pairs with one of them
+COMPRESSION = (*CODECS, registry.ROWS)
 COMPUTE = ("fuse", "precision", "checkpoint")
 FEATURES = PARALLEL + COMPRESSION + COMPUTE
 DATA_PARALLEL = ("overlap", "shard", "hsdp")
@@ -28,9 +30,8 @@ DATA_PARALLEL = ("overlap", "shard", "hsdp")
 SPANS = {"overlap": ("dp_replicate",), "shard": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard"),
          "tensor_parallel": ("tp",), "pipeline": ("pp",), "context_parallel": ("cp",), "ring": ("cp",)}
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# the spelling of each compression kind the cells run (a lossy one at a setting whose error is bounded here)
-COMPRESS_SPELLING = {"bf16": "bf16", "int8": "int8", "topk": "topk:0.5", "powersgd": "powersgd:8",
-                     "sparse_rows": "sparse_rows"}
+# the spelling of each compression kind the cells run (its record's example)
+COMPRESS_SPELLING = {**{c.kind: c.example for c in registry.CODECS}, registry.ROWS: registry.ROWS}
 
 
 class CombinationError(ValueError):
@@ -59,7 +60,6 @@ CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "as
             "pipeline checkpoint", "overlap int8", "shard sparse_rows", "overlap powersgd", "fuse precision",
             "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel",
             "shard context_parallel")
-CODECS = ("bf16", "int8", "topk", "powersgd")  # one per exchange; sparse_rows pairs with one of them
 REFUSALS = (
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),

@@ -7,13 +7,14 @@ constraints, stably: where no constraint speaks, the caller's order stays, so
 in their fixed order (forward, joint, partitioned), each stage's passes in the sorted order, so a
 constraint between passes of different stages is already met. Only what cannot be honoured is
 refused, naming the passes: constraints that form a cycle, or one that asks a pass to run before
-another whose stages all come earlier.
+another whose stages all come earlier. A pass a given one `requires` is added, when missing, just
+before the first pass that requires it, and runs before it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picofx.manager.passes import Stage, pass_info, pass_name
+from picofx.manager.passes import Stage, pass_info, pass_name, resolve_pass
 
 STAGE_ORDER = {stage: i for i, stage in enumerate(Stage)}
 
@@ -41,6 +42,8 @@ def constraints(passes: list) -> list[Constraint]:
                 found.append(Constraint(i, j, f"{names[i]} declares runs_before={other!r}"))
             if other in info.runs_after:
                 found.append(Constraint(j, i, f"{names[i]} declares runs_after={other!r}"))
+            if other in info.requires:
+                found.append(Constraint(j, i, f"{names[i]} declares requires={other!r}"))
     return found
 
 
@@ -79,10 +82,29 @@ def cycle_message(passes: list, left: list[int], found: list[Constraint]) -> str
             f"({'; '.join(whys)}). Drop one of them, or the constraint that is wrong.")
 
 
+def with_required(passes: list) -> tuple[list, list[str]]:
+    """`passes` and the passes they require that are missing, each added (with its defaults) just
+    before the first pass requiring it; and a line for each added."""
+    out, added = list(passes), []
+    at = 0
+    while at < len(out):
+        given = {pass_name(p) for p in out}
+        missing = [name for name in pass_info(out[at]).requires if name not in given]
+        if not missing:
+            at += 1
+            continue
+        added += [f"added {name}: {pass_name(out[at])} declares requires={name!r}" for name in missing]
+        out[at:at] = [resolve_pass(name) for name in missing]  # they may require others: looked at next
+    return out, added
+
+
 def run_order(passes: list) -> tuple[list, str | None]:
-    """`passes` sorted by their declared constraints, the caller's order kept where none speaks
-    (a stable topological sort: the earliest given pass whose predecessors have all been placed
-    goes next); and, when that changed the order, what changed and which declarations did it."""
+    """`passes`, with what they require, sorted by their declared constraints, the caller's order
+    kept where none speaks (a stable topological sort: the earliest given pass whose predecessors
+    have all been placed goes next); and, when that changed the passes or their order, what
+    changed and which declarations did it."""
+    given = passes
+    passes, added = with_required(passes)
     found = left_open_by_stages(passes, constraints(passes))
     waits_for = {i: {c.first for c in found if c.then == i} for i in range(len(passes))}
     order: list[int] = []
@@ -93,8 +115,9 @@ def run_order(passes: list) -> tuple[list, str | None]:
         order.append(ready)
     ordered = [passes[i] for i in order]
     moved = [c for c in found if c.violated_by_given_order()]
-    if not moved:
+    if not moved and not added:
         return ordered, None
-    lines = [f"given {', '.join(pass_name(p) for p in passes)}; run as {', '.join(pass_name(p) for p in ordered)}"]
+    lines = [f"given {', '.join(pass_name(p) for p in given)}; run as {', '.join(pass_name(p) for p in ordered)}",
+             *(f"  {line}" for line in added)]
     lines += [f"  {pass_name(passes[c.first])} before {pass_name(passes[c.then])}: {c.why}" for c in moved]
     return ordered, "\n".join(lines)

@@ -62,12 +62,15 @@ class PassInfo:
 
     runs_before / runs_after name other passes (by registered name) that, when they are given too,
     must run after / before this one: the manager sorts the passes it is given to honour them and
-    otherwise keeps the caller's order."""
+    otherwise keeps the caller's order. requires names passes that must run before this one even
+    when not given: the manager adds each one missing (with its defaults), so no pass runs another
+    inside itself."""
 
     stage: Stage = Stage.FORWARD
     also_at: tuple[Stage, ...] = ()  # later stages it runs at too (it reads ctx.stage to know which)
     runs_before: tuple[str, ...] = ()
     runs_after: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()   # run before it, added with their defaults when not given
     mesh_dims: tuple[str, ...] = ()  # the parallel mesh's dimensions it works over ("dp_replicate", "pp", ...)
     mesh_size: int | None = None     # the size it needs on the first of them, if any (a pipeline's stages)
     communicates: bool = False       # it inserts collectives: compiled keeping them overlapped; layouts checked
@@ -82,7 +85,7 @@ class PassInfo:
         if not isinstance(self.stage, Stage) or not all(isinstance(s, Stage) for s in self.also_at):
             raise TypeError(f"PassInfo: stage and also_at are picofx.Stage values, got {self.stage!r}, "
                             f"{self.also_at!r}")
-        for field_name in ("runs_before", "runs_after", "also_at", "mesh_dims"):
+        for field_name in ("runs_before", "runs_after", "requires", "also_at", "mesh_dims"):
             if not isinstance(getattr(self, field_name), tuple):
                 raise TypeError(f"PassInfo({field_name}=...): a tuple, e.g. {field_name}=('shard',), "
                                 f"got {getattr(self, field_name)!r}")
@@ -255,3 +258,7 @@ def check_declarations(passes: list) -> None:
             raise ValueError(f"pass {name!r} declares it re-plans but has no after_measured_step(record, peak).")
         for dim in info.mesh_dims:
             check_name(dim)
+        unknown = [r for r in info.requires if r not in PASSES]
+        if unknown:
+            raise ValueError(f"pass {name!r} declares requires={unknown}, but no pass is registered under that name; "
+                             f"registered: {', '.join(sorted(PASSES))}")

@@ -9,7 +9,7 @@ Each runs torch's functional all-reduce (`_c10d_functional`), so it works with g
 
 In a captured step these operators are what autograd differentiates; pass tensor_parallel then
 rewrites each, in the forward and backward graphs that run, into the functional collective it
-calls here, with the issue and the wait as separate nodes (picofx.passes.tensor_parallel.lower).
+calls here, with the issue and the wait as separate nodes (picofx.parallel.lower).
 Run as they are (an interpreter over the captured graph), each issues and waits at once.
 """
 from __future__ import annotations

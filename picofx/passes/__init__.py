@@ -1,6 +1,6 @@
 """picofx's passes, one module each; importing this package registers them by name."""
 from picofx.passes.precision.precision import Precision  # noqa: F401  (registers "precision")
-from picofx.passes.fuse.fuse import Fuse  # noqa: F401  (registers "fuse")
+from picofx.passes.fuse.fuse import Fuse, FuseLoss  # noqa: F401  (registers "fuse" and "fuse_loss")
 from picofx.passes.checkpoint.checkpoint import Checkpoint  # noqa: F401  (registers "checkpoint")
 from picofx.passes.overlap.overlap import Overlap  # noqa: F401  (registers "overlap")
 from picofx.passes.pipeline.pipeline import Pipeline  # noqa: F401  (registers "pipeline")

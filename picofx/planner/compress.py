@@ -8,7 +8,7 @@ overlap pass's rule: the embedding goes as (token id, row) pairs only where that
 the table, and never for gradients accumulated over micro-batches (a dense table then). The link time
 is that of an all-reduce taking as long as the bytes sent, as the pass times its buckets. The
 compute: quantizing, casting and scattering are memory-bound passes over the gradient, charged at
-the device's memory bandwidth.
+the device's memory bandwidth, by each codec's own traffic figure (its record: picofx.compression.registry).
 
 Sharded data parallel (`scatter_exchange`): the compressor replaces each bucket's gradient
 reduce-scatter as Shard(compress=...) runs it: bf16 and int8 in their reduce-scatter form, top-k and
@@ -16,39 +16,35 @@ PowerSGD on the whole gradients (each rank keeps its slice), the embedding as ro
 fewer bytes than its reduce-scatter; the shard prediction takes the bytes as bytes per parameter of
 its per-layer reduce-scatters.
 
-Lossy kinds ("topk:F", "powersgd:R") change what the model learns: they are planned only when asked.
+Lossy kinds (those whose record says so: "topk:F", "powersgd:R") change what the model learns: they
+are planned only when asked.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from picofx.compression import Dense, SparseRows, parse_compress
+from picofx.compression import Dense, SparseRows, parse_compress, registry
 from picofx.cost.comm import all_reduce_seconds, all_reduce_size_sending, reduce_scatter_bytes
 
-DEFAULT_KINDS = ("bf16", "int8", "sparse_rows")
-LOSSY = ("topk", "powersgd")
 FP32 = 4
-# memory traffic per fp32 gradient element, beyond the uncompressed exchange's, counted from each
-# exchange's ops as a GPU compiler fuses them (reads + writes, bytes)
-TRAFFIC_PER_ELEMENT = {
-    "none": 0,
-    "bf16": 12,       # cast to bf16 (4 + 2), back to fp32 (2 + 4)
-    "int8": 39,       # blocks (8), quantize (4 + 4 + 1), dequantize and sum the copies (1 + 4 + 4),
-                      # dequantize the gathered result (1 + 4), back from blocks (8)
-    "int8:ef": 55,    # and the residual: added (4 + 4), the quantization error stored (4 + 4)
-    "topk": 48,       # residual added (12), magnitudes (8), top-k read (4), the rest stored (12), scatter-add (12)
-    "powersgd": 44,   # residual added (12), M Q and M^T P read M (8), P Q^T written (4), residual stored (12), cast (8)
-}
+
+
+def default_kinds() -> tuple[str, ...]:
+    """The registered codecs that are not lossy, and the embedding as rows."""
+    return (*(c.kind for c in registry.CODECS if not c.lossy), registry.ROWS)
+
+
+DEFAULT_KINDS = default_kinds()
 
 
 def kinds_to_consider(asked=None, *, on_cpu: bool = False) -> tuple[str, ...]:
     """The compressor names to plan: `asked` (a name, "a,b", or a collection of names; None: the
-    lossless and near-lossless DEFAULT_KINDS, none on a CPU, whose ranks run the plans themselves
+    kinds whose records are not lossy (default_kinds()), none on a CPU, whose ranks run the plans themselves
     with --measure and --layout auto and whose compressor costs are not calibrated). Validated
     with the spelling Overlap(compress=...) takes."""
     if asked is None:
-        return () if on_cpu else DEFAULT_KINDS
+        return () if on_cpu else default_kinds()
     if isinstance(asked, str):
         asked = [k.strip() for k in asked.split(",")]
     kinds = tuple(dict.fromkeys(k for k in asked if k and k != "none"))
@@ -96,7 +92,7 @@ def exchange(config, layout, tokens: int, device, link) -> Exchange:
     wire = spec.other.wire_bytes(shapes, FP32, world) + (rows_bytes if rows == "rows" else 0)
     fp32 = dense.wire_bytes([table, *others], FP32, world)
     link_s = all_reduce_seconds(all_reduce_size_sending(wire, world), world, link)
-    traffic = TRAFFIC_PER_ELEMENT[family(spec.other.label)] * sum(math.prod(s) for s in shapes)
+    traffic = spec.other.traffic_per_element * sum(math.prod(s) for s in shapes)
     if rows == "rows":  # a zero table, every rank's rows added into it
         traffic += table_numel * FP32 + world * tokens * (2 * table[1] * FP32 + 4)
     return Exchange(layout.compress, int(wire), fp32, link_s, traffic / device.memory_bandwidth, rows)
@@ -132,7 +128,7 @@ def scatter_exchange(config, layout, tokens: int, device) -> ScatterExchange:
             f"dense (as rows {rows_bytes / 1e6:.1f} MB per rank, its reduce-scatter {table_bytes / 1e6:.1f} MB)"
     shapes = others if rows == "rows" else [table, *others]
     wire = spec.other.wire_bytes(shapes, FP32, world, scatter=True) + (rows_bytes if rows == "rows" else 0)
-    traffic = TRAFFIC_PER_ELEMENT[family(spec.other.label)] * sum(math.prod(s) for s in shapes)
+    traffic = spec.other.traffic_per_element * sum(math.prod(s) for s in shapes)
     if rows == "rows":  # a zero slice of the table, every rank's rows added into it
         traffic += math.prod(table) // world * FP32 + world * tokens * (2 * table[1] * FP32 + 4)
     return ScatterExchange(layout.compress, int(wire), fp32, traffic / device.memory_bandwidth, rows)
@@ -150,6 +146,3 @@ def embedding_as_rows(config, layout, tokens: int) -> tuple[str, int]:
         return f"dense (as rows {rows_bytes / 1e6:.1f} MB per rank, the table {dense_table / 1e6:.1f} MB)", rows_bytes
     return "rows", rows_bytes
 
-
-def family(label: str) -> str:
-    return label if label in TRAFFIC_PER_ELEMENT else label.partition(":")[0]

@@ -129,7 +129,7 @@ def test_cost_balance_is_no_slower_than_layers_and_says_why():
 
 
 def test_a_later_stage_receives_its_residual_stream_as_sequence_shards_under_sequence_parallelism():
-    from picofx.passes.pipeline.pipeline import received_sequence_shards
+    from picofx.parallel.stage_inputs import received_sequence_shards
 
     first, later = _split("layers").graphs
     assert received_sequence_shards(first, 1, 2) == []  # the first stage looks its tokens up itself

@@ -222,16 +222,16 @@ def test_data_parallel_times_tensor_parallel_on_one_mesh_of_four_ranks(four_rank
 def test_sharded_data_parallel_times_tensor_parallel_in_any_order_stores_a_quarter_and_trains_as_one_process(
         four_ranks):
     """dp_shard 2 x tp 2: parameters 2-D DTensors (FSDP2 over TP), the dp ranks on halves of the batch.
-    [Shard, TensorParallel] and [fuse, Shard, TensorParallel] run as tensor_parallel, fuse, shard
-    and equal one process; then 3 AdamW steps with clipping, and the DCP checkpoint loaded into the
+    [Shard, TensorParallel] and [fuse, Shard, TensorParallel] run as fuse_loss (which tensor_parallel
+    requires), tensor_parallel, fuse, shard and equal one process; then 3 AdamW steps with clipping, and the DCP checkpoint loaded into the
     plain model."""
     from overlap_ranks import later_batch
 
     ranks, directory = four_ranks["with_shard"], four_ranks["directory"]
     z = zoo.build("llama-tiny", batch=4)
     loss, grads = single(z)
-    for order, ran in (("shard first", ["tensor_parallel", "shard"]),
-                       ("fuse first", ["tensor_parallel", "fuse", "shard"])):
+    for order, ran in (("shard first", ["fuse_loss", "tensor_parallel", "shard"]),
+                       ("fuse first", ["fuse_loss", "tensor_parallel", "fuse", "shard"])):
         torch.testing.assert_close(torch.stack([r[order]["loss"] for r in ranks]).mean(), loss, **LOSS)
         for rank in ranks:
             assert rank[order]["ran"] == ran

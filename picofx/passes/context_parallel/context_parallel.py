@@ -16,7 +16,8 @@ so the loss and every gradient equal one process on the whole sequence. Where a 
 pass's group spans cp (shard over dp_shard x cp, overlap over dp_replicate x cp), that pass takes
 the tp_copy sums out and its own bucketed collective sums over cp. Outputs other than the
 loss (logits) are gathered back into sequence order, without gradient. Partitioned stage: the
-operators become torch's functional collectives (picofx.passes.tensor_parallel.lower).
+operators become torch's functional collectives (picofx.parallel.lower). The gradient sums over cp,
+and the finders the data-parallel passes use, are in picofx.parallel.gradient_sums.
 """
 from __future__ import annotations
 
@@ -28,19 +29,19 @@ from torch import fx
 
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_reduce / tp_copy / sp_gather)
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import USER, input_kind, is_parameter
+from picofx.capture.vocabulary import USER, input_kind
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import recorded
+from picofx.parallel.gradient_sums import sum_parameter_gradients
+from picofx.parallel.lower import lower_collectives
 from picofx.parallel.mesh import resolve_dim
+from picofx.parallel.stage_inputs import received_sequence_shards
 from picofx.passes.context_parallel.attention import Attention, RingAttention
 from picofx.passes.context_parallel.positions import Positions, check_divisible
 from picofx.passes.context_parallel.ring import lower_ring
 from picofx.passes.context_parallel.split import KEYS, PARTIAL, Local, SequenceSplit, is_pointwise
-from picofx.passes.pipeline.pipeline import received_sequence_shards
-from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 METHODS = {"allgather": Attention, "ring": RingAttention}
 
 
@@ -163,58 +164,3 @@ def combine_outputs(graph: fx.Graph, split: SequenceSplit, dim) -> dict:
 
     output.args = fx.map_arg(output.args, combine)
     return done
-
-
-def cp_group(mesh) -> str | None:
-    """The name of the run's cp process group, None where the run has no cp dimension."""
-    if mesh is None or mesh.size("cp") == 1 or mesh.device_mesh is None:
-        return None
-    return mesh.dim("cp").group_name
-
-
-def forward_gradient_sums(gm: fx.GraphModule, mesh) -> list[fx.Node]:
-    """The forward graph's sums of the parameters' gradients over cp (each a tp_copy reading a
-    parameter), where every parameter read has one; [] where the run has no cp dimension or some
-    parameter none. A data-parallel pass whose group then spans cp sums them itself."""
-    group = cp_group(mesh)
-    if group is None:
-        return []
-    copies = [n for n in gm.graph.nodes if n.target is torch.ops.picofx.tp_copy.default and n.args[1] == group
-              and is_parameter(n.args[0])]
-    read = [n for n in gm.graph.nodes if is_parameter(n) and n.users]
-    return copies if len(copies) == len(read) else []
-
-
-def backward_gradient_sums(gm: fx.GraphModule, mesh, gradients: list[fx.Node]) -> list[fx.Node]:
-    """The backward graph's all-reduces over cp of the parameters' `gradients` (each gradient the
-    wait of one), where every one has one; else []."""
-    group = cp_group(mesh)
-    if group is None:
-        return []
-    sums = [g.args[0] for g in gradients if g.target is c10d.wait_tensor.default
-            and g.args[0].target is c10d.all_reduce.default and g.args[0].args[2] == group and len(g.users) == 1]
-    return sums if len(sums) == len(gradients) else []
-
-
-def drop_gradient_sums(gm: fx.GraphModule, sums: list[fx.Node]) -> None:
-    """Take `sums` (of forward_gradient_sums or backward_gradient_sums) out of the graph: what read
-    a sum reads what it summed."""
-    for node in sums:
-        for done in [u for u in node.users if u.target is c10d.wait_tensor.default]:
-            done.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(done)
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
-
-
-def sum_parameter_gradients(graph: fx.Graph, group: str) -> int:
-    """Each parameter read through tp_copy: its gradient, from this rank's tokens, summed over cp."""
-    count = 0
-    for node in list(graph.nodes):
-        if is_parameter(node) and node.users:
-            with graph.inserting_after(node):  # tensor_parallel may read it in a node among the inputs
-                summed = graph.call_function(torch.ops.picofx.tp_copy.default, (node, group))
-            summed.meta["val"] = node.meta["val"]
-            node.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not summed)
-            count += 1
-    return count

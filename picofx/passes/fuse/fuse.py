@@ -145,6 +145,17 @@ class Fuse:
         return PassResult(changed=changed, notes=notes, tolerance=tolerance)
 
 
+@register_pass("fuse_loss")
+@dataclass(frozen=True)
+class FuseLoss(Fuse):
+    """Fuse with the loss rule alone (the final projection and the cross-entropy as one op): what
+    tensor_parallel requires before it splits the LM head's vocabulary (PassInfo.requires), so that
+    pass never runs fuse inside itself. After a pipeline cut, on each stage's graph."""
+
+    rules: tuple | None = (loss.LINEAR_CROSS_ENTROPY.name,)
+    info = PassInfo(Stage.FORWARD, runs_before=("precision",), runs_after=("pipeline",))
+
+
 def unfused_sites(graph: fx.Graph, near_misses: list) -> list[str]:
     """One line per fusible site left in the graph: where it is, and why it did not fuse."""
     lines = []

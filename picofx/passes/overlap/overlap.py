@@ -44,7 +44,7 @@ from picofx.cost.units import parse_budget
 from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, SyncMode, register_pass
 from picofx.parallel.layouts import BucketLayout, LayoutEntry, layouts_of
 from picofx.parallel.mesh import resolve_dim
-from picofx.passes.context_parallel.context_parallel import backward_gradient_sums, drop_gradient_sums
+from picofx.parallel.gradient_sums import backward_gradient_sums, drop_gradient_sums
 
 aten = torch.ops.aten
 

@@ -23,7 +23,7 @@ runtime (`picofx.runtime.pipeline`) compiles and runs as `torch.distributed.pipe
    and the runtime sums its gradient between them.
 5. Under sequence parallelism (pass tensor_parallel, which runs on each stage graph) a later stage
    receives the residual stream as its tensor-parallel rank's sequence shard, as the stage before
-   leaves it: `received_sequence_shards` says which inputs those are and sizes them, so each rank
+   leaves it: `picofx.parallel.stage_inputs.received_sequence_shards` says which inputs those are and sizes them, so each rank
    sends 1/tp of the activation and its gradient instead of gathering it at every cut.
 """
 from __future__ import annotations
@@ -36,14 +36,13 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
-from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import SIGNATURE_META, input_kind, input_slot
 from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, balanced_cuts, plan_for
 from picofx.cost.chain import chain_units, layer_bounds, path_bounds, state_per_parameter_byte
 from picofx.cost.model import CostModel
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.manager.pass_manager import copy_graph
-from picofx.parallel.layouts import PipelineLayout, StageSignature, layouts_of, recorded
+from picofx.parallel.layouts import PipelineLayout, StageSignature, layouts_of
 from picofx.parallel.mesh import initialized, measured_on_first_rank, pipeline_dims
 from picofx.runtime.unit_clock import measure_units
 
@@ -257,25 +256,3 @@ def stage_graph(sub: fx.GraphModule, index: int, num_stages: int, slots: dict, c
                                           list(outputs))
     layouts_of(gm).pipeline = layout
     return gm
-
-
-def received_sequence_shards(gm: fx.GraphModule, sequence_dim: int, ranks: int) -> list[fx.Node]:
-    """The inputs of a later pipeline stage's graph that the stage before sends (floating-point
-    activations, not the step's inputs travelling along), resized to one of `ranks` shards along
-    `sequence_dim`; [] for the first stage and for a graph that is no pipeline stage."""
-    stage = recorded(gm).stage
-    if stage is None or stage.index == 0:
-        return []
-    received = [n for n in gm.graph.nodes if n.op == "placeholder" and input_slot(n) is None
-                and n.meta["val"].is_floating_point()]
-    mode = fake_mode_of(gm)
-    for node in received:
-        shape = list(node.meta["val"].shape)
-        if len(shape) <= sequence_dim or shape[sequence_dim] % ranks:
-            raise ValueError(f"Pipeline: stage {stage.index} receives {node.name} of shape {tuple(shape)}, whose "
-                             f"dimension {sequence_dim} (the sequence) {ranks} sequence-parallel ranks do not "
-                             f"divide; use a sequence length that is a multiple of {ranks}.")
-        shape[sequence_dim] //= ranks
-        with mode:
-            node.meta["val"] = node.meta["val"].new_empty(shape)
-    return received

@@ -42,7 +42,7 @@ from picofx.cost.liveness import schedule_of
 from picofx.errors import DistributedError
 from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
 from picofx.compression import CompressionState, Dense
-from picofx.passes.context_parallel.context_parallel import drop_gradient_sums, forward_gradient_sums
+from picofx.parallel.gradient_sums import drop_gradient_sums, forward_gradient_sums
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
 from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward

@@ -8,10 +8,11 @@ GQA's repeat of key/value heads, slices and reductions over other dimensions, at
 heads. The linear that then reads the split features is row-parallel (its input features split,
 its output a partial sum, all-reduced). Everything the walk cannot follow leaves the linear whole,
 with the reason. The embedding table is vocabulary-parallel (rows split, the lookup masked, the
-partial results summed); a linear whose output reaches the loss without another linear is the LM
-head, column-parallel with a vocabulary-parallel cross-entropy; tied embedding and head share one
-row split; a vocabulary tp does not divide is padded to a multiple of it, as Megatron does. Norm
-weights and anything else are replicated.
+partial results summed); a linear whose output reaches the loss without another linear, or the
+weight of a loss fuse_loss fused with its projection, is the LM head, column-parallel with a
+vocabulary-parallel cross-entropy; tied embedding and head share one row split; a vocabulary tp
+does not divide is padded to a multiple of it, as Megatron does. Norm weights and anything else
+are replicated.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from torch import fx
 
 from picofx.capture.vocabulary import USER, input_kind, input_slot, is_parameter, layer_of, viewed_source
+from picofx.passes.tensor_parallel.loss import LINEAR_CROSS_ENTROPY
 
 aten = torch.ops.aten
 LINEARS = {aten.linear.default}
@@ -213,18 +215,20 @@ def reaches_loss(node: fx.Node) -> bool:
 
 
 def infer_plan(gm: fx.GraphModule, tp: int) -> TensorParallelPlan:
-    """The plan for the captured forward graph `gm` (fuse not yet run) on `tp` ranks."""
+    """The plan for the captured forward graph `gm` (fuse not yet run, but fuse_loss: the loss and
+    its projection may be one op) on `tp` ranks."""
     plan = TensorParallelPlan(tp)
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LINEARS and weight_name(n, 1)]
+    fused_heads = [n for n in gm.graph.nodes if n.target is LINEAR_CROSS_ENTROPY and weight_name(n, 1)]
     for node in gm.graph.nodes:
         if node.target is aten.embedding.default and weight_name(node, 0) and takes_token_ids(node):
             rows = node.args[0].meta["val"].shape[0]
             padded = "" if rows % tp == 0 else f" (padded to {-(-rows // tp) * tp}, as Megatron pads)"
             plan.parameters[weight_name(node, 0)] = ParameterPlan(
                 "vocab", f"embedding table: {rows} rows{padded} over {tp} ranks, lookup masked, partial rows summed")
-    for linear in linears:
+    for linear in linears + fused_heads:
         name = weight_name(linear, 1)
-        if reaches_loss(linear):
+        if linear.target is LINEAR_CROSS_ENTROPY or reaches_loss(linear):
             tied = plan.parameters.get(name)
             plan.parameters[name] = ParameterPlan(
                 "vocab" if tied is not None else "colwise",
@@ -282,6 +286,7 @@ def check_plan(plan, gm: fx.GraphModule, heads: list[fx.Node]) -> None:
     for node in gm.graph.nodes:  # a table read by the embedding and by a whole head (tied) stays whole
         if node.target is aten.embedding.default and plan.style(weight_name(node, 0) or "") == "vocab":
             table = viewed_source(node.args[0], through_copies=True)
-            if any(u.target in LINEARS for u in table.users):
+            whole_heads = [u for u in table.users if u.target is LINEAR_CROSS_ENTROPY and u not in heads]
+            if whole_heads or any(u.target in LINEARS for u in table.users):
                 plan.parameters[weight_name(node, 0)] = ParameterPlan(
                     "replicate", "tied with the LM head, which is kept whole")

@@ -14,7 +14,7 @@ rewritten so that every rank computes on its pieces:
 `picofx.parallel.collectives` holds the operators: at capture they are the autograd boundary
 (tp_copy's backward is the all-reduce of the input gradient). Partitioned stage: in the forward
 and backward graphs that run, each becomes torch's functional collective, issued and waited in
-separate nodes, and is scheduled as Megatron does (picofx.passes.tensor_parallel.lower). The
+separate nodes, and is scheduled as Megatron does (picofx.parallel.lower). The
 decision is recorded as a TensorParallelLayout on the graph; the runtime
 (picofx.runtime.tensor_parallel) makes the model's parameters DTensors with those placements and
 feeds the graph their local pieces.
@@ -38,12 +38,11 @@ from picofx.passes.tensor_parallel.plan import (LINEARS, ParameterPlan, check_pl
                                                 weight_name)
 from picofx.manager import Context, GraphRole, PassInfo, PassResult, Stage, register_pass
 from picofx.parallel.layouts import TensorParallelEntry, TensorParallelLayout, layouts_of
+from picofx.parallel.lower import lower_collectives
 from picofx.parallel.mesh import resolve_dim
-from picofx.passes.fuse.fuse import Fuse
-from picofx.passes.pipeline.pipeline import received_sequence_shards
+from picofx.parallel.stage_inputs import received_sequence_shards
 from picofx.passes.tensor_parallel.async_overlap import overlap_sequence_parallel
 from picofx.passes.tensor_parallel.loss import fused_losses, vocabulary_parallel_loss
-from picofx.passes.tensor_parallel.lower import lower_collectives
 
 aten = torch.ops.aten
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -67,8 +66,9 @@ class TensorParallel:
     sequence_parallel: bool = False
     async_overlap: bool = True
     # It reads the model's own linears on whole parameters, each pipeline stage's graph once cut.
+    # It splits the head of the loss fuse_loss made (added by the manager when not given).
     info = PassInfo(Stage.FORWARD, also_at=(Stage.JOINT, Stage.PARTITIONED), mesh_dims=("tp",), communicates=True,
-                    runs_before=("fuse", "precision", "shard"), runs_after=("pipeline",))
+                    runs_before=("fuse", "precision", "shard"), runs_after=("pipeline",), requires=("fuse_loss",))
 
     def __post_init__(self):
         if self.plan != "auto" and not (isinstance(self.plan, dict) and set(self.plan.values()) <= set(STYLES)):
@@ -86,7 +86,7 @@ class TensorParallel:
             for name in plan.parameters:
                 if fnmatch.fnmatch(name, pattern):
                     plan.parameters[name] = ParameterPlan(style, f"the user's plan: {pattern!r}")
-        heads = fuse_heads(gm, plan, ctx)
+        heads = split_heads(gm, plan)
         check_plan(plan, gm, heads)
         exchange = Exchange(dim, SEQUENCE_DIM if self.sequence_parallel else None)
         if self.sequence_parallel:  # a later pipeline stage receives its residual stream as sequence shards
@@ -227,12 +227,10 @@ def check_sequence_parallel(gm: fx.GraphModule, plan, tp: int, received=()) -> N
                              f"(batch, sequence, hidden) with a sequence tp={tp} divides.")
 
 
-def fuse_heads(gm: fx.GraphModule, plan, ctx: Context) -> list[fx.Node]:
-    """The LM heads whose loss fuse's loss rule recognises, as fused loss nodes (the others stay)."""
-    if not any("LM head" in p.why for p in plan.parameters.values() if p.style in ("colwise", "vocab")):
-        return []
-    Fuse(rules=("linear_cross_entropy",))(gm, ctx)
-    return fused_losses(gm.graph)
+def split_heads(gm: fx.GraphModule, plan) -> list[fx.Node]:
+    """The fused losses (pass fuse_loss made them: the forms fuse's loss rule recognises) whose
+    head the plan splits over the vocabulary; a loss left unfused keeps its head whole."""
+    return [n for n in fused_losses(gm.graph) if plan.style(weight_name(n, 1) or "") in ("colwise", "vocab")]
 
 
 def rewrite(gm: fx.GraphModule, plan, exchange: Exchange) -> None:

@@ -126,7 +126,7 @@ RUNS = [
 
 NOT_EXPRESSIBLE = [
     ("Llama 3.1 70B/405B with Float8 linears", TITAN_H100 + ", Tables 4-6",
-     "with pipeline parallelism, async TP or at 256-512 GPUs the runs' other settings are not all planned"),
+     "Float8 beside tensor parallelism (torchtitan gathers its activations in float8) and async TP are not planned"),
     ("Llama 3.1 405B, 4-D with context parallelism", TITAN_H100 + ", Table 6",
      "TP 8 x PP 8 x FSDP x CP with Float8 and async TP; Table 2 (8B, FSDP x CP) is predicted below, apart"),
     ("Llama 3 8B and Llama 2 13B, selective layer checkpointing", TITAN_A100,

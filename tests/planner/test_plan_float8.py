@@ -4,6 +4,7 @@ head kept in bf16, sharded weights gathered in float8 under the tensorwise recip
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -89,3 +90,17 @@ def test_suggestions_name_float8_where_it_pays_with_the_gain():
     assert "float8 matmuls (tensorwise)" in float8.describe(plan) and "step -" in float8.describe(plan)
     a100 = dataclasses.replace(run, device=devices()["a100"])
     assert not any("float8" in s.change for s in Neighbourhood(a100).suggest(predict(a100, fsdp())))
+
+
+def test_picofx_plan_layout_prints_and_writes_the_precision_and_refuses_it_on_an_a100(tmp_path, capsys):
+    from picofx.cli import main
+
+    out = tmp_path / "float8.json"
+    tiny = ["plan", "llama-tiny", "--seq", "32", "--global-batch", "8"]
+    assert main([*tiny, "--gpu", "h100", "--layout", "dp=4,shard=true,precision=float8", "--json", str(out)]) == 0
+    assert "shard x tp1 x pp1, 1 mb, float8" in capsys.readouterr().out
+    plan = json.loads(out.read_text())["plans"][0]
+    assert plan["precision"] == "float8" and plan["matmuls"]["head"].startswith("bf16")
+    assert main([*tiny, "--gpu", "a100", "--layout", "dp=4,precision=float8_rowwise"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no float8 matmuls" in err

@@ -273,6 +273,10 @@ def predict(run: Run, layout: Layout) -> Prediction:
     return prediction
 
 
+def runs_float8(p: Prediction) -> bool:
+    return any(choice.startswith("float8") for choice in p.matmuls.values())
+
+
 def bottleneck(p: Prediction, dp_what: str) -> str:
     """What limits the plan: memory where it does not fit, else the largest overhead beyond compute
     where it takes more than 15% of the step, else compute."""
@@ -368,5 +372,7 @@ def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
     if run.costs.seq >= LONG_SEQUENCE or not any(p.fits for p in predictions):
         predictions += [predict(run, layout) for layout in enumerate_layouts(run, compress, context=True)
                         if layout.cp > 1]
+    # a float8 layout none of whose linears pays in float8 is its bf16 twin: left out
+    predictions = [p for p in predictions if p.layout.precision == "bf16" or runs_float8(p)]
     predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
     return predictions

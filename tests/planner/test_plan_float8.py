@@ -12,7 +12,7 @@ from picofx.cost.device import devices
 from picofx.cost.gpus import NETWORKS
 from picofx.planner.costs import ModelCosts
 from picofx.planner.float8 import layer_linears, linear_times, speedup, with_float8
-from picofx.planner.layouts import Layout, Run, enumerate_layouts, predict, valid
+from picofx.planner.layouts import Layout, Run, enumerate_layouts, plan_layouts, predict, valid
 from picofx.planner.models import model_config, parameter_count
 from picofx.planner.suggest import Neighbourhood
 
@@ -58,6 +58,9 @@ def test_small_linears_stay_bf16_with_the_reason():
     costs, chosen = with_float8(run.costs, run.device, precision="float8", tokens=64)
     assert all(why.startswith("bf16: float8 would run it") for name, why in chosen.items() if name != "head")
     assert costs.layer_forward_s == run.costs.layer_forward_s and costs.layer_float8_parameters == 0
+    # the ranking leaves out float8 layouts that run nothing in float8 (their bf16 twins are there)
+    assert {p.layout.precision for p in plan_layouts(llama3_8b(seq=16, batch=4))} == {"bf16"}  # <= 64 tokens a call
+    assert {p.layout.precision for p in plan_layouts(llama3_8b())} == {"bf16", "float8", "float8_rowwise"}
 
 
 def test_a_device_without_float8_matmuls_refuses_float8_and_plans_bf16():

@@ -56,7 +56,8 @@ class Linear:
 
 
 def layer_linears(config, tp: int = 1) -> list[Linear]:
-    """A decoder layer's linears at their tp-split shapes (q, k, v, gate, up split their outputs; o, down their inputs)."""
+    """A decoder layer's linears at their tp-split shapes (q, k, v, gate and up split their outputs;
+    o and down their inputs)."""
     h, kv, mlp = config.hidden_size, config.num_key_value_heads * config.head_dim, config.intermediate_size
     return [Linear("q", h, h // tp), Linear("k", h, kv // tp), Linear("v", h, kv // tp),
             Linear("o", h // tp, h, amax_fused=False), Linear("gate", h, mlp // tp), Linear("up", h, mlp // tp),
@@ -111,8 +112,9 @@ def linear_times(device, tokens: int, linear: Linear, recipe: str, gathered_over
     x_forward = m * k * (3 + (0 if linear.amax_fused else UNFUSED_AMAX_BYTES))
     x_backward, g_backward = m * k * (x - 3), m * n * g
     weight = k * n * (w_gathered + 2 * SHARD_CAST_BYTES / gathered_over if gathered_over else w)
-    return LinearTimes(bf16, 2 * bf16, float8 + x_forward / bandwidth, 2 * float8 + (x_backward + g_backward) / bandwidth,
-                       weight / 2 / bandwidth, weight / 2 / bandwidth, CAST_KERNELS[recipe] * device.op_overhead)
+    backward = 2 * float8 + (x_backward + g_backward) / bandwidth
+    return LinearTimes(bf16, 2 * bf16, float8 + x_forward / bandwidth, backward, weight / 2 / bandwidth,
+                       weight / 2 / bandwidth, CAST_KERNELS[recipe] * device.op_overhead)
 
 
 def speedup(device, m: int, k: int, n: int, recipe: str = "tensorwise") -> float:
@@ -127,26 +129,27 @@ def with_float8(costs: ModelCosts, device, *, precision: str, tp: int = 1, token
     where weights are gathered in float8 (tensorwise and sharded), else 0."""
     recipe = RECIPES[precision]
     tokens = tokens or costs.seq
-    fw = bw = call_fw = call_bw = matmul_fw = 0.0
+    fw = bw = call_fw = call_bw = 0.0
     ops, weights, chosen = 0, 0, {}
     for linear in layer_linears(costs.config, tp):
         at_call = linear_times(device, tokens, linear, recipe, gathered_over)
         if at_call.speedup() <= 1.0:
-            chosen[linear.name] = f"bf16: float8 would run it {at_call.speedup():.2f}x ({linear.inputs} -> {linear.outputs})"
+            chosen[linear.name] = (f"bf16: float8 would run it {at_call.speedup():.2f}x "
+                                   f"({tokens} x {linear.inputs} -> {linear.outputs})")
             continue
         chosen[linear.name] = f"{precision}: {at_call.speedup():.2f}x"
         per_seq = linear_times(device, costs.seq, linear, recipe, gathered_over)  # costs are per sequence
         fw += per_seq.float8_forward - per_seq.bf16_forward
         bw += per_seq.float8_backward - per_seq.bf16_backward
-        matmul_fw += per_seq.float8_forward - per_seq.bf16_forward
         call_fw, call_bw = call_fw + per_seq.weight_forward, call_bw + per_seq.weight_backward
         ops += CAST_KERNELS[recipe]
         weights += linear.inputs * linear.outputs * tp
     chosen["head"] = "bf16: the output projection stays bf16, as torchtitan leaves it"
     changed = dataclasses.replace(
         costs, layer_forward_s=costs.layer_forward_s + fw, layer_backward_s=costs.layer_backward_s + bw,
-        layer_matmul_forward_s=costs.layer_matmul_forward_s + matmul_fw,
-        layer_call_forward_s=costs.layer_call_forward_s + call_fw, layer_call_backward_s=costs.layer_call_backward_s + call_bw,
+        layer_matmul_forward_s=costs.layer_matmul_forward_s + fw,  # the matmuls with their casts
+        layer_call_forward_s=costs.layer_call_forward_s + call_fw,
+        layer_call_backward_s=costs.layer_call_backward_s + call_bw,
         layer_ops=costs.layer_ops + ops, precision=precision, layer_float8_parameters=weights)
     return changed, chosen
 

@@ -138,10 +138,11 @@ def with_float8(costs: ModelCosts, device, *, precision: str, tp: int = 1, token
                                    f"({tokens} x {linear.inputs} -> {linear.outputs})")
             continue
         chosen[linear.name] = f"{precision}: {at_call.speedup():.2f}x"
-        per_seq = linear_times(device, costs.seq, linear, recipe, gathered_over)  # costs are per sequence
-        fw += per_seq.float8_forward - per_seq.bf16_forward
-        bw += per_seq.float8_backward - per_seq.bf16_backward
-        call_fw, call_bw = call_fw + per_seq.weight_forward, call_bw + per_seq.weight_backward
+        # costs are per sequence and for the whole layer (the plan divides them by tp): one rank's times x tp
+        per_seq = linear_times(device, costs.seq, linear, recipe, gathered_over)
+        fw += tp * (per_seq.float8_forward - per_seq.bf16_forward)
+        bw += tp * (per_seq.float8_backward - per_seq.bf16_backward)
+        call_fw, call_bw = call_fw + tp * per_seq.weight_forward, call_bw + tp * per_seq.weight_backward
         ops += CAST_KERNELS[recipe]
         weights += linear.inputs * linear.outputs * tp
     chosen["head"] = "bf16: the output projection stays bf16, as torchtitan leaves it"

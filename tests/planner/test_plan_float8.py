@@ -51,7 +51,8 @@ def test_float8_is_faster_than_bf16_for_llama3_8b_on_h100():
     assert tensorwise.matmuls["gate"].startswith("float8") and tensorwise.matmuls["head"].startswith("bf16")
     assert bf16.matmuls == {} and tensorwise.as_json()["precision"] == "float8"
     # split over tp ranks, each rank's smaller linears gain about as much
-    split = [predict(run, Layout(4, 2, 1, checkpoint="selective", precision=p)).tokens_per_s for p in ("bf16", "float8")]
+    split = [predict(run, Layout(4, 2, 1, checkpoint="selective", precision=p)).tokens_per_s
+             for p in ("bf16", "float8")]
     assert split[1] > 1.1 * split[0]
     assert tensorwise.as_json()["matmuls"] == tensorwise.matmuls
 

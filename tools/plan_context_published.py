@@ -6,8 +6,8 @@ published runs) beside what torchtitan measured, tokens/s and memory per GPU.
     python tools/plan_context_published.py [--json FILE] [--write-docs] [--captures FILE]
 
 --write-docs writes the table into docs/PLANNER_ACCURACY.md, a section after the published runs'.
-torchtitan's runs use Float8 linears and torch.compile; the planner's matmuls are bf16 (there is
-no Float8 precision in picofx), so its tokens/s are a bf16 run's of the same layout.
+torchtitan's runs use Float8 linears and torch.compile; these rows are predicted with bf16 matmuls
+(precision=bf16; the planner's float8 is checked on Tables 1 and 3), a bf16 run's of the same layout.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ From {TABLE_2[0][1]:,} to {TABLE_2[-1][1]:,} tokens, tokens/s per GPU fall {fall
 (torchtitan's loss on an fp32 copy of the logits, the reserved peak), with the layout's cp.
 
 Why they differ. torchtitan's runs use Float8 linears (torchao), whose matmuls run on the FP8 tensor
-cores; the planner's are bf16 (picofx has no Float8 precision), so at {TABLE_2[0][1]:,} tokens, where the
+cores; these rows are predicted in bf16 (the planner's float8 is checked on Tables 1 and 3), so at {TABLE_2[0][1]:,} tokens, where the
 matmuls are most of the step, it predicts {ratios[0]:.2f} of the published tokens/s (torchtitan's own
 Float8 gain at 8,192 tokens is 8,532 / 6,667 = 1.28x, Table 1). Attention, which Float8 leaves in bf16,
 grows with the sequence and takes most of the step at {TABLE_2[-1][1]:,} tokens, where the prediction is

@@ -21,6 +21,7 @@ from picofx.cost import gpus
 from picofx.cost.model import CostModel
 from picofx.planner import costs as planner_costs
 from picofx.planner.costs import ModelCosts, model_costs
+from picofx.planner.float8 import at_precision
 from picofx.planner.layouts import MAX_MEMORY_FRACTION, Run, predict
 from picofx.planner.models import model_config
 from published_runs import NOT_EXPRESSIBLE, RUNS, Published  # tools/published_runs.py
@@ -101,6 +102,9 @@ def row(run: Published, profiles: dict) -> dict:
     config = run.model if not isinstance(run.model, str) else model_config(run.model)
     cost_model = CostModel(device)
     costs = weights_kept_in_bf16(model_costs(config, run.seq, cost_model, passes(run)))
+    # float8 before the changes below, so that the matmuls they recompute run in float8
+    b = run.global_batch // (run.layout.dp * run.layout.microbatches)
+    costs = at_precision(costs, device, run.layout, b * run.seq // run.layout.cp)[0]
     if run.fused_norm_layer:
         costs = titan_fused_norm_layer(costs)
     if run.every_second_matmul:

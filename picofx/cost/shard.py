@@ -35,6 +35,7 @@ class Layer:
     parameters: int
     forward_s: float
     backward_s: float
+    gather_bytes_per_parameter: float | None = None  # where not predict_sharded's (float8 weights: 1)
 
 
 def overlapped(computes: list[float], gathers: list[float], reduces: list[float], prefetch: int) -> float:
@@ -95,7 +96,8 @@ def predict_sharded(layers: list[Layer], activation_bytes: int, world: int, link
                     replica_link: Link | None = None) -> ShardPrediction:
     """Memory and step time of one rank when `layers` (in forward order) are sharded over `world`
     (and, HSDP, replicated over `replicas` such groups)."""
-    gather = [all_gather_seconds(layer.parameters * gather_bytes_per_parameter, world, link) for layer in layers]
+    gather = [all_gather_seconds(layer.parameters * (layer.gather_bytes_per_parameter or gather_bytes_per_parameter),
+                                 world, link) for layer in layers]
     reduce = [reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link)
               + (all_reduce_seconds(layer.parameters * reduce_bytes_per_parameter / world, replicas,
                                     replica_link or link) if replicas > 1 else 0.0)

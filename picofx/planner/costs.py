@@ -56,6 +56,8 @@ class ModelCosts:
     layer_cheap_forward_s: float = 0.0  # of layer_forward_s, the memory-bound kernels (selective recomputes them)
     layer_cheap_saved: int = 0          # of layer_saved, what those kernels produce
     layer_matmul_forward_s: float = 0.0  # of layer_forward_s, the matmuls'
+    precision: str = "bf16"  # the layer's linears' (picofx.planner.float8.with_float8 makes the others)
+    layer_float8_parameters: int = 0  # of layer_parameters, the weights of the linears that run in float8
 
     def recompute_s(self, checkpoint) -> float:
         """Seconds per sequence a layer's backward runs again of its forward under `checkpoint`

@@ -26,6 +26,9 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
 - memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;
+- float8 (precision float8: torchao's tensorwise recipe, gathering weights in float8 when sharded;
+  float8_rowwise: gathering bf16): a layer's linears that pay run at the device's float8 rate with
+  their casts, the head in bf16 (`picofx.planner.float8`); refused where the device has no float8 rate;
 - context parallel (cp > 1, where the sequence is long): compute and activations per rank / cp, each
   layer's K/V all-gather and gradient reduce-scatter, gradients summed over dp x cp
   (`picofx.planner.context`).
@@ -44,6 +47,7 @@ from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
+from picofx.planner.float8 import FLOAT8, at_precision, gather_bytes_per_parameter, refusal as float8_refusal
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -137,12 +141,14 @@ class Prediction:
     bottleneck: str = ""
     suggestions: list = field(default_factory=list)  # picofx.planner.suggest.Suggestion, best first
     measured_step_s: float | None = None
+    matmuls: dict = field(default_factory=dict)  # float8 layouts: what each of a layer's linears runs in, and why
 
     def as_json(self) -> dict:
         return {**dataclasses.asdict(self.layout), "memory_per_gpu": self.memory_per_gpu, "step_s": self.step_s,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits, "reason": self.reason,
                 "bottleneck": self.bottleneck, "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
-                "memory": self.memory, "time": self.time, "measured_step_s": self.measured_step_s}
+                "memory": self.memory, "time": self.time, "measured_step_s": self.measured_step_s,
+                "matmuls": self.matmuls}
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     b = run.global_batch // (layout.dp * layout.microbatches)  # sequences per micro-batch
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     share = b / cp  # the sequences' worth of tokens a rank computes: its 1/cp of each
+    c, matmuls = at_precision(c, run.device, layout, int(share * c.seq))  # float8: picofx.planner.float8
     stage_layers = -(-L // pp)
     overhead = run.device.op_overhead * (stage_layers * c.layer_ops + c.rest_ops)  # per call, whatever b is
     fw = (share * (stage_layers * c.layer_forward_s + c.rest_forward_s)  # per call too: the weights' casts
@@ -210,8 +217,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
         ends_params = c.embedding_parameters / min(pp, 2) / tp
         units = stage_layers + ends
         layers = [Layer(f"end{i}", ends_params / ends, (fw + recompute) / units, bw / units) for i in range(ends)]
-        layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units)
-                   for i in range(stage_layers)]
+        layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units,
+                         gather_bytes_per_parameter(c)) for i in range(stage_layers)]
         sent = scatter_exchange(c.config, layout, b * c.seq, run.device) if layout.compress else None
         sharded = predict_sharded(layers, 0, data, dp_link, gather_bytes_per_parameter=2,
                                   reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
@@ -241,7 +248,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
         activations = in_flight * stage_layers * share * c.saved_bytes(layout.checkpoint) * split
     activations += share * (c.rest_saved + c.transient) / tp
     activations += gathered_kv_kept(c.config, c.seq, b, 1 if full else in_flight * stage_layers, tp, cp)
-    gathered = 3 * c.layer_parameters / tp * 2 + c.layer_parameters / tp * 4 if layout.shard else 0
+    gathered = 3 * c.layer_parameters / tp * gather_bytes_per_parameter(c) + \
+        c.layer_parameters / tp * 4 if layout.shard else 0
     memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
     total = sum(memory.values())
     capacity = run.device.memory_capacity * MAX_MEMORY_FRACTION
@@ -254,7 +262,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
             "data_parallel_exposed": dp_exposed,
             "compression": compression, "optimizer": optimizer}
     prediction = Prediction(layout, int(total), memory, step, time, tokens_per_s,
-                            c.flops_per_token * tokens_per_s / (peak * run.gpus), fits)
+                            c.flops_per_token * tokens_per_s / (peak * run.gpus), fits, matmuls=matmuls)
     if not fits:
         digits = 1 if round(total / 1e9, 1) != round(capacity / 1e9, 1) else 2  # 76.04 of 75.99: not "76.0 of 76.0"
         prediction.reason = (f"memory: needs {total / 1e9:.{digits}f} GB per GPU of the {capacity / 1e9:.{digits}f} GB "
@@ -263,6 +271,10 @@ def predict(run: Run, layout: Layout) -> Prediction:
                              "fragmentation)")
     prediction.bottleneck = bottleneck(prediction, dp_what)
     return prediction
+
+
+def runs_float8(p: Prediction) -> bool:
+    return any(choice.startswith("float8") for choice in p.matmuls.values())
 
 
 def bottleneck(p: Prediction, dp_what: str) -> str:
@@ -283,6 +295,8 @@ def valid(run: Run, layout: Layout) -> str | None:
     config = run.costs.config
     if layout.gpus != run.gpus:
         return "the layout's product is not the number of GPUs"
+    if float8_refusal(run.device, layout.precision):
+        return float8_refusal(run.device, layout.precision)
     if cp_refusal(run.costs.seq, layout.cp):
         return cp_refusal(run.costs.seq, layout.cp)
     if layout.cp > 1 and layout.compress:
@@ -318,11 +332,18 @@ def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> 
                 for shard in ((False, True) if dp * cp > 1 else (False,)):
                     for checkpoint in CHECKPOINTS:
                         for sp in ((False, True) if tp > 1 else (False,)):
-                            layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp)
-                            if valid(run, layout) is None:
-                                layouts.append(layout)
-                                layouts += compressed(run, layout, compress)
+                            for precision in precisions(run.device):
+                                layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp,
+                                                precision=precision)
+                                if valid(run, layout) is None:
+                                    layouts.append(layout)
+                                    layouts += compressed(run, layout, compress)
     return layouts
+
+
+def precisions(device) -> tuple:
+    """The precisions layouts are planned with: the float8 recipes too where the device multiplies float8."""
+    return PRECISIONS if FLOAT8 in device.peak_flops else ("bf16",)
 
 
 def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
@@ -351,5 +372,7 @@ def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
     if run.costs.seq >= LONG_SEQUENCE or not any(p.fits for p in predictions):
         predictions += [predict(run, layout) for layout in enumerate_layouts(run, compress, context=True)
                         if layout.cp > 1]
+    # a float8 layout none of whose linears pays in float8 is its bf16 twin: left out
+    predictions = [p for p in predictions if p.layout.precision == "bf16" or runs_float8(p)]
     predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
     return predictions

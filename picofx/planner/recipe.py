@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from picofx.cost.balance import INTERLEAVED_SCHEDULES
-from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
+from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Precision, Shard, TensorParallel
+from picofx.planner.float8 import RECIPES as FLOAT8_RECIPES
 from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout
 
 
@@ -37,6 +38,7 @@ def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpo
     optimizer where `layout.checkpoint` (both None: the pass by its name, with its defaults).
     compress_warmup: the steps the data-parallel exchange runs uncompressed first (its warmup).
     measure_cuts: the pipeline cuts where measured unit times balance, instead of predicted ones."""
+    compute = in_precision(list(compute), layout.precision)
     tensor_parallel = [TensorParallel(sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
     pipeline = [Pipeline(stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
                          virtual=2 if layout.schedule in INTERLEAVED_SCHEDULES else 1, measure=measure_cuts)
@@ -63,6 +65,21 @@ def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpo
         passes.insert(0, ContextParallel())
         shape["cp"] = layout.cp
     return Recipe(passes, shape)
+
+
+def in_precision(compute: list, precision: str) -> list:
+    """`compute` with the precision pass running a float8 layout's recipe (torchao's name: "tensorwise",
+    "rowwise"), added after the others where `compute` lacks it. A precision pass without float8 (before
+    issue 49's pass) is left as it is: the recipe then runs bf16."""
+    if precision not in FLOAT8_RECIPES or "float8" not in {f.name for f in dataclasses.fields(Precision)}:
+        return compute
+    float8 = Precision(float8=FLOAT8_RECIPES[precision])
+    named = [i for i, p in enumerate(compute) if p == "precision" or isinstance(p, Precision)]
+    if not named:
+        return [*compute, float8]
+    given = compute[named[0]]
+    compute[named[0]] = dataclasses.replace(given, float8=float8.float8) if isinstance(given, Precision) else float8
+    return compute
 
 
 def planned_recipe(layout: Layout, device, compute) -> Recipe:

@@ -3,9 +3,10 @@ planner's own model, kept where it is faster (or, where the plan does not fit, w
 first, each naming the bottleneck it addresses: the time term it shrinks most, or memory.
 
 Neighbours: twice or half the micro-batches, sequence parallelism on or off, each other checkpointing
-(none, selective, full), sharded or replicated data parallelism, each other compressor planned, and
-another tp, pp or cp (twice or half, the data-parallel ranks making up the GPUs; the micro-batches the
-fastest of those that divide the replicas' batch). A neighbour the run cannot have (its batch does
+(none, selective, full), each other precision the device multiplies in (bf16, the float8 recipes),
+sharded or replicated data parallelism, each other compressor planned, and another tp, pp or cp
+(twice or half, the data-parallel ranks making up the GPUs; the micro-batches the fastest of those
+that divide the replicas' batch). A neighbour the run cannot have (its batch does
 not divide, tp past a node) is left out. Every neighbour is predicted as it would be planned on its
 own, so a suggestion's gains are those of `picofx plan --layout` of the two layouts."""
 from __future__ import annotations
@@ -14,12 +15,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, Checkpointing, Layout, Prediction, Run,
-                                    compressed, divisors, predict, valid)
+                                    compressed, divisors, precisions, predict, valid)
 
 MIN_GAIN = 0.01  # a faster neighbour is suggested when it saves at least this share of the step
 NONE_HELPS = "no neighbouring change helps"
 CHECKPOINT_CHANGES = {Checkpointing.NONE: "no checkpointing", Checkpointing.SELECTIVE: "selective checkpointing",
                       Checkpointing.FULL: "full checkpointing (every layer)"}
+PRECISION_CHANGES = {"bf16": "bf16 matmuls", "float8": "float8 matmuls (tensorwise)",
+                     "float8_rowwise": "float8 matmuls (rowwise)"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Neighbourhood:
                             replace(layout, sequence_parallel=not layout.sequence_parallel)))
         changes += [(CHECKPOINT_CHANGES[c], replace(layout, checkpoint=c)) for c in CHECKPOINTS
                     if c is not layout.checkpoint]
+        changes += [(PRECISION_CHANGES[p], replace(layout, precision=p)) for p in precisions(self.run.device)
+                    if p != layout.precision]
         if layout.dp * layout.cp > 1:
             changes.append(("replicated data parallel" if layout.shard else "sharded data parallel",
                             replace(layout, shard=not layout.shard, compress=None)))

@@ -91,7 +91,8 @@ def chunking_notes(graph: torch.fx.Graph, chunking: LossChunking) -> list[str]:
     """One line per fused loss in `graph`: its chunk count and why."""
     lines = []
     for node in graph.find_nodes(op="call_function", target=torch.ops.picofx.linear_cross_entropy.default):
-        x, weight, chunk = node.args[0].meta.get("val"), node.args[1].meta.get("val"), node.args[7]
+        x, weight = node.args[0].meta.get("val"), node.args[1].meta.get("val")
+        chunk = node.args[7] if len(node.args) > 7 else node.kwargs.get("chunk_size", DEFAULT_CHUNK_SIZE)
         if x is None or weight is None:
             continue
         n_tokens = x.shape[:-1].numel()

@@ -9,32 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import pathlib
-import platform
-import socket
 
 import torch
 
 from picofx.cost.hardware import Device
 
 
-def _cpu_name() -> str:
-    try:
-        return next((line.partition(":")[2].strip() for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.machine())
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def profile_path(ranks: int) -> pathlib.Path:
-    from picofx.runtime.cache import default_directory
+    from picofx.runtime.peaks import machine_file
 
-    directory = pathlib.Path(os.environ.get("PICOFX_CACHE_DIR") or default_directory()) / "devices"
-    what = f"{socket.gethostname()} {_cpu_name()} torch {torch.__version__} {ranks} ranks"
-    return directory / f"cpu-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+    return machine_file("devices", f"{ranks} ranks")
 
 
 def write_device_profile(device: Device, ranks: int, how: str) -> pathlib.Path:

@@ -34,10 +34,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_file(folder: str, what: str) -> pathlib.Path:
+    """The file in picofx's cache directory's `folder` of a figure measured on this machine (its host,
+    CPU and torch) under `what` (dtype, threads, ranks, ...)."""
+    directory = pathlib.Path(os.environ.get("PICOFX_CACHE_DIR") or default_directory()) / folder
+    key = f"{socket.gethostname()} {cpu_model()} torch {torch.__version__} {what}"
+    return directory / f"cpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def peak_file(dtype: torch.dtype, threads: int, ranks: int) -> pathlib.Path:
-    directory = pathlib.Path(os.environ.get("PICOFX_CACHE_DIR") or default_directory()) / "peaks"
-    what = f"{socket.gethostname()} {cpu_model()} torch {torch.__version__} {dtype} {threads} threads {ranks} ranks"
-    return directory / f"cpu-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json"
+    return machine_file("peaks", f"{dtype} {threads} threads {ranks} ranks")
 
 
 def read_peak(path: pathlib.Path) -> dict | None:

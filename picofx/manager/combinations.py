@@ -200,7 +200,7 @@ def features_of(passes, mesh=None) -> frozenset:
         name = pass_name(p)
         if name in FEATURES:
             out.add(name)
-        if name == "shard" and getattr(p, "stage", 3) != 3:
+        if name == "shard" and not isinstance(p, str) and p.stage != 3:
             out.add(f"shard_stage{p.stage}")
         compress = None if isinstance(p, str) else getattr(p, "compress", None)
         if isinstance(compress, str):

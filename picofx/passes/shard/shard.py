@@ -84,10 +84,8 @@ class Shard:
     compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
     "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that codec
     (picofx/passes/shard/compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
-    uncompressed (a variant of the step; sparse_rows, being exact, stays).
-    stage: 3 (ZeRO-3, the above), or 1 and 2 (stages.py beside this file): parameters whole in the
-    graph, the optimizer state sharded, gradients reduce-scattered once per step (1) or into sharded
-    gradients after each backward (2)."""
+    uncompressed (a variant of the step; sparse_rows, being exact, stays). stage: 3 (ZeRO-3, the
+    above), or 1 and 2 (ZeRO-1 and -2: parameters whole in the graph, stages.py beside this file)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -117,7 +115,7 @@ class Shard:
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         if self.stage < 3:  # the graph keeps its whole parameters; the runtime exchanges outside it
-            return record_whole(self, gm, ctx) if ctx.stage is Stage.FORWARD else PassResult(False, {})
+            return record_whole(self, gm, ctx, shard_dims, shard_entry) if ctx.stage is Stage.FORWARD else PassResult()
         if ctx.stage is Stage.FORWARD:
             return self.shard_forward(gm, ctx)
         if ctx.stage is Stage.JOINT:

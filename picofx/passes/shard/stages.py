@@ -40,11 +40,9 @@ def check_stage(shard) -> None:
                                   "over one dimension or use stage=3.")
 
 
-def record_whole(shard, gm: fx.GraphModule, ctx: Context) -> PassResult:
+def record_whole(shard, gm: fx.GraphModule, ctx: Context, shard_dims, shard_entry) -> PassResult:
     """The forward stage of stages 1 and 2: the graph unchanged, its parameters recorded as a
-    ShardLayout over the shard dimension."""
-    from picofx.passes.shard.shard import shard_dims, shard_entry
-
+    ShardLayout over the shard dimension (shard_dims and shard_entry: shard.py's, as stage 3's)."""
     mesh = ctx.mesh
     beside = [name for name in ("tp", "cp", "dp_replicate") if mesh is not None and mesh.size(name) > 1]
     if beside:

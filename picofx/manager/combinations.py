@@ -77,9 +77,9 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
-    *(refusal(f"{stage} {other}", f"Shard's stages 1 and 2 shard over dp_shard alone (beside pp); beside {other} "
-              "they are not built: use stage 3 (shard)")
-      for stage in SHARD_STAGES for other in ("tensor_parallel", "context_parallel", "hsdp")),
+    *(refusal(f"{stage} {other}", f"Shard's stages 1 and 2 shard over dp_shard (x cp) alone, beside pp; beside "
+              f"{other} they are not built: use stage 3 (shard)")
+      for stage in SHARD_STAGES for other in ("tensor_parallel", "hsdp")),
     *(refusal(f"{stage} {kind}", "stages 1 and 2 reduce-scatter whole fp32 gradients outside the graph, "
               "uncompressed: drop the compressor or use stage 3", raised="is not supported")
       for stage in SHARD_STAGES for kind in COMPRESSION),

@@ -8,7 +8,8 @@ parameter (`Whole.tensor`), filled by one all-gather of every stale shard when a
 it after the shards changed (an optimizer step bumps the parameter's version), then kept across
 micro-batches. Autograd accumulates each micro-batch's gradient into that leaf's `.grad`; at the
 end of a backward (`queue_callback`) the whole gradients are reduce-scattered in one flat
-collective per process group, divided by the group's size (gloo has no average) and added to the
+collective per process group, divided by the group's size (gloo has no average; beside cp, by
+dp_shard's: the cp ranks' gradients add up) and added to the
 DTensor parameter's `.grad` shard, the whole gradients freed:
 
 - stage 1 reduce-scatters once per step: only after a backward outside `no_sync()` (or with
@@ -68,6 +69,7 @@ class Whole:
     stage: int
     group: object
     world: int
+    averaged: int  # the ranks the gradient is averaged over: of `world`, those holding other sequences
     tensor: torch.Tensor
     version: int | None = None
 
@@ -100,7 +102,8 @@ def hold_whole(layout: ShardLayout, model: nn.Module) -> None:
         if param in WHOLES:
             continue
         tensor = torch.empty(entry.shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad)
-        whole = Whole(weakref.ref(param), entry, layout.stage, layout.dim.group, layout.dim.size, tensor)
+        whole = Whole(weakref.ref(param), entry, layout.stage, layout.dim.group, layout.dim.size,
+                      layout.dim.size // layout.summed, tensor)
         if param.requires_grad:
             tensor.register_post_accumulate_grad_hook(owner.arrived)
         WHOLES[param] = whole
@@ -152,7 +155,7 @@ def reduce_scatter(wholes: list) -> None:
         flat = torch.cat(blocks, dim=1).reshape(-1)  # rank-major: rank r's rows of every parameter together
         mine = flat.new_empty(flat.numel() // world)
         dist.reduce_scatter_single(mine, flat, group=group[0].group)
-        mine /= world
+        mine /= group[0].averaged
         offset = 0
         for w, block in zip(group, blocks):
             shard = mine[offset:offset + block.shape[1]].view(w.entry.padded_rows, *w.entry.shape[1:])

@@ -19,6 +19,7 @@ from picofx.capture.vocabulary import input_slot, is_parameter
 from picofx.errors import DistributedError
 from picofx.manager import Context, PassResult
 from picofx.parallel.layouts import ShardLayout, layouts_of
+from picofx.passes.context_parallel.context_parallel import drop_gradient_sums, forward_gradient_sums
 
 STAGES = (1, 2, 3)
 
@@ -44,22 +45,27 @@ def record_whole(shard, gm: fx.GraphModule, ctx: Context, shard_dims, shard_entr
     """The forward stage of stages 1 and 2: the graph unchanged, its parameters recorded as a
     ShardLayout over the shard dimension (shard_dims and shard_entry: shard.py's, as stage 3's)."""
     mesh = ctx.mesh
-    beside = [name for name in ("tp", "cp", "dp_replicate") if mesh is not None and mesh.size(name) > 1]
+    beside = [name for name in ("tp", "dp_replicate") if mesh is not None and mesh.size(name) > 1]
     if beside:
         raise NotImplementedError(f"Shard(stage={shard.stage}) beside {' and '.join(beside)} is not built: stages "
-                                  "1 and 2 shard over dp_shard alone (beside pp); use stage=3 there.")
+                                  "1 and 2 shard over dp_shard (x cp) alone, beside pp; use stage=3 there.")
     dim, replicas, _ = shard_dims(shard, mesh)
     if replicas is not None:
         raise DistributedError(f"Shard(stage={shard.stage}): HSDP is not supported; use stage=3.")
+    sums = forward_gradient_sums(gm, mesh) if shard.mesh is None else []
+    if sums:  # as stage 3: the cp ranks' gradients summed by the reduce-scatter over dp_shard x cp
+        drop_gradient_sums(gm, sums)
+        gm.recompile()
+        dim = mesh.joined("dp_shard", "cp")
     params = [n for n in gm.graph.nodes if is_parameter(n)]
     scalars = [input_slot(n).target for n in params if n.meta["val"].dim() == 0]
     if scalars:
         raise NotImplementedError(f"Shard: parameter {scalars[0]} is a scalar; only parameters with a first "
                                   "dimension are sharded.")
     entries = tuple(shard_entry(ctx, n, tuple(n.meta["val"].shape), 0, dim) for n in params)
-    layout = ShardLayout(dim, False, entries, stage=shard.stage)
+    layout = ShardLayout(dim, False, entries, stage=shard.stage, summed=mesh.size("cp") if sums else 1)
     layouts_of(gm).shards = layout
     shard.layouts[ctx.model] = layout
     return PassResult(True, {"stage": shard.stage, "parameters": len(entries), "ranks": dim.size,
-                             "spans": dim.name, "gathers_per_step": 1,
+                             "spans": dim.name, "context_sums_absorbed": len(sums), "gathers_per_step": 1,
                              "reduce_scatters_per_step": "1" if shard.stage == 1 else "1 per micro-batch"})

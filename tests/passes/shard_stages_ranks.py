@@ -49,8 +49,9 @@ def counted(calls: list):
             setattr(dist, name, fn)
 
 
-def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, user_loop: bool) -> dict:
-    """`steps` AdamW steps (gradient norm clipped to 1), each of MICRO micro-batches."""
+def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool) -> dict:
+    """`steps` AdamW steps (gradient norm clipped to 1), each of MICRO micro-batches: accumulated
+    under no_sync in even steps, by set_requires_gradient_sync (FSDP2's spelling) in odd ones."""
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
     out = {"losses": [], "grads": [], "collectives": [], "norms": []}
     for step in range(steps):
@@ -62,7 +63,7 @@ def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, us
                 loss = 0.0
                 for i, micro in enumerate(zip(*(v.chunk(MICRO) for v in batch.values()))):
                     last = i == MICRO - 1
-                    if user_loop:  # FSDP2's spelling
+                    if step % 2:
                         opt.set_requires_gradient_sync(last)
                         loss += micro_loss(opt, batch, micro)
                     else:
@@ -88,7 +89,7 @@ def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
     return loss.detach()
 
 
-def run_stage(rank: int, world: int, stage: int, pp: int, user_loop: bool = False, checkpoint: str | None = None):
+def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None):
     mesh = ParallelMesh.build(pp=pp, dp_shard=world // pp)
     dp = mesh.dim("dp_shard")
     z = zoo.build("llama-tiny", batch=BATCH, seq=SEQ)
@@ -97,7 +98,7 @@ def run_stage(rank: int, world: int, stage: int, pp: int, user_loop: bool = Fals
     if pp == 1:
         example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
     opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    out = train(opt, z.model, 2, dp.rank, dp.size, pp > 1, user_loop)
+    out = train(opt, z.model, 2, dp.rank, dp.size, pp > 1)
     out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
     if checkpoint is not None:
         out["restored"] = dcp_round_trip(opt, checkpoint)
@@ -125,7 +126,7 @@ def stage1_accumulation(rank, world, checkpoint):
 
 
 def stage2_accumulation(rank, world):
-    return run_stage(rank, world, 2, pp=1, user_loop=True)
+    return run_stage(rank, world, 2, pp=1)
 
 
 def stage1_pipeline(rank, world):

@@ -1,7 +1,7 @@
 """Shard's stages 1 and 2 on gloo ranks against one process on the full batch.
 
-Each step is 4 micro-batches (4 calls under no_sync or set_requires_gradient_sync, or a pipeline's
-4), then the gradient norm clipped to 1 and an AdamW step at lr 1e-3; two steps. Loss rtol 1e-5,
+Each step is 4 micro-batches (4 calls: the first step's under no_sync, the second's by
+set_requires_gradient_sync; or a pipeline's 4), then the gradient norm clipped to 1 and an AdamW step at lr 1e-3; two steps. Loss rtol 1e-5,
 gradients rtol 1e-4, parameters after AdamW atol 5e-5: the micro-batches sum each gradient in
 another order, and AdamW divides a near-zero gradient by its own root mean square, so an element
 whose gradient is ~0 moves by a few percent of lr (1e-3) differently (DESIGN §9). The collectives are counted per
@@ -97,7 +97,7 @@ def assert_collectives(result: dict, stage: int, dp: int) -> None:
 @pytest.mark.parametrize("scenario,stage,world", [
     ("stage1_accumulation", 1, 2), pytest.param("stage2_accumulation", 2, 4, marks=pytest.mark.slow)])
 def test_stage_accumulates_like_one_process(scenario, stage, world, expected, tmp_path_factory):
-    """4 micro-batches a step (no_sync for stage 1, set_requires_gradient_sync for 2)."""
+    """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync."""
     results = group(world, tmp_path_factory)[scenario]
     assert_trains_like_one_process(results, expected, pp=1)
     for r in results:

@@ -16,7 +16,7 @@ from picofx.models import zoo
 from picofx.parallel import ParallelMesh
 from picofx.passes import Pipeline, Shard
 
-BATCH, SEQ, MICRO = 8, 8, 4
+BATCH, SEQ, MICRO = 16, 16, 4  # 4 micro-batches on each of 4 dp_shard ranks
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

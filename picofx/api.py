@@ -186,7 +186,7 @@ class OptimizedModule(nn.Module):
         object.__setattr__(self, "_build_options", build_options)
         object.__setattr__(self, "_recapture", recapture)
         object.__setattr__(self, "_steps", {})
-        object.__setattr__(self, "_sync", GradientSync())
+        object.__setattr__(self, "_sync", GradientSync(model))
         args, kwargs = split_inputs(example_inputs)
         object.__setattr__(self, "_first_call", (args, kwargs))
         self._step_for(args, kwargs)
@@ -235,6 +235,10 @@ class OptimizedModule(nn.Module):
         gradients without communication; the first backward after it all-reduces the accumulated
         sum (compiles a variant of the step for each, once)."""
         return self._sync.no_sync()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """As FSDP2's: False makes the next backwards behave as under no_sync() until set True again."""
+        self._sync.set_enabled(requires_gradient_sync)
 
     @property
     def compression(self):

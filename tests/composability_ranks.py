@@ -39,7 +39,8 @@ def cell_passes(cell: Cell) -> list:
     if "context_parallel" in f:
         passes.append(ContextParallel(method="ring" if "ring" in f else "allgather"))
     if "shard" in f:  # HSDP too: the mesh's dp_replicate and dp_shard
-        passes.append(Shard(compress=cell.compress))
+        stage = next((int(name[-1]) for name in ("shard_stage1", "shard_stage2") if name in f), 3)
+        passes.append(Shard(compress=cell.compress, stage=stage))
     if "overlap" in f:
         passes.append(Overlap(compress=cell.compress, **SMALL_BUCKETS))
     return passes

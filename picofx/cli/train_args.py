@@ -25,8 +25,8 @@ from picofx.runtime.distributed import launched_world
 
 # what a resumed run must repeat to go on as the saved run would have
 RUN_OPTIONS = ("size", "model", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp",
-               "microbatches", "shard", "tp", "sequence_parallel", "async_tp", "compress", "cp")
-OPTIONS_ADDED_LATER = {"cp": "1"}  # what a checkpoint saved before the option existed was run with
+               "microbatches", "shard", "shard_stage", "tp", "sequence_parallel", "async_tp", "compress", "cp")
+OPTIONS_ADDED_LATER = {"cp": "1", "shard_stage": "3"}  # what a checkpoint saved before the option existed was run with
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -61,6 +61,8 @@ def parse_args(argv=None, doc: str = "", environ=None):
 
 def check_layout(args, world: int | None) -> None:
     """dp x pp must be the number of processes; under torchrun the replicas default to the rest."""
+    if getattr(args, "shard_stage", 3) != 3 and not args.shard:
+        raise ValueError(f"--shard-stage {args.shard_stage} says what --shard shards: add --shard")
     layout = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("dp", args.dp), ("dp_replicate", args.dp_replicate),
                       ("tp", args.tp), ("pp", args.pp), ("cp", args.cp)) if v not in (None, 1)) + \
         (" --shard" if args.shard else "")
@@ -221,6 +223,7 @@ def adopt_saved_layout(args, saved: dict) -> None:
                          f"{dp * tp * pp * cp}")
     args.layout, args.dp, args.tp, args.pp, args.cp = None, dp, tp, pp, cp
     args.shard, args.sequence_parallel = saved["shard"] == "True", saved["sequence_parallel"] == "True"
+    args.shard_stage = int(saved.get("shard_stage", 3))
     args.microbatches, args.batch = int(saved["microbatches"]), args.batch // dp
     args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"
 
@@ -230,7 +233,7 @@ def layout_options(args, every: bool = False) -> str:
     given = [f"--{name.replace('_', '-')} {value}" for name, value in (
         ("dp", args.dp), ("dp_replicate", args.dp_replicate), ("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
         if value > 1]
-    flags = [flag for flag, on in (("--shard", args.shard), ("--sequence-parallel", args.sequence_parallel),
+    flags = [flag for flag, on in (("--shard", args.shard), (f"--shard-stage {args.shard_stage}", args.shard_stage != 3), ("--sequence-parallel", args.sequence_parallel),
                                    ("--no-async-tp", args.async_tp is False)) if on]
     extra = [f"--compress {args.compress}"] if every and args.compress else []
     extra += [f"--passes {' '.join(args.passes)}"] if every and args.passes else []

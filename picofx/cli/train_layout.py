@@ -22,7 +22,7 @@ from picofx.planner.recipe import Recipe, recipe
 def args_layout(args) -> Layout:
     """The run's layout as the options give it (after check_layout, or --layout auto's choice);
     --passes checkpoint is the layout's checkpointing."""
-    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, shard=args.shard,
+    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, shard=args.shard, shard_stage=getattr(args, "shard_stage", 3),
                   microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
                   checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
                   compress=args.compress, cp=getattr(args, "cp", 1))
@@ -35,6 +35,7 @@ def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
     replicate = getattr(args, "dp_replicate", 1)
     found = {name for name in getattr(args, "passes", ()) if name in ("fuse", "precision", "checkpoint")}
     found |= {"shard"} if layout.shard else set()
+    found |= {f"shard_stage{layout.shard_stage}"} if layout.shard and layout.shard_stage != 3 else set()
     found |= {"overlap"} if replicate > 1 or (layout.dp > 1 and not layout.shard) else set()
     found |= {"tensor_parallel"} if layout.tp > 1 else set()
     if layout.sequence_parallel:

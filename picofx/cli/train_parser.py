@@ -134,6 +134,10 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--shard", action="store_true",
                    help="the data-parallel ranks shard parameters, gradients and optimizer state (pass shard, "
                         "as FSDP) instead of each holding a replica (pass overlap)")
+    p.add_argument("--shard-stage", type=int, choices=(1, 2, 3), default=3, metavar="N",
+                   help="with --shard, what is sharded (ZeRO's stages): 1 the optimizer state (gradients reduce-"
+                        "scattered once per step, parameters gathered after it), 2 also the gradients (reduce-"
+                        "scattered per micro-batch), 3 also the parameters (gathered in each step)")
     p.add_argument("--dp-replicate", type=at_least(1), default=1, metavar="R",
                    help="with --shard, HSDP: R replicas, each sharded over --dp ranks (pass overlap all-reduces the "
                         "shards' gradients across the replicas); torchtitan's data_parallel_replicate_degree")

@@ -8,7 +8,8 @@ A cell is a set of features. Some imply others: sequence parallelism is a tensor
 and async TP a sequence-parallel one, the ring a context_parallel method; a compressor compresses
 a data-parallel exchange (overlap's, when the cell names no other); HSDP is the shard pass on a
 mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by the shard pass
-itself), so overlap with shard is HSDP. Each parallel feature spans 2 ranks of its mesh dimension,
+itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, shard_stage2) are
+shard, in rows of their own beside tp, pp and cp; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
 so a cell's world is the product of its dimensions' sizes.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ CODECS = registry.codec_kinds()  # one per exchange; sparse_rows pairs with one 
 COMPRESSION = (*CODECS, registry.ROWS)
 COMPUTE = ("fuse", "precision", "checkpoint")
 FEATURES = PARALLEL + COMPRESSION + COMPUTE
+SHARD_STAGES = ("shard_stage1", "shard_stage2")  # Shard(stage=1 | 2); not paired with every feature (stage_cells)
+NAMED_ORDER = PARALLEL[:2] + SHARD_STAGES + PARALLEL[2:] + COMPRESSION + COMPUTE
 DATA_PARALLEL = ("overlap", "shard", "hsdp")
 # the mesh dimensions each feature spans (2 ranks each), in ParallelMesh's order, cp last
 SPANS = {"overlap": ("dp_replicate",), "shard": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard"),
@@ -74,6 +77,12 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
+    *(refusal(f"{stage} {other}", f"Shard's stages 1 and 2 shard over dp_shard (x cp) alone, beside pp; beside "
+              f"{other} they are not built: use stage 3 (shard)")
+      for stage in SHARD_STAGES for other in ("tensor_parallel", "hsdp")),
+    *(refusal(f"{stage} {kind}", "stages 1 and 2 reduce-scatter whole fp32 gradients outside the graph, "
+              "uncompressed: drop the compressor or use stage 3", raised="is not supported")
+      for stage in SHARD_STAGES for kind in COMPRESSION),
     *(refusal(f"{a} {b}", "an exchange sends its buckets in one codec: give one kind, or sparse_rows+KIND "
               "(the embedding's rows, the other buckets in KIND)", raised="at most 'sparse_rows+KIND'")
       for a, b in itertools.combinations(CODECS, 2)),
@@ -83,6 +92,8 @@ REFUSALS = (
 def closed(features) -> frozenset:
     """`features` with what they imply (see the module's docstring)."""
     out = set(features)
+    if out & set(SHARD_STAGES):
+        out.add("shard")
     if "async_tp" in out:
         out.add("sequence_parallel")
     if "sequence_parallel" in out:
@@ -105,11 +116,11 @@ class Cell:
     @property
     def named(self) -> tuple[str, ...]:
         """Its features in FEATURES order, HSDP named once (not also as overlap and shard)."""
-        hidden = {"shard"} if "hsdp" in self.features else set()
+        hidden = {"shard"} if "hsdp" in self.features or self.features & set(SHARD_STAGES) else set()
         hidden |= {"tensor_parallel"} if "sequence_parallel" in self.features else set()
         hidden |= {"sequence_parallel"} if "async_tp" in self.features else set()
         hidden |= {"context_parallel"} if "ring" in self.features else set()
-        return tuple(f for f in FEATURES if f in self.features and f not in hidden)
+        return tuple(f for f in NAMED_ORDER if f in self.features and f not in hidden)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -167,9 +178,15 @@ def layered() -> list[Cell]:
     return out
 
 
+def stage_cells() -> list[Cell]:
+    """Shard's stages 1 and 2 alone and beside each other parallelism: tp, pp, cp."""
+    return [Cell(closed({stage, *other})) for stage in SHARD_STAGES
+            for other in ((), ("tensor_parallel",), ("pipeline",), ("context_parallel",))]
+
+
 def cells() -> list[Cell]:
-    """Every distinct cell: the pairs, then the 3-D and 4-D combinations, each once."""
-    return list(dict.fromkeys(pairs() + layered()))
+    """Every distinct cell: the pairs, then the 3-D and 4-D combinations, then Shard's stages, each once."""
+    return list(dict.fromkeys(pairs() + layered() + stage_cells()))
 
 
 def features_of(passes, mesh=None) -> frozenset:
@@ -183,6 +200,8 @@ def features_of(passes, mesh=None) -> frozenset:
         name = pass_name(p)
         if name in FEATURES:
             out.add(name)
+        if name == "shard" and not isinstance(p, str) and p.stage != 3:
+            out.add(f"shard_stage{p.stage}")
         compress = None if isinstance(p, str) else getattr(p, "compress", None)
         if isinstance(compress, str):
             out |= {k for k in COMPRESSION if any(part.split(":")[0] == k for part in compress.split("+"))}

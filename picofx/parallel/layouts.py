@@ -99,6 +99,7 @@ class ShardLayout:
     replicas: Any = field(default=None, compare=False)  # HSDP: the MeshDim the shards are replicated over
     mesh: Any = field(default=None, compare=False)  # HSDP: the 2-D (dp_replicate, dp_shard) DeviceMesh
     summed: int = 1  # ranks of `dim` holding other tokens of the same sequences (cp): their gradients add up
+    stage: int = 3  # Shard's stage: 1, 2 (the graph takes whole parameters; picofx.runtime.shard_stages) or 3
 
     @property
     def world(self) -> int:
@@ -107,10 +108,12 @@ class ShardLayout:
     def digest(self) -> str:
         shared = [(e.name, e.shape, e.padded_rows, e.dtype, e.bucket, e.requires_grad) for e in self.entries]
         text = repr((self.world, self.summed, self.replicas.size if self.replicas else 1, self.reshard_after_forward,
-                     self.gather_dtype, self.compress, self.warmup, shared))  # local_rows differ by rank
+                     self.gather_dtype, self.compress, self.warmup, self.stage, shared))  # local_rows differ by rank
         return hashlib.sha256(text.encode()).hexdigest()
 
     def first_difference(self, theirs: "ShardLayout", rank: int) -> str:
+        if self.stage != theirs.stage:
+            return f"Shard(stage={self.stage}) here, stage={theirs.stage} on rank {rank}"
         if self.gather_dtype != theirs.gather_dtype:
             return f"mixed precision gathers in {self.gather_dtype} here, {theirs.gather_dtype} on rank {rank}"
         if self.compress != theirs.compress:

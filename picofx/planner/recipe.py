@@ -50,7 +50,8 @@ def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpo
     data = []
     if layout.shard or layout.dp > 1:  # sharded over the dp_shard ranks (one included), or replicas' exchange
         exchange = Shard if layout.shard else Overlap
-        data = [exchange(compress=layout.compress, warmup=compress_warmup if layout.compress else 0)]
+        stage = {"stage": layout.shard_stage} if layout.shard and layout.shard_stage != 3 else {}
+        data = [exchange(compress=layout.compress, warmup=compress_warmup if layout.compress else 0, **stage)]
     # tensor parallel reads the plain linears that fuse and precision rewrite, so it comes before
     # them; under a pipeline the cut comes first and tensor parallel splits each stage's graph.
     # Checkpointing plans the joint graph the compute passes made; the data-parallel exchange

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from picofx.errors import DistributedError
 from picofx.manager.passes import SyncMode
 from picofx.parallel.layouts import BucketLayout, ShardLayout, TensorParallelLayout, recorded
+from picofx.runtime.shard_stages import set_gradient_sync
 
 def launched_world(environ) -> int | None:
     """How many processes torchrun started (its WORLD_SIZE in `environ`, a mapping such as
@@ -103,20 +104,29 @@ class GradientSync:
     The first call after it runs a third variant: it moves the accumulated `.grad` into the
     graph's pending buffers (and sets `.grad` to None), and each bucket all-reduces
     pending + this backward's gradients, so `.grad` ends as the average over ranks of the sum
-    over micro-batches: DDP's result, with one all-reduce per bucket."""
+    over micro-batches: DDP's result, with one all-reduce per bucket. Shard's stages 1 and 2 of
+    `model` are told too (picofx.runtime.shard_stages: stage 1 reduce-scatters after a synced
+    backward only)."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module | None = None):
         self.enabled = True
         self.accumulated = False
         self.warmed = 0  # synced steps run uncompressed so far (a compressor's warm-up)
+        self.model = model
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.enabled = enabled
+        if self.model is not None:
+            set_gradient_sync(self.model, enabled)
 
     @contextlib.contextmanager
     def no_sync(self):
-        previous, self.enabled = self.enabled, False
+        previous = self.enabled
+        self.set_enabled(False)
         try:
             yield
         finally:
-            self.enabled = previous
+            self.set_enabled(previous)
 
     def mode(self, graphs: dict | None = None, shards: ShardLayout | None = None) -> SyncMode:
         """How the next backward syncs: "local" (no_sync), "sync_accumulated", "sync_uncompressed"

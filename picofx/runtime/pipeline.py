@@ -27,6 +27,7 @@ from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
 from picofx.runtime.distributed import check_layouts
 from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.runtime.shard_stages import reduce_after
 from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
                                              padded_pieces, sharded_tensor_parallel_mesh)
 
@@ -185,7 +186,8 @@ class PipelineStep:
         target = torch.zeros(batch, 1, device=user[0].device)  # the last stage computes the loss; the schedule wants one
         step_args = user if self.holds_first else []
         step_kwargs = {"target": target, "losses": losses} if self.holds_last else {}
-        self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
+        with reduce_after(model):  # Shard stage 1: the micro-batches' whole gradients reduced once
+            self.schedule.step(*step_args, return_outputs=False, **step_kwargs)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if self.holds_last else \
             torch.zeros((), device=user[0].device)
         dist.broadcast(loss, src=self.last_rank, group=self.dims.pp.group)

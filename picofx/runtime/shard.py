@@ -18,12 +18,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from picofx.parallel.layouts import ShardLayout
+from picofx.runtime.shard_stages import hold_whole, whole_inputs
 
 
 @torch.no_grad()
 def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
     """Make each of the layout's parameters a Shard(0) DTensor parameter (once: a parameter that is
-    already one stays). Tied parameters (one tensor under several names) stay tied."""
+    already one stays). Tied parameters (one tensor under several names) stay tied. Stages 1 and 2
+    also hold each whole for the graph (picofx.runtime.shard_stages)."""
     replaced: dict[int, nn.Parameter] = {}
     for entry in layout.entries:
         param = model.get_parameter(entry.name)
@@ -34,12 +36,12 @@ def apply_shard_layout(layout: ShardLayout, model: nn.Module) -> None:
         # src_data_rank=None: every rank takes its chunk of its own copy (no broadcast), as fully_shard does
         local = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
         replaced[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-    if not replaced:
-        return
-    for module in model.modules():
+    for module in model.modules() if replaced else ():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in replaced:
                 module._parameters[name] = replaced[id(param)]
+    if layout.stage < 3:
+        hold_whole(layout, model)
 
 
 @contextlib.contextmanager
@@ -67,7 +69,9 @@ def whole_parameters(model: nn.Module):
 
 def local_inputs(layout: ShardLayout, names: list, values: list) -> list:
     """The graph's inputs with each sharded parameter (by its slot's name in `names`) replaced by its
-    local piece, padded with zero rows to the layout's row count."""
+    local piece, padded with zero rows to the layout's row count (stages 1 and 2: its whole copy)."""
+    if layout.stage < 3:
+        return whole_inputs(layout, names, values)
     rows = {e.name: e.padded_rows for e in layout.entries}
     out = []
     for name, value in zip(names, values):

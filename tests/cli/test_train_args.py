@@ -56,6 +56,14 @@ def test_compress_under_shard_names_shard_s_compressor():
     assert (args.dp, args.shard, args.compress) == (4, True, "int8")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shard_stage_reaches_the_shard_pass_beside_a_pipeline(stage):
+    args = parse_args(["--shard", "--shard-stage", str(stage), "--pp", "2", "--passes"], environ=TORCHRUN_4)
+    made = train_recipe(args)
+    assert made.mesh_shape["dp_shard"] == 2
+    assert [getattr(p, "stage", None) for p in made.passes if type(p).__name__ == "Shard"] == [stage]
+
+
 def test_compress_warmup_counts_steps_before_the_compressor():
     args = parse_args(["--shard", "--compress", "topk:0.01", "--compress-warmup", "40"], environ=TORCHRUN_4)
     assert (args.compress, args.compress_warmup) == ("topk:0.01", 40)
@@ -79,6 +87,8 @@ def test_one_process_is_one_replica():
     (["--tp", "4", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
     (["--compress", "int9"], "'int9' is not a compressor"),
     (["--compress-warmup", "5"], "--compress-warmup counts steps before --compress's compressor starts"),
+    (["--shard-stage", "1"], "--shard-stage 1 says what --shard shards: add --shard"),
+    (["--shard", "--shard-stage", "2", "--tp", "2"], "Shard's stages 1 and 2 shard over dp_shard (x cp) alone"),
     (["--pp", "4", "--microbatches", "2"], "--microbatches 2 is fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],

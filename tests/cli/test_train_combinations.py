@@ -19,6 +19,8 @@ def flags(cell: Cell) -> list[str]:
         out += ["--dp", "2"]
     if "shard" in f:
         out += ["--shard"] + (["--dp-replicate", "2"] if "hsdp" in f else [])
+        stage = [name[-1] for name in combinations.SHARD_STAGES if name in f]
+        out += ["--shard-stage", stage[0]] if stage else []
     if "tensor_parallel" in f:
         out += ["--tp", "2"]
     if "sequence_parallel" in f:

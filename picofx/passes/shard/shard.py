@@ -46,6 +46,7 @@ from picofx.parallel.gradient_sums import drop_gradient_sums, forward_gradient_s
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
 from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward
+from picofx.passes.shard.stages import check_stage, record_whole
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -83,7 +84,8 @@ class Shard:
     compress: None or Overlap's spelling ("bf16", "int8", "int8:ef", "topk:F", "powersgd:R",
     "sparse_rows[+KIND]"): each bucket's gradient reduce-scatter as that codec
     (picofx/passes/shard/compress.py). warmup: as Overlap's, the first steps reduce-scatter the gradients
-    uncompressed (a variant of the step; sparse_rows, being exact, stays)."""
+    uncompressed (a variant of the step; sparse_rows, being exact, stays). stage: 3 (ZeRO-3, the
+    above), or 1 and 2 (ZeRO-1 and -2: parameters whole in the graph, stages.py beside this file)."""
 
     mesh: Any = None
     reshard_after_forward: bool = True
@@ -92,6 +94,7 @@ class Shard:
     mixed_precision: Any = None
     compress: str | None = None
     warmup: int = 0
+    stage: int = 3
     # per optimized model: the forward's layout (the backward compresses by it) and the compressor state
     layouts: Any = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False)
     # The forward's rewrites see the parameters whole; under a pipeline, each stage's graph is sharded.
@@ -99,6 +102,7 @@ class Shard:
                     communicates=True, runs_after=("fuse", "precision", "pipeline"))
 
     def __post_init__(self):
+        check_stage(self)
         precision_policy(self.mixed_precision)
         check_hsdp_mesh(self)
         object.__setattr__(self, "spec", parse_shard_compress(self.compress))
@@ -110,6 +114,8 @@ class Shard:
             raise ValueError(f"Shard(prefetch={self.prefetch!r}): give a count of buckets, 0 or more")
 
     def __call__(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
+        if self.stage < 3:  # the graph keeps its whole parameters; the runtime exchanges outside it
+            return record_whole(self, gm, ctx, shard_dims, shard_entry) if ctx.stage is Stage.FORWARD else PassResult()
         if ctx.stage is Stage.FORWARD:
             return self.shard_forward(gm, ctx)
         if ctx.stage is Stage.JOINT:

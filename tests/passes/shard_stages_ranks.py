@@ -1,0 +1,137 @@
+"""What each rank runs in tests/passes/test_shard_stages.py (spawned: importable functions).
+
+A step is 4 micro-batches: 4 calls of the optimized model, the first 3 under no_sync, each loss
+divided by 4; or, under a pipeline, one forward_backward of 4 micro-batches. Each scenario returns
+plain tensors (gradients and parameters gathered whole) and the collectives each step issued."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import picofx
+from picofx.models import zoo
+from picofx.parallel import ParallelMesh
+from picofx.passes import Pipeline, Shard
+
+BATCH, SEQ, MICRO = 16, 16, 4  # 4 micro-batches on each of 4 dp_shard ranks
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def batch_of(step: int, index: int, replicas: int) -> dict:
+    """This replica's rows of step `step`'s batch (the full batch rolled by the step)."""
+    z = zoo.build("llama-tiny", batch=BATCH, seq=SEQ)
+    return {k: v.roll(step, dims=-1).chunk(replicas)[index].contiguous() for k, v in z.example_inputs.items()}
+
+
+@contextlib.contextmanager
+def counted(calls: list):
+    """Count the gathers and reduce-scatters issued (kind, elements sent) while inside."""
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def counting(name):
+        def call(out, inp, *args, **kwargs):
+            calls.append((name, inp.numel()))
+            return originals[name](out, inp, *args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool) -> dict:
+    """`steps` AdamW steps (gradient norm clipped to 1), each of MICRO micro-batches: accumulated
+    under no_sync in even steps, by set_requires_gradient_sync (FSDP2's spelling) in odd ones."""
+    optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
+    out = {"losses": [], "grads": [], "collectives": [], "norms": []}
+    for step in range(steps):
+        batch, calls = batch_of(step, index, replicas), []
+        with counted(calls):
+            if pipelined:
+                loss = opt.forward_backward(**batch)
+            else:
+                loss = 0.0
+                for i, micro in enumerate(zip(*(v.chunk(MICRO) for v in batch.values()))):
+                    last = i == MICRO - 1
+                    if step % 2:
+                        opt.set_requires_gradient_sync(last)
+                        loss += micro_loss(opt, batch, micro)
+                    else:
+                        with contextlib.nullcontext() if last else opt.no_sync():
+                            loss += micro_loss(opt, batch, micro)
+        out["collectives"].append(calls)
+        out["losses"].append(torch.as_tensor(loss).detach().clone())
+        out["grads"].append({n: whole(p.grad) for n, p in opt.named_parameters() if p.grad is not None})
+        out["norms"].append(whole(torch.nn.utils.clip_grad_norm_(opt.parameters(), max_norm=1.0)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out["params"] = {n: whole(p) for n, p in opt.named_parameters()}
+    out["state"] = sorted({str(v.placements) for s in optimizer.state.values() for v in s.values()
+                           if isinstance(v, DTensor)})
+    out["shapes"] = {n: tuple(p.shape) for n, p in opt.named_parameters()}
+    return out
+
+
+def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
+    out = opt(**dict(zip(batch, (m.contiguous() for m in micro))))
+    loss = (out if isinstance(out, torch.Tensor) else out.loss) / MICRO
+    loss.backward()
+    return loss.detach()
+
+
+def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None):
+    mesh = ParallelMesh.build(pp=pp, dp_shard=world // pp)
+    dp = mesh.dim("dp_shard")
+    z = zoo.build("llama-tiny", batch=BATCH, seq=SEQ)
+    passes = [Shard(stage=stage)] + ([Pipeline(stages=pp, microbatches=MICRO)] if pp > 1 else [])
+    example = batch_of(0, dp.rank, dp.size)
+    if pp == 1:
+        example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
+    opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+    out = train(opt, z.model, 2, dp.rank, dp.size, pp > 1)
+    out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
+    if checkpoint is not None:
+        out["restored"] = dcp_round_trip(opt, checkpoint)
+    return out
+
+
+def dcp_round_trip(opt, root: str) -> bool:
+    """Save the model with DCP, scramble the parameters, load them back: equal to what was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    saved = {n: whole(p) for n, p in opt.named_parameters()}
+    dcp.save(get_model_state_dict(opt), checkpoint_id=f"{root}/stage")
+    with torch.no_grad():
+        for p in opt.parameters():
+            p.zero_()
+    state = get_model_state_dict(opt)
+    dcp.load(state, checkpoint_id=f"{root}/stage")
+    set_model_state_dict(opt, state)
+    return all(torch.equal(whole(p), saved[n]) for n, p in opt.named_parameters())
+
+
+def stage1_accumulation(rank, world, checkpoint):
+    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint)
+
+
+def stage2_accumulation(rank, world):
+    return run_stage(rank, world, 2, pp=1)
+
+
+def stage1_pipeline(rank, world):
+    return run_stage(rank, world, 1, pp=2)
+
+
+def stage2_pipeline(rank, world):
+    return run_stage(rank, world, 2, pp=2)

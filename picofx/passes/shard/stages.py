@@ -19,7 +19,7 @@ from picofx.capture.vocabulary import input_slot, is_parameter
 from picofx.errors import DistributedError
 from picofx.manager import Context, PassResult
 from picofx.parallel.layouts import ShardLayout, layouts_of
-from picofx.passes.context_parallel.context_parallel import drop_gradient_sums, forward_gradient_sums
+from picofx.parallel.gradient_sums import drop_gradient_sums, forward_gradient_sums
 
 STAGES = (1, 2, 3)
 

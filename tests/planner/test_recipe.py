@@ -9,7 +9,7 @@ import pytest
 
 import picofx
 from picofx.cli.train_args import parse_args, picofx_passes
-from picofx.cli.train_layout import args_layout, train_recipe
+from picofx.cli.train_layout import run_layout, train_recipe
 from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import describe_passes, recipe
@@ -54,7 +54,7 @@ TRAIN_LAYOUTS = [  # picofx train's options on 4 ranks, and the layout they give
 def test_picofx_train_runs_the_plans_recipe(options, layout):
     """`picofx train` with a layout's options runs the passes a plan of that layout gives, on its mesh."""
     args = parse_args(["--passes", "fuse", "--no-measure-cuts", *options], environ={"RANK": "0", "WORLD_SIZE": "4"})
-    assert args_layout(args) == layout
+    assert run_layout(args) == layout
     planned = recipe(layout, compute=["fuse"])
     assert picofx_passes(args) == planned.passes
     assert train_recipe(args).mesh_shape == planned.mesh_shape

@@ -8,8 +8,7 @@ import pathlib
 
 import torch
 
-from picofx.cli.train_layout import layout_features, replica_batch, run_layout, train_recipe
-from picofx.cost.balance import microbatch_refusal
+from picofx.cli.train_layout import replica_batch, run_layout, train_recipe
 from picofx.cost.device import device_for
 from picofx.cost.units import format_bytes
 from picofx.models.llama import CONFIGS
@@ -20,10 +19,10 @@ from picofx.cli.train_model import check_model, planned_shape
 from picofx.cli.train_state import saved_run
 from picofx.runtime.checkpoints import checkpoint_to_resume
 from picofx.manager import resolve_pass
-from picofx.manager.combinations import refused
 from picofx.compression import parse_compress
 from picofx.runtime.distributed import launched_world
 from picofx.planner.layouts import Layout
+from picofx.planner.recipe import refusal
 from picofx.planner.spec import layout_spec, parse_layout
 
 # what a resumed run must repeat to go on as the saved run would have: these options and its layout
@@ -47,6 +46,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
+        check_runnable(args)
         check_positions(args)
         check_device(args)
         check_paths(args)
@@ -113,20 +113,24 @@ def check_layout(args, world: int | None) -> None:
                              "reduce-scatter (--shard): run it with --dp 2 or more")
     if args.async_tp is not None and not args.sequence_parallel:
         raise ValueError("--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel: add it")
-    found = refused(layout_features(run_layout(args), args.passes))
-    if found is not None:  # the composability table's refusal (picofx/manager/combinations.py)
-        raise ValueError(f"{layout_options(run_layout(args), args)}: {found.reason}")
     if args.compress_warmup and args.compress is None:
         raise ValueError("--compress-warmup counts steps before --compress's compressor starts: give --compress KIND")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.pp > 1:
-        refusal = microbatch_refusal(args.pp, args.microbatches, args.schedule)
-        if refusal:
-            raise ValueError(f"--pp {args.pp} --schedule {args.schedule} --microbatches {args.microbatches}: {refusal}")
         if args.batch % args.microbatches:
             raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}: "
                              "pick a batch that is a multiple of it")
+
+
+def check_runnable(args) -> None:
+    """The run's layout with its --passes, as the recipe's authorities judge it (the micro-batch rule,
+    the composability table: picofx.planner.recipe.refusal); after check_layout and check_passes."""
+    layout = run_layout(args)
+    found = refusal(layout, compute=[name for name in args.passes if name != "checkpoint"])
+    if found is not None:
+        raise ValueError(f"{layout_options(layout, args)}{f' --schedule {args.schedule}' if args.pp > 1 else ''}: "
+                         f"{found}")
 
 
 def check_passes(args) -> None:

@@ -10,10 +10,9 @@ equal work per step).
 """
 from __future__ import annotations
 
-from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.cli.train_model import planned_shape
 from picofx.planner.layouts import Layout
-from picofx.planner.recipe import Recipe, recipe
+from picofx.planner.recipe import Recipe, recipe, refusal
 
 
 def run_layout(args) -> Layout:
@@ -27,24 +26,6 @@ def run_layout(args) -> Layout:
                   shard=args.shard, microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
                   checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
                   async_tp=args.async_tp is not False, compress=args.compress, cp=args.cp, cp_method=args.cp_method)
-
-
-def layout_features(layout: Layout, passes=()) -> frozenset:
-    """The run's features as the composability table names them (picofx/manager/combinations.py):
-    those of `layout`, and the compute passes among `passes` (names)."""
-    found = {name for name in passes if name in ("fuse", "precision", "checkpoint")}
-    found |= {"checkpoint"} if layout.checkpoint else set()
-    found |= {"shard"} if layout.shard else set()
-    found |= {"overlap"} if layout.dp_replicate > 1 else set()
-    found |= {"tensor_parallel"} if layout.tp > 1 else set()
-    if layout.sequence_parallel:
-        found.add("async_tp" if layout.async_tp else "sequence_parallel")
-    found |= {"pipeline"} if layout.pp > 1 else set()
-    found |= {"context_parallel"} if layout.cp > 1 else set()
-    found |= {"ring"} if layout.cp > 1 and layout.cp_method == "ring" else set()
-    kinds = (layout.compress or "").split("+")
-    found |= {k for k in COMPRESSION if any(kind.split(":")[0] == k for kind in kinds)}
-    return closed(found)
 
 
 def train_recipe(args, layout: Layout | None = None) -> Recipe:
@@ -71,15 +52,15 @@ def replica_batch(args, layout: Layout) -> int:
 
 
 def unrunnable(layout: Layout) -> str | None:
-    """Why picofx train cannot run `layout` (None: it can); see train_args.check_layout."""
+    """Why picofx train cannot run `layout` (None: it can): what its options cannot say, then what the
+    recipe's authorities refuse (picofx.planner.recipe.refusal)."""
     if layout.checkpoint:
         return "checkpointing the planned way (every layer) is not one of its options"
     if layout.compress and layout.dp < 2:
         return "--compress without data-parallel ranks"
     if layout.pp == 1 and layout.microbatches > 1:
         return "micro-batches without a pipeline (gradient accumulation)"
-    found = refused(layout_features(layout))
-    return None if found is None else found.reason
+    return refusal(layout)
 
 
 def explain(plans, index: int) -> str:

@@ -38,19 +38,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from picofx.cost.balance import INTERLEAVED_SCHEDULES, microbatch_refusal
+from picofx.cost.balance import INTERLEAVED_SCHEDULES
 from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_seconds
-from picofx.cost.device import Device
+from picofx.cost.device import MAX_MEMORY_FRACTION, Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
+from picofx.planner.recipe import refusal
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
 ADAMW_TRAFFIC = 28            # bytes an AdamW step moves per fp32 parameter: reads p, g, m, v; writes p, m, v
-MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory: the rest is kept for the allocator
-                             # and fragmentation
 BOTTLENECKS = {  # the step's time terms, as the bottleneck each names
     "compute": "compute", "recompute": "recompute", "tensor_parallel_comm": "tensor-parallel communication",
     "pipeline_sends": "pipeline activation sends", "bubble": "pipeline bubble",
@@ -341,7 +340,7 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
     if run.global_batch % (layout.dp * layout.microbatches):
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
-    return microbatch_refusal(layout.pp, layout.microbatches, layout.schedule)
+    return refusal(layout)  # what the passes cannot run: the micro-batch rule, the composability table
 
 
 def divisors(n: int) -> list[int]:
@@ -365,7 +364,7 @@ def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> 
                             layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp)
                             if valid(run, layout) is None:
                                 layouts.append(layout)
-                                layouts += compressed(run, layout, compress)
+                                layouts += [c for c in compressed(run, layout, compress) if refusal(c) is None]
     return layouts
 
 

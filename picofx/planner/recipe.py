@@ -1,4 +1,4 @@
-"""The one recipe from a layout to the passes that run it and the mesh they run on, as torchtitan's
+"""The one recipe from a layout (picofx.planner.layouts.Layout) to the passes that run it and the mesh they run on, as torchtitan's
 parallelize.py composes its parallelisms: `picofx.plan(...).passes()`, `picofx plan` (its best plan's
 recipe), `picofx plan --measure`, and `picofx train` (its --dp/--tp/--pp/--shard options or
 --layout auto's choice, as a Layout) all take their passes from here.
@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from picofx.cost.balance import microbatch_refusal
+from picofx.cost.device import MAX_MEMORY_FRACTION
 from picofx.manager import pass_info, resolve_pass
+from picofx.manager.combinations import features_of, refused
 from picofx.manager.order import STAGE_ORDER, run_order
 from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
-from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,17 @@ def planned_recipe(layout: Layout, device, compute) -> Recipe:
     return recipe(layout, compute=list(compute), checkpoint_budget=budget, checkpoint_optimizer="adamw")
 
 
-def unsupported(layout: Layout) -> str | None:
-    """Why picofx's passes cannot run `layout` together (None: they can)."""
-    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
-        return "replicated data parallel over tensor-parallel pipeline stages (shard them instead)"
-    if layout.sequence_parallel and layout.pp > 1:
-        return "sequence parallelism under a pipeline"
-    return None
+def refusal(layout: Layout, compute=()) -> str | None:
+    """Why picofx cannot run `layout` (None: it can), as the authorities say: the one micro-batch rule
+    (picofx.cost.balance) and the composability table (picofx.manager.combinations), asked of the
+    passes and mesh this recipe makes (with the `compute` passes). The planner, `picofx plan` and
+    `picofx train` ask here."""
+    reason = microbatch_refusal(layout.pp, layout.microbatches, layout.schedule)
+    if reason is not None:
+        return reason
+    made = recipe(layout, compute=compute)
+    found = refused(features_of(made.passes, made.mesh_shape))
+    return None if found is None else found.reason
 
 
 def describe_passes(passes: list) -> str:

@@ -79,7 +79,7 @@ def test_one_process_is_one_replica():
     (["--tp", "4", "--compress", "int8"], "--compress compresses the data-parallel ranks' gradient all-reduce"),
     (["--compress", "int9"], "'int9' is not a compressor"),
     (["--compress-warmup", "5"], "--compress-warmup counts steps before --compress's compressor starts"),
-    (["--pp", "4", "--microbatches", "2"], "--microbatches 2: 2 micro-batches are fewer than the 4 pipeline stages"),
+    (["--pp", "4", "--microbatches", "2"], "--pp 4 --microbatches 2 --passes fuse --schedule 1F1B: 2 micro-batches are fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],
      "5 is not a whole number of rounds; 4 is"),

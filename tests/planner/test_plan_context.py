@@ -177,7 +177,9 @@ def test_picofx_train_with_cp_runs_the_plans_recipe():
 
 
 def test_picofx_train_sees_a_planned_cp_layout_as_context_parallel():
-    from picofx.cli.train_layout import layout_features, unrunnable
+    from picofx.cli.train_layout import unrunnable
+    from picofx.manager.combinations import features_of
 
-    assert "context_parallel" in layout_features(Layout(2, 1, 1, shard=True, cp=2))
+    made = recipe(Layout(2, 1, 1, shard=True, cp=2))
+    assert "context_parallel" in features_of(made.passes, made.mesh_shape)
     assert unrunnable(Layout(2, 1, 1, shard=True, cp=2)) is None

@@ -60,10 +60,27 @@ def test_picofx_train_runs_the_plans_recipe(options, layout):
     assert train_recipe(args).mesh_shape == planned.mesh_shape
 
 
+@pytest.mark.parametrize("layout", [Layout(4, 1, 1, shard=True, checkpoint="full", compress="int8"),
+                                    Layout(2, 2, 2, shard=True, microbatches=2), Layout(2, 1, 1, shard=True, cp=4),
+                                    Layout(1, 2, 2, microbatches=2, sequence_parallel=True, checkpoint="full")])
+def test_the_recipe_lists_its_passes_in_the_order_the_manager_runs_them(layout):
+    """No order by hand: the recipe's list is the one the passes' declarations give, stage by stage."""
+    from picofx.manager import resolve_passes
+    from picofx.manager.order import STAGE_ORDER, run_order
+    from picofx.manager.passes import pass_stage
+
+    made = recipe(layout, compute=["precision", "fuse"], checkpoint_budget=1 << 30)
+    resolved = resolve_passes(made.passes)
+    ordered, moved = run_order(resolved)
+    assert moved is None and ordered == resolved, moved
+    assert [STAGE_ORDER[pass_stage(p)] for p in resolved] == sorted(STAGE_ORDER[pass_stage(p)] for p in resolved)
+    assert [p for p in made.passes if p in ("fuse", "precision")] == ["fuse", "precision"]  # fuse's runs_before
+
+
 def test_picofx_train_keeps_its_own_options_in_the_recipe():
     args = parse_args(["--passes", "fuse", "checkpoint", "--memory-budget", "0.5", "--shard", "--compress", "int8",
                        "--compress-warmup", "3"], environ={"RANK": "0", "WORLD_SIZE": "2"})
-    fuse, checkpoint, shard = picofx_passes(args)
+    fuse, shard, checkpoint = picofx_passes(args)  # shard rewrites the forward graph, checkpoint the joint one
     assert fuse == "fuse" and checkpoint == Checkpoint(budget=0.5) and shard == Shard(compress="int8", warmup=3)
     args = parse_args(["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "4"],
                       environ={"RANK": "0", "WORLD_SIZE": "2"})

@@ -208,7 +208,8 @@ def run(args) -> dict:
         auto_layout(args, ranks)
     elif args.layout_chosen:
         ranks.say(args.layout_chosen)
-    args = argparse.Namespace(**{**vars(args), "batch": replica_batch(args, ranks.layout)})  # --layout auto's split
+    # from here --batch is one replica's (--layout auto's global batch split), as a checkpoint records it
+    args = argparse.Namespace(**{**vars(args), "batch": replica_batch(args, ranks.layout), "layout": None})
     ranks.say(f"picofx train: {layout_line(ranks.layout, args.world, args.dp_default)}; {args.model or args.size} "
               f"model, {args.steps} steps of {args.batch} x {args.seq} tokens on {args.device}{threads_note(args)}, backend {args.backend}")
     if torch.device(args.device).type == "cpu":

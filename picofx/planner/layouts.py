@@ -183,10 +183,11 @@ class Prediction:
     suggestions: list = field(default_factory=list)  # picofx.planner.suggest.Suggestion, best first
     measured_step_s: float | None = None
 
-    def as_json(self) -> dict:
-        return {**dataclasses.asdict(self.layout), "dp": self.layout.dp, "memory_per_gpu": self.memory_per_gpu, "step_s": self.step_s,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits, "reason": self.reason,
-                "bottleneck": self.bottleneck, "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
+    def as_json(self) -> dict:  # the layout's fields, and dp: their data-parallel product
+        return {**dataclasses.asdict(self.layout), "dp": self.layout.dp, "memory_per_gpu": self.memory_per_gpu,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits,
+                "reason": self.reason, "bottleneck": self.bottleneck,
+                "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
                 "memory": self.memory, "time": self.time, "measured_step_s": self.measured_step_s}
 
 

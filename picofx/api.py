@@ -28,27 +28,22 @@ from picofx.runtime.distributed import (GradientSync, check_layouts, compression
 from picofx.runtime.hf import optimized_class
 from picofx.runtime.measure import compile_measured, measure_step_peak, measuring_passes
 from picofx.runtime.pipeline import PipelineStep
-from picofx.runtime.shard import apply_shard_layout, local_inputs, whole_parameters
-from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
-                                             padded_pieces, sharded_tensor_parallel_mesh)
-from picofx.parallel.layouts import ShardLayout, TensorParallelLayout, recorded
+from picofx.runtime.placement import local_values, place, placements
+from picofx.runtime.shard import whole_parameters
+from picofx.parallel.layouts import ShardLayout, recorded
 from picofx.capture.vocabulary import SIGNATURE_META
 
 
-def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict, shards=None,
-                 placed=None) -> list:
+def graph_inputs(signature: Signature, model: nn.Module, args: tuple, kwargs: dict, placed=()) -> list:
     """The graph's placeholders' values for a call: the model's own parameters and buffers, and the
-    call's tensors made contiguous (compiled code is specialised on the captured strides). With a
-    ShardLayout (pass shard), its parameters' padded local shards; with a TensorParallelLayout, its
-    parameters' pieces (padded where tp does not divide a vocabulary)."""
+    call's tensors made contiguous (compiled code is specialised on the captured strides). `placed`:
+    the graph's placements (picofx.runtime.placement), whose parameters it takes as local pieces
+    (a shard's padded rows, a tensor-parallel piece)."""
     user = [x.contiguous() for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     values = [user[int(slot.target)] if slot.kind == "user" else slot.resident_value(model, signature.constants)
               for slot in signature.inputs]
     names = [slot.target if slot.kind == "parameter" else None for slot in signature.inputs]
-    if shards is not None:
-        values = local_inputs(shards, names, values)
-    if placed is not None:
-        values = padded_pieces(placed, names, values)
+    values = local_values(placed, names, values)
     return [v.to_local() if isinstance(v, DTensor) else v for v in values]  # placed parameters: their pieces
 
 
@@ -59,11 +54,15 @@ class CompiledStep:
     graph_module: fx.GraphModule   # the transformed forward graph, before partitioning
     graphs: dict                   # "joint", "forward", "backward" graphs as the passes left them
     report: Report
-    shards: ShardLayout | None = None  # pass shard: the graph takes these parameters' local shards
-    placed: TensorParallelLayout | None = None  # pass tensor_parallel: and these parameters' pieces
+    placed: tuple = ()  # the recorded layouts that placed the parameters (picofx.runtime.placement)
+
+    @property
+    def shards(self) -> ShardLayout | None:
+        """Pass shard's layout: the parameters the graph takes as local shards."""
+        return recorded(self.graph_module).shards
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict):
-        outputs = self.run(graph_inputs(self.signature, model, args, kwargs, self.shards, self.placed))
+        outputs = self.run(graph_inputs(self.signature, model, args, kwargs, self.placed))
         user_outputs = []
         with torch.no_grad():
             for (kind, target), value in zip(self.signature.outputs, outputs):
@@ -136,22 +135,16 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
         step = PipelineStep(graphs, model, manager, ctx, report, signature)
         tell(instruments, "end", backend=backend)
         return step
-    shards, placed = recorded(graphs[0]).shards, recorded(graphs[0]).tensor_parallel
-    if shards is not None or placed is not None:  # the ranks agree on the layouts, then the parameters are placed
-        check_layouts({"forward": graphs[0]})
-        if shards is not None and placed is not None:  # dp_shard x tp: 2-D DTensors, as FSDP2 over TP
-            apply_sharded_tensor_parallel_layout(shards, placed, model, sharded_tensor_parallel_mesh(ctx.mesh, shards, placed))
-        elif shards is not None:
-            apply_shard_layout(shards, model)
-        else:
-            apply_tensor_parallel_layout(placed, model)
-        if placed is not None:
-            report.sections["tensor_parallel"] = placed.table()
-        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, shards, placed)
+    placed = placements(graphs[0])
+    if placed:  # the ranks agree on the layouts, then the parameters are placed
+        place(placed, model, ctx.mesh)
+        if recorded(graphs[0]).tensor_parallel is not None:
+            report.sections["tensor_parallel"] = recorded(graphs[0]).tensor_parallel.table()
+        inputs = ctx.example_inputs = graph_inputs(signature, model, args, kwargs, placed)
     start = time.perf_counter()
     if measuring_passes(manager):  # compile, measure a real step, re-plan if it asks (picofx.runtime.measure)
         def peak_of(compiled):
-            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report, shards, placed)
+            step = CompiledStep(signature, compiled[0], graphs[0], compiled[1], report, placed)
             return measure_step_peak(lambda: step(model, args, kwargs), model, (args, kwargs))
 
         run, stage_graphs = compile_measured(graphs[0], lambda gm: compile_graph(gm, inputs, manager, ctx),
@@ -170,7 +163,7 @@ def build_step(model, args, kwargs, *, passes, loss_fn, backend, verify, instrum
     report.compile_seconds = time.perf_counter() - start
     tell(instruments, "end", backend=backend)
     check_layouts(stage_graphs)  # collective when a pass all-reduces: ranks agree before the first backward
-    return CompiledStep(signature, run, graphs[0], stage_graphs, report, shards, placed)
+    return CompiledStep(signature, run, graphs[0], stage_graphs, report, placed)
 
 
 class OptimizedModule(nn.Module):

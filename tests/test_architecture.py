@@ -16,6 +16,8 @@
   families share lives below them (picofx/parallel/, picofx/cost/); a pass that needs another
   declares it in its PassInfo (`requires`).
 - picofx/ has at most 8 top-level modules and at least 4 subpackages; no module is over 400 lines.
+- A run's layout is described once: the planner's Layout (picofx/planner/layouts.py). No other class
+  is named Layout, and no other class has fields for the data-parallel, tp and pp degrees.
 
 Each rule is also run on a small tree that breaks it, so a rule that stopped seeing its breach fails.
 """
@@ -267,6 +269,32 @@ def test_pass_families_import_no_other_family():
     assert import_graph(ROOT).has_edge("picofx.passes.shard.shard", "picofx.passes.shard.reduce")
 
 
+THE_LAYOUT = "picofx/planner/layouts.py"
+DEGREES = ({"dp", "dp_replicate", "dp_shard"}, {"tp"}, {"pp"})  # a second layout holds one field of each
+
+
+def second_layouts(root: Path) -> list[str]:
+    """Classes other than the planner's Layout that describe a run's layout: named Layout, or with
+    annotated fields for the data-parallel, tensor-parallel and pipeline degrees."""
+    found = []
+    for path in sorted((root / "picofx").rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where == THE_LAYOUT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            if node.name == "Layout" or all(fields & names for names in DEGREES):
+                found.append(f"{where}:{node.lineno} class {node.name} describes a run's layout again: use "
+                             f"picofx.planner.layouts.Layout (one description of the run)")
+    return found
+
+
+def test_a_runs_layout_is_described_once():
+    assert second_layouts(ROOT) == []
+
+
 def test_dependencies_run_down_the_layers():
     assert layer_problems(ROOT) == []
 
@@ -342,6 +370,10 @@ BREACHES = {
         {"picofx/passes/two/__init__.py": "", "picofx/passes/two/two.py": "def f():\n    from picofx import passes\n"},
         family_problems, "picofx/passes/two/two.py:2 imports picofx.passes, outside pass family 'two'"),
     "a long module": ({"picofx/cost/units.py": "GiB = 2**30\n" * 401}, size_problems, "units.py has 401 lines"),
+    "a second Layout": ({"picofx/api.py": "class Layout:\n    cp: int = 1\n"}, second_layouts,
+                        "picofx/api.py:1 class Layout describes a run's layout again"),
+    "a layout by its fields": ({"picofx/cost/units.py": "class Ranks:\n    dp_shard: int\n    tp: int\n    pp: int\n"},
+                               second_layouts, "picofx/cost/units.py:1 class Ranks describes"),
 }
 
 
@@ -359,7 +391,7 @@ def write_tree(root: Path, files: dict[str, str | None]) -> Path:
 def test_a_tree_that_keeps_the_rules_passes(tmp_path):
     root = write_tree(tmp_path, GOOD_TREE)
     checks = (core_imports_of_passes, cycles, layer_problems, private_imports, size_problems, parallel_problems,
-              family_problems)
+              family_problems, second_layouts)
     assert [check(root) for check in checks] == [[]] * len(checks)
     assert set(import_graph(root).edges) == {
         ("picofx", "picofx.api"), ("picofx", "picofx.passes"), ("picofx.api", "picofx.cost.model"),

@@ -30,6 +30,7 @@ threads within the machine's cores, or every step slows; the run warns when they
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import signal
@@ -43,12 +44,13 @@ from tqdm import tqdm
 import picofx
 from picofx.cli import train_model, train_profile, train_state
 from picofx.models.llama import causal_lm_loss
-from picofx.cli.train_args import check_layout, parse_args, picofx_passes, run_options
-from picofx.cli.train_layout import choose_layout, train_mesh
+from picofx.cli.train_args import parse_args, run_options
+from picofx.cli.train_layout import (choose_layout, layout_line, replica_batch, replica_of, run_layout, train_mesh,
+                                     train_recipe)
 from picofx.cli.train_data import Batches, DataError
 from picofx.cli.train_guards import NonFinite, clip_gradients, gradient_norm, group_timeout, step_collectives
 from picofx.cli.train_report import write_report
-from picofx.cli.train_metrics import Layout, StepMetrics, oversubscribed, throughput
+from picofx.cli.train_metrics import StepMetrics, oversubscribed, throughput
 from picofx.diagnose import StepLog, diagnose, what_to_change
 from picofx.manager import pass_name
 from picofx.errors import DistributedError
@@ -69,14 +71,15 @@ class Ranks:
     """This process's place in the run: one process, or a rank of torchrun's process group with a
     second group of its own (its own timeout) on which ranks agree whether their setup succeeded."""
 
-    def __init__(self, args):
+    def __init__(self, args, layout=None):
         self.world, self.rank, self.agreement, self.owns_group = args.world, 0, None, False
+        self.layout = layout or run_layout(args)  # the run's one description (picofx.planner.layouts.Layout)
         self.watchdog = None  # under torchrun: stops every rank when one stops answering
         if args.world > 1:  # torchrun's rendezvous; a caller may have made the group already
             self.rank, self.agreement, self.owns_group = join_launched_group(
                 args.device, group_timeout(args.collective_timeout), datetime.timedelta(seconds=AGREEMENT_SECONDS))
             self.watchdog = Watchdog(rendezvous_store(), self.rank, self.world, args.collective_timeout).start()
-        self.replica = replica_of(self.rank, args)
+        self.replica = replica_of(self.rank, self.layout)
         self.speaks = self.rank == 0
 
     def say(self, *args, **kwargs) -> None:
@@ -122,12 +125,6 @@ class Ranks:
             torch.distributed.destroy_process_group()
 
 
-def replica_of(rank: int, args) -> int:
-    """The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first: the ranks of one replica (its
-    stages, its cp and tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
-    return (rank // (args.tp * args.cp)) % (args.dp * args.dp_replicate)
-
-
 class Session(typing.NamedTuple):
     model: torch.nn.Module
     opt_model: object
@@ -140,44 +137,9 @@ class Session(typing.NamedTuple):
     loss_fn: typing.Callable = causal_lm_loss  # the model's output and the labels -> the loss
 
 
-def layout_line(args) -> str:
-    if args.world == 1:
-        return "one process"
-    if args.cp > 1:
-        return f"{args.world} ranks: {args.cp}-way context parallel, each rank its part of every sequence"
-    if args.dp_replicate > 1:
-        parts = [f"{args.pp} pipeline stages" if args.pp > 1 else "", f"{args.dp_replicate} replicas",
-                 f"each sharded over {args.dp} ranks", f"{args.tp}-way tensor parallel" if args.tp > 1 else ""]
-        compressed = f", replicas' gradients all-reduced as {args.compress}" if args.compress else ""
-        return f"{args.world} ranks: HSDP, {' x '.join(p for p in parts if p)}{compressed}"
-    if args.tp > 1 and (args.shard or args.pp > 1):
-        if args.shard and args.pp > 1:
-            return (f"{args.world} ranks: {args.pp} pipeline stages x {args.dp} sharded data-parallel x {args.tp}-way "
-                    f"tensor parallel, each rank holding 1/{args.dp * args.tp} of its stage")
-        if args.shard:
-            return (f"{args.world} ranks: {args.dp} sharded data-parallel x {args.tp}-way tensor parallel, each rank "
-                    f"holding 1/{args.dp * args.tp} of the model, each data-parallel rank on its own batches")
-        return f"{args.world} ranks: {args.pp} pipeline stages, each {args.tp}-way tensor parallel"
-    if args.shard:
-        stages = f"{args.pp} pipeline stages, each " if args.pp > 1 else ""
-        compressed = f", gradients reduce-scattered as {args.compress}" if args.compress else ""
-        return (f"{args.world} ranks: {stages}sharded data parallel, each rank holding 1/{args.dp} of "
-                f"{'its stage' if args.pp > 1 else 'the model'}, each replica on its own batches{compressed}")
-    if args.tp > 1:
-        replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
-        sequence = " with sequence parallelism" if args.sequence_parallel else ""
-        return f"{args.world} ranks: {args.tp}-way tensor parallel{sequence}{replicas}"
-    if args.pp == 1:
-        default = " (the default under torchrun: --dp/--pp choose another layout)" if args.dp_default else ""
-        compressed = f", gradients exchanged as {args.compress}" if args.compress else ""
-        return f"{args.world} ranks: data parallel, {args.dp} replicas each on its own batches{compressed}{default}"
-    replicas = f" x {args.dp} data-parallel replicas each on its own batches" if args.dp > 1 else ""
-    return f"{args.world} ranks: {args.pp} pipeline stages{replicas}"
-
-
 def setup(args, ranks: Ranks) -> Session:
     """The model, its data, the optimized step and the optimizer, resumed where --resume says."""
-    passes, mesh = picofx_passes(args), train_mesh(args)
+    passes, mesh = train_recipe(args, ranks.layout).passes, train_mesh(args, ranks.layout)
     model, loss_fn, tokens, data_line = train_model.build(args)  # --size's reference LLaMA, or --model's
     if data_line:
         ranks.say(data_line)
@@ -197,16 +159,14 @@ def setup(args, ranks: Ranks) -> Session:
 
 
 def auto_layout(args, ranks: Ranks) -> None:
-    """--layout auto: every rank takes rank 0's plan (printed with why), checked as a given layout is."""
-    message = None
+    """--layout auto: every rank takes rank 0's plan (printed with why; rank 0 chose among runnable ones)."""
+    message = why = None
     try:
-        why = choose_layout(args, ranks.rank)
-        args.layout = None
-        check_layout(args, args.world)
+        ranks.layout, why = choose_layout(args, ranks.rank)
     except ValueError as e:
         message = str(e)
     ranks.stop_if_failed(message)
-    ranks.replica = replica_of(ranks.rank, args)
+    ranks.replica = replica_of(ranks.rank, ranks.layout)
     ranks.say(why)
 
 
@@ -245,12 +205,14 @@ def run(args) -> dict:
     ranks.stop_if_failed(train_state.resume_disagreement(args.resume, ranks.agreement))
     if args.save:  # every rank, before any capture or step: an unwritable --save would lose the run
         ranks.stop_if_failed(probe_writable(args.save, ranks.rank))
-    if args.layout == "auto" and args.world > 1:
+    if args.layout == "auto" and args.world > 1 and args.resumed_layout is None:
         auto_layout(args, ranks)
     elif args.layout_chosen:
         ranks.say(args.layout_chosen)
-    ranks.say(f"picofx train: {layout_line(args)}; {args.model or args.size} model, {args.steps} steps of "
-              f"{args.batch} x {args.seq} tokens on {args.device}{threads_note(args)}, backend {args.backend}")
+    # from here --batch is one replica's (--layout auto's global batch split), as a checkpoint records it
+    args = argparse.Namespace(**{**vars(args), "batch": replica_batch(args, ranks.layout), "layout": None})
+    ranks.say(f"picofx train: {layout_line(ranks.layout, args.world, args.dp_default)}; {args.model or args.size} "
+              f"model, {args.steps} steps of {args.batch} x {args.seq} tokens on {args.device}{threads_note(args)}, backend {args.backend}")
     if torch.device(args.device).type == "cpu":
         warning = oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads())
         if warning:
@@ -277,12 +239,14 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.say(f"picofx: {sum(p.numel() for p in s.model.parameters()) / 1e6:.2f}M parameters, "
               f"passes: {' '.join(s.passes) or '(none)'}{resumed}")
 
+    layout = ranks.layout
+    collectives = step_collectives(layout)
     nonfinite = NonFinite(skip=args.skip_nonfinite, world=args.world, order=[n for n, _ in s.model.named_parameters()],
                           speaks=ranks.speaks, close=ranks.close)
-    metrics = StepMetrics.of_run(args, s.model, s.opt_model, speaks=ranks.speaks, append=s.start_step > 0,
+    metrics = StepMetrics.of_run(args, layout, s.model, s.opt_model, speaks=ranks.speaks, append=s.start_step > 0,
                                  total=ranks.total)
     saves = train_state.PeriodicSaves(args, s, group=ranks.agreement, rank=ranks.rank, replica=ranks.replica,
-                                      options=run_options(args))  # before the loop: SIGTERM from here on saves
+                                      options=run_options(args, layout))  # before the loop: SIGTERM from here on saves
     profiling = train_profile.RunProfile(args, s, saves)  # --profile N: its phases wrap s's and saves' methods
     history, losses, interval = [], saves.losses, {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
     run_start, run_tokens = interval["start"], 0
@@ -290,11 +254,11 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     progress = tqdm(range(s.start_step, args.steps), desc="train", unit="step", disable=not ranks.speaks)
     for step in progress:
         started, cpu_started = time.perf_counter(), time.process_time()
-        ranks.at(step + 1, f"forward and backward ({step_collectives(args)})")
+        ranks.at(step + 1, f"forward and backward ({collectives})")
         batch = s.first if step == 0 else s.batches.next()
         data_s = time.perf_counter() - started
         loss = s.opt_model.forward_backward(**batch)
-        replicas = (args.dp_replicate if args.shard else args.dp) if args.pp > 1 else None
+        replicas = layout.dp_replicate if layout.pp > 1 else None
         ranks.at(step + 1, "gradient norm and non-finite check (all-reduces)")
         norm, lr = gradient_norm(list(s.opt_model.parameters()), replicas), s.schedule.get_last_lr()[0]
         if nonfinite.finite(step + 1, loss, norm, s.opt_model.named_parameters()):  # else stops, or skips the step
@@ -328,17 +292,17 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         if profiling.end_step(step + 1, saves.after_step):  # saved before the validation batch is drawn (as resumed)
             break
     if saves.stopped_at is not None:  # the report (--report) records the stop
-        write_report(args, ranks, s, saves, layout_line(args), stopped=saves.stop_line(args.save))
+        write_report(args, ranks, s, saves, layout_line(layout, args.world), stopped=saves.stop_line(args.save))
         return preempted(saves.stopped_at, saves.stopped_by, args, ranks, losses, metrics)
     run_seconds = time.perf_counter() - run_start
     ranks.at(args.steps, "end of the run (saving, validation, summary)")
     saves.finish()
 
     val = {k: v.to(args.device) for k, v in s.batches.sample("val").items()}
-    if args.pp == 1 and (args.shard or args.tp > 1):  # the parameters are pieces: the compiled step joins them
+    if layout.pp == 1 and (layout.shard or layout.tp > 1):  # the parameters are pieces: the compiled step joins them
         with torch.no_grad():
             val_loss = s.opt_model(**val).item()
-    elif args.pp == 1:
+    elif layout.pp == 1:
         with torch.no_grad():
             val_loss = s.loss_fn(s.model.eval()(val["input_ids"]), val["labels"]).item()
     else:  # a rank holds one stage: the loss comes through the schedule, whose gradients are dropped
@@ -346,7 +310,6 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         s.optimizer.zero_grad(set_to_none=True)
     tokens_per_s = run_tokens / run_seconds  # one replica's (one process's, or one pipeline's)
     report = s.opt_model.report
-    layout = Layout.of(args)
     ranks.say(f"\nsummary: {args.model or args.size}, {args.steps - s.start_step} steps of {args.batch} x {args.seq} "
               f"tokens on {args.device}, backend {args.backend}, passes {' '.join(s.passes) or '(none)'}")
     ranks.say(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}, first step to last (validation {val_loss:.3f})")
@@ -354,7 +317,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
         ranks.say(f"  tokens/s across {layout.dp} data-parallel replicas: {tokens_per_s * layout.dp:,.0f}")
     ranks.say(f"  tokens/s{' per replica' if layout.dp > 1 else ''}: {tokens_per_s:,.0f} over the run "
               f"({run_tokens:,} tokens in {run_seconds:.1f}s), {history[-1]['tokens_per_s']:,.0f} in the last interval")
-    tokens_per_call = (args.batch // args.microbatches if args.pp > 1 else args.batch) * args.seq
+    tokens_per_call = args.batch // layout.microbatches * args.seq
     measured = throughput(s.model, s.opt_model, tokens_per_s, seq=args.seq, tokens_per_call=tokens_per_call,
                           device=args.device, layout=layout, total=ranks.total)
     ranks.say("  " + measured.line(layout))
@@ -367,7 +330,7 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
     ranks.say(f"  picofx: capture {report.capture_seconds:.1f}s, compile {report.compile_seconds:.1f}s, "
               f"{report.recompilations} recompilations")
     ranks.say("\n" + report.table())
-    write_report(args, ranks, s, saves, layout_line(args), measured=profiling.html)
+    write_report(args, ranks, s, saves, layout_line(layout, args.world), measured=profiling.html)
     if args.save:
         ranks.say(f"saved step {args.steps} to {args.save}/step-{args.steps} (continue with --resume {args.save} "
                   "and a larger --steps)")

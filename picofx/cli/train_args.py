@@ -2,12 +2,13 @@
 compile: a bad option is one line on stderr (rank 0 only under torchrun) and exit status 2."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
 import torch
 
-from picofx.cli.train_layout import layout_features, train_recipe
+from picofx.cli.train_layout import replica_batch, run_layout, train_recipe
 from picofx.cost.device import device_for
 from picofx.cost.units import format_bytes
 from picofx.models.llama import CONFIGS
@@ -19,14 +20,19 @@ from picofx.cli.train_model import check_model, planned_shape
 from picofx.cli.train_state import saved_run
 from picofx.runtime.checkpoints import checkpoint_to_resume
 from picofx.manager import resolve_pass
-from picofx.manager.combinations import refused
 from picofx.compression import parse_compress
 from picofx.runtime.distributed import launched_world
+from picofx.planner.layouts import Layout
+from picofx.planner.recipe import refusal
+from picofx.planner.spec import layout_spec, parse_layout
 
-# what a resumed run must repeat to go on as the saved run would have
-RUN_OPTIONS = ("size", "model", "batch", "seq", "max_positions", "seed", "data", "dp", "dp_replicate", "pp",
-               "microbatches", "shard", "shard_stage", "tp", "sequence_parallel", "async_tp", "compress", "cp")
-OPTIONS_ADDED_LATER = {"cp": "1", "shard_stage": "3"}  # what a checkpoint saved before the option existed was run with
+# what a resumed run must repeat to go on as the saved run would have: these options and its layout
+# (picofx.planner.spec.layout_spec's spelling), which a checkpoint records
+RUN_OPTIONS = ("size", "model", "batch", "seq", "max_positions", "seed", "data", "layout")
+# a checkpoint saved before it recorded its layout holds these options instead; cp came later still
+LAYOUT_OPTIONS_BEFORE = ("dp", "dp_replicate", "pp", "microbatches", "shard", "tp", "sequence_parallel", "async_tp",
+                         "compress", "cp")
+RESUMABLE_CHANGES = ("checkpoint",)  # layout fields a resumed run may change: what is saved stays the same
 SET_BY_LAYOUT = {"overlap": "--dp (or the default data parallelism under torchrun)", "pipeline": "--pp",
                  "shard": "--shard", "tensor_parallel": "--tp"}
 
@@ -41,6 +47,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
     try:
         check_layout(args, launched_world(environ))
         check_passes(args)
+        check_runnable(args)
         check_positions(args)
         check_device(args)
         check_paths(args)
@@ -110,26 +117,24 @@ def check_layout(args, world: int | None) -> None:
                              "reduce-scatter (--shard): run it with --dp 2 or more")
     if args.async_tp is not None and not args.sequence_parallel:
         raise ValueError("--async-tp overlaps the gathers and reduce-scatters of --sequence-parallel: add it")
-    found = refused(layout_features(args))
-    if found is not None:  # the composability table's refusal (picofx/manager/combinations.py)
-        raise ValueError(f"{layout_options(args, every=True)}: {found.reason}")
     if args.compress_warmup and args.compress is None:
         raise ValueError("--compress-warmup counts steps before --compress's compressor starts: give --compress KIND")
     if args.sequence_parallel and args.tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over the --tp ranks: give --tp 2 or more")
     if args.pp > 1:
-        virtual = 2 if "Interleaved" in args.schedule else 1
-        if args.microbatches < args.pp * virtual:
-            raise ValueError(f"--microbatches {args.microbatches} is fewer than the {args.pp * virtual} pipeline "
-                             f"stages, which can stall the schedule: pass --microbatches {args.pp * virtual} or more")
-        rounds = max(1, args.microbatches // args.pp)
-        if virtual > 1 and args.microbatches % rounds:
-            raise ValueError(f"--schedule {args.schedule} runs micro-batches in rounds of {args.pp} (one per stage "
-                             f"rank): --microbatches {args.microbatches} is not a whole number of rounds; pass "
-                             f"--microbatches {rounds * args.pp}")
         if args.batch % args.microbatches:
             raise ValueError(f"--batch {args.batch} does not split into --microbatches {args.microbatches}: "
                              "pick a batch that is a multiple of it")
+
+
+def check_runnable(args) -> None:
+    """The run's layout with its --passes, as the recipe's authorities judge it (the micro-batch rule,
+    the composability table: picofx.planner.recipe.refusal); after check_layout and check_passes."""
+    layout = run_layout(args)
+    found = refusal(layout, compute=[name for name in args.passes if name != "checkpoint"])
+    if found is not None:
+        raise ValueError(f"{layout_options(layout, args)}{f' --schedule {args.schedule}' if args.pp > 1 else ''}: "
+                         f"{found}")
 
 
 def check_passes(args) -> None:
@@ -191,13 +196,16 @@ def check_paths(args) -> None:
     automatic = args.resume == "auto"
     if args.resume is not None:
         args.resume = checkpoint_to_resume(args.resume, args.save)  # auto with none saved yet: a fresh start
+    args.resumed_layout = None  # --layout auto --resume: the layout the checkpoint records
     if args.resume is not None:
-        step, saved = saved_run(args.resume, RUN_OPTIONS)
-        saved = {name: OPTIONS_ADDED_LATER.get(name) if value is None else value for name, value in saved.items()}
+        step, saved = saved_run(args.resume, RUN_OPTIONS + LAYOUT_OPTIONS_BEFORE)
+        recorded = saved_layout(saved)
         if getattr(args, "layout", None) == "auto" and args.world > 1:
-            adopt_saved_layout(args, saved)
+            adopt_saved_layout(args, recorded)
+        layout = run_layout(args)
         changed = [f"--{name.replace('_', '-')} {saved[name]} there, {value} here" for name, value in
-                   run_options(args).items() if saved[name] != value]
+                   run_options(args, layout).items() if name != "layout" and saved[name] != value]
+        changed += layout_changes(recorded, layout)
         if changed:
             raise ValueError(f"--resume {args.resume} was saved by a run with other options ({'; '.join(changed)}): "
                              "resume with the options it was saved with")
@@ -212,37 +220,59 @@ def check_paths(args) -> None:
         check_data_source(args.data)
 
 
-def adopt_saved_layout(args, saved: dict) -> None:
+def saved_layout(saved: dict) -> Layout:
+    """The layout a checkpoint's options record (a checkpoint from before the record: its layout options)."""
+    if saved.get("layout") is not None:
+        return parse_layout(saved["layout"])
+    old = {name: saved.get(name) for name in LAYOUT_OPTIONS_BEFORE}
+    dp, replicas, pp, shard = int(old["dp"]), int(old["dp_replicate"] or 1), int(old["pp"]), old["shard"] == "True"
+    return Layout(dp_replicate=replicas * (1 if shard else dp), dp_shard=dp if shard else 1, tp=int(old["tp"]), pp=pp,
+                  shard=shard, microbatches=int(old["microbatches"]) if pp > 1 else 1,
+                  sequence_parallel=old["sequence_parallel"] == "True", async_tp=old["async_tp"] != "False",
+                  compress=None if old["compress"] in (None, "None") else old["compress"], cp=int(old["cp"] or 1))
+
+
+def layout_changes(saved: Layout, here: Layout) -> list[str]:
+    """Where the run's layout differs from the one a checkpoint was saved under, field by field: a
+    resume under another layout is refused (its shards, stages and data replicas would not match)."""
+    return [f"layout {f.name}={getattr(saved, f.name)} there, {getattr(here, f.name)} here"
+            for f in dataclasses.fields(Layout) if f.name not in RESUMABLE_CHANGES
+            and getattr(saved, f.name) != getattr(here, f.name)
+            and (f.name != "schedule" or here.pp > 1) and (f.name != "shard_stage" or here.shard)]
+
+
+def adopt_saved_layout(args, layout: Layout) -> None:
     """--layout auto with --resume: the layout the saved run chose, not a new plan (one made now,
     on other timings, could differ, and the checkpoint is of that layout). --batch stays the global
     batch, as the saved run was given it."""
-    dp, tp, pp, cp = (int(saved[name]) for name in ("dp", "tp", "pp", "cp"))
-    if dp * tp * pp * cp != args.world:
-        raise ValueError(f"--resume {args.resume} was saved by a run on {dp * tp * pp * cp} ranks (dp {dp} x tp {tp} "
-                         f"x pp {pp} x cp {cp}), and torchrun started {args.world}: launch with --nproc-per-node "
-                         f"{dp * tp * pp * cp}")
-    args.layout, args.dp, args.tp, args.pp, args.cp = None, dp, tp, pp, cp
-    args.shard, args.sequence_parallel = saved["shard"] == "True", saved["sequence_parallel"] == "True"
-    args.shard_stage = int(saved.get("shard_stage", 3))
-    args.microbatches, args.batch = int(saved["microbatches"]), args.batch // dp
-    args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(args)})"
+    if layout.gpus != args.world:
+        raise ValueError(f"--resume {args.resume} was saved by a run on {layout.gpus} ranks ({layout.describe()}), "
+                         f"and torchrun started {args.world}: launch with --nproc-per-node {layout.gpus}")
+    args.resumed_layout = dataclasses.replace(layout, checkpoint="checkpoint" in args.passes)
+    args.layout_chosen = f"layout auto: resumed with the layout the saved run chose ({layout_options(layout)})"
 
 
-def layout_options(args, every: bool = False) -> str:
-    """The layout as the options that give it (`every`: --compress and --passes too)."""
+def layout_options(layout: Layout, args=None) -> str:
+    """The layout as the options that give it (with `args`: --compress and --passes too)."""
     given = [f"--{name.replace('_', '-')} {value}" for name, value in (
-        ("dp", args.dp), ("dp_replicate", args.dp_replicate), ("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
-        if value > 1]
-    flags = [flag for flag, on in (("--shard", args.shard), (f"--shard-stage {args.shard_stage}", args.shard_stage != 3), ("--sequence-parallel", args.sequence_parallel),
-                                   ("--no-async-tp", args.async_tp is False)) if on]
-    extra = [f"--compress {args.compress}"] if every and args.compress else []
-    extra += [f"--passes {' '.join(args.passes)}"] if every and args.passes else []
-    return " ".join(given + flags + ([f"--microbatches {args.microbatches}"] if args.pp > 1 else []) + extra)
+        ("dp", layout.dp_shard if layout.shard else layout.dp), ("dp_replicate", layout.dp_replicate if layout.shard
+                                                                else 1),
+        ("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp)) if value > 1]
+    flags = [flag for flag, on in (("--shard", layout.shard), ("--sequence-parallel", layout.sequence_parallel),
+                                   ("--no-async-tp", layout.sequence_parallel and not layout.async_tp)) if on]
+    flags += [f"--shard-stage {layout.shard_stage}"] if layout.shard and layout.shard_stage != 3 else []
+    flags += [f"--microbatches {layout.microbatches}"] if layout.pp > 1 else []
+    flags += [f"--cp-method {layout.cp_method}"] if layout.cp > 1 and layout.cp_method != "allgather" else []
+    extra = [f"--compress {layout.compress}"] if args is not None and layout.compress else []
+    extra += [f"--passes {' '.join(args.passes)}"] if args is not None and args.passes else []
+    return " ".join(given + flags + extra)
 
 
-def run_options(args) -> dict:
-    """The options a resumed run must repeat to go on as the saved one would have, as text."""
-    return {name: str(getattr(args, name)) for name in RUN_OPTIONS}
+def run_options(args, layout: Layout) -> dict:
+    """The options a resumed run must repeat to go on as the saved one would have, as text: the batch
+    one replica takes, and the layout as --layout spells it."""
+    return {name: str(getattr(args, name)) for name in RUN_OPTIONS if name not in ("batch", "layout")} | {
+        "batch": str(replica_batch(args, layout)), "layout": layout_spec(layout)}
 
 
 def picofx_passes(args) -> list:

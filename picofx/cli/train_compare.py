@@ -15,13 +15,13 @@ COMMUNICATION = ("tensor_parallel_comm", "context_parallel_comm", "pipeline_send
 def predicted_layout(args, device):
     """The planner's Prediction of the layout that ran (None where it plans no such layout)."""
     import picofx
-    from picofx.cli.train_layout import args_layout
+    from picofx.cli.train_layout import run_layout
     from picofx.cli.train_model import planned_shape
     from picofx.planner.layouts import Checkpointing
 
-    ran = args_layout(args)
+    ran = run_layout(args)
     config, _ = planned_shape(args)
-    same = dict(dp=ran.dp, tp=ran.tp, pp=ran.pp, shard=ran.shard, cp=ran.cp)
+    same = dict(dp=ran.dp, tp=ran.tp, pp=ran.pp, shard=ran.shard, cp=ran.cp, precision=ran.precision)
     if ran.pp > 1:
         same.update(microbatches=ran.microbatches, schedule=ran.schedule)
     plans = picofx.plan(config, world=args.world, seq=args.seq, global_batch=args.batch * ran.dp, gpu=device,

@@ -59,12 +59,12 @@ def group_timeout(collective_timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=collective_timeout + max(10.0, collective_timeout / 5))
 
 
-def step_collectives(args) -> str:
-    """What a step's forward and backward exchanges, under picofx train's layout."""
-    parts = [f"{args.pp} pipeline stages' sends and receives" if args.pp > 1 else "",
-             "tensor-parallel all-reduces" if args.tp > 1 else "",
-             "shard's all-gathers and reduce-scatters" if args.shard else "",
-             "gradient all-reduces" if (args.dp > 1 and not args.shard) or args.dp_replicate > 1 else ""]
+def step_collectives(layout) -> str:
+    """What a step's forward and backward exchanges, under picofx train's layout (a planner Layout)."""
+    parts = [f"{layout.pp} pipeline stages' sends and receives" if layout.pp > 1 else "",
+             "tensor-parallel all-reduces" if layout.tp > 1 else "",
+             "shard's all-gathers and reduce-scatters" if layout.shard else "",
+             "gradient all-reduces" if layout.dp_replicate > 1 else ""]
     return ", ".join(p for p in parts if p) or "no collective"
 
 

@@ -1,6 +1,6 @@
-"""picofx train's layout: its --dp/--tp/--pp/--shard options as a planner Layout, run by the planner's one
-recipe (picofx.planner.recipe); and --layout auto: the layout `picofx.plan` predicts fastest among those
-the script runs.
+"""picofx train's layout: its options as the planner's Layout, built once (run_layout), run by the planner's
+one recipe (picofx.planner.recipe) and read by the replica index, the layout line, metrics and checkpoints;
+and --layout auto: the layout `picofx.plan` predicts fastest among those the script runs.
 
 Rank 0 plans and broadcasts its choice: on a CPU the plan's device is calibrated by measuring (a
 single-rank step of the model; the link by all-reduces every rank takes part in), and measurements
@@ -10,76 +10,58 @@ equal work per step).
 """
 from __future__ import annotations
 
-import dataclasses
-
-from picofx.manager.combinations import COMPRESSION, closed, refused
 from picofx.cli.train_model import planned_shape
-from picofx.passes import ContextParallel, TensorParallel
 from picofx.planner.layouts import Layout
-from picofx.planner.recipe import Recipe, recipe
+from picofx.planner.recipe import Recipe, recipe, refusal
 
 
-def args_layout(args) -> Layout:
-    """The run's layout as the options give it (after check_layout, or --layout auto's choice);
-    --passes checkpoint is the layout's checkpointing."""
-    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, shard=args.shard, shard_stage=getattr(args, "shard_stage", 3),
-                  microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
+def run_layout(args) -> Layout:
+    """The run's one layout, built from its options (after check_layout): --dp/--dp-replicate/--shard,
+    --shard-stage, --tp/--sequence-parallel/--async-tp, --pp/--schedule/--microbatches, --cp/--cp-method, --compress;
+    --passes checkpoint is its checkpointing. Under --layout auto with --resume: the saved run's."""
+    if getattr(args, "layout", None) == "auto" and getattr(args, "resumed_layout", None) is not None:
+        return args.resumed_layout
+    replicas = args.dp_replicate * (1 if args.shard else args.dp)
+    return Layout(dp_replicate=replicas, dp_shard=args.dp if args.shard else 1, tp=args.tp, pp=args.pp,
+                  shard=args.shard, microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
                   checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
-                  compress=args.compress, cp=getattr(args, "cp", 1))
+                  async_tp=args.async_tp is not False, compress=args.compress, cp=args.cp, cp_method=args.cp_method,
+                  shard_stage=args.shard_stage)
 
 
-def layout_features(args=None, *, layout: Layout | None = None) -> frozenset:
-    """The run's features as the composability table names them (picofx/manager/combinations.py):
-    from picofx train's options, or from a planner Layout."""
-    layout = layout or args_layout(args)
-    replicate = getattr(args, "dp_replicate", 1)
-    found = {name for name in getattr(args, "passes", ()) if name in ("fuse", "precision", "checkpoint")}
-    found |= {"shard"} if layout.shard else set()
-    found |= {f"shard_stage{layout.shard_stage}"} if layout.shard and layout.shard_stage != 3 else set()
-    found |= {"overlap"} if replicate > 1 or (layout.dp > 1 and not layout.shard) else set()
-    found |= {"tensor_parallel"} if layout.tp > 1 else set()
-    if layout.sequence_parallel:
-        found.add("sequence_parallel" if getattr(args, "async_tp", None) is False else "async_tp")
-    found |= {"pipeline"} if layout.pp > 1 else set()
-    found |= {"context_parallel"} if layout.cp > 1 else set()
-    found |= {"ring"} if layout.cp > 1 and getattr(args, "cp_method", "allgather") == "ring" else set()
-    kinds = (layout.compress or "").split("+")
-    found |= {k for k in COMPRESSION if any(kind.split(":")[0] == k for kind in kinds)}
-    return closed(found)
-
-
-def train_recipe(args) -> Recipe:
-    """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe; with
-    --dp-replicate, HSDP (the shard pass over dp_replicate x dp_shard); --no-async-tp: sequence
-    parallelism without its chunked overlap; --cp-method: context parallelism's method."""
-    made = recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
+def train_recipe(args, layout: Layout | None = None) -> Recipe:
+    """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe."""
+    return recipe(layout or run_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
                   checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
                   measure_cuts=args.measure_cuts)
-    passes, shape = list(made.passes), dict(made.mesh_shape)
-    if args.async_tp is False:
-        passes = [dataclasses.replace(p, async_overlap=False) if isinstance(p, TensorParallel) else p for p in passes]
-    method = getattr(args, "cp_method", "allgather")
-    passes = [dataclasses.replace(p, method=method) if isinstance(p, ContextParallel) else p for p in passes]
-    if args.dp_replicate > 1:  # HSDP: the shard pass on (dp_replicate, dp_shard), averaging across replicas too
-        shape["dp_replicate"] = args.dp_replicate
-    return Recipe(passes, shape)
 
 
-def train_mesh(args):
+def train_mesh(args, layout: Layout):
     """The run's ParallelMesh (None in one process)."""
-    return None if args.world == 1 else train_recipe(args).mesh(args.device.split(":")[0])
+    return None if args.world == 1 else train_recipe(args, layout).mesh(args.device.split(":")[0])
+
+
+def replica_of(rank: int, layout: Layout) -> int:
+    """The mesh is (pp, dp_replicate, dp_shard, cp, tp), outermost first: the ranks of one replica (its
+    stages, its cp and tp ranks) share its batches; HSDP's replicas each count their dp_shard ranks."""
+    return (rank // (layout.tp * layout.cp)) % layout.dp
+
+
+def replica_batch(args, layout: Layout) -> int:
+    """Sequences per step of one replica: --batch, which --layout auto splits among the replicas."""
+    return args.batch // layout.dp if getattr(args, "layout", None) == "auto" else args.batch
 
 
 def unrunnable(layout: Layout) -> str | None:
-    """Why picofx train cannot run `layout` (None: it can); see train_args.check_layout."""
+    """Why picofx train cannot run `layout` (None: it can): what its options cannot say, then what the
+    recipe's authorities refuse (picofx.planner.recipe.refusal)."""
     if layout.checkpoint:
         return "checkpointing the planned way (every layer) is not one of its options"
     if layout.compress and layout.dp < 2:
         return "--compress without data-parallel ranks"
     if layout.pp == 1 and layout.microbatches > 1:
         return "micro-batches without a pipeline (gradient accumulation)"
-    found = refused(layout_features(layout=layout))
-    return None if found is None else found.reason
+    return refusal(layout)
 
 
 def explain(plans, index: int) -> str:
@@ -101,7 +83,7 @@ def explain(plans, index: int) -> str:
 
 
 def planned_choice(args, config, link) -> tuple:
-    """On rank 0: (the chosen Layout's fields, the line saying why), or (None, the error)."""
+    """On rank 0: (the chosen Layout, the line saying why), or (None, the error)."""
     import picofx
 
     try:
@@ -114,14 +96,14 @@ def planned_choice(args, config, link) -> tuple:
         if index is None:
             return None, (f"--layout auto: none of the {len(plans)} plans for {args.world} ranks both fits and is "
                           f"runnable here at --batch {args.batch}; give the layout with --dp/--tp/--pp/--shard")
-        return dataclasses.asdict(plans.predictions[index].layout), explain(plans, index)
+        return plans.predictions[index].layout, explain(plans, index)
     except Exception as e:  # noqa: BLE001  the other ranks wait on the broadcast: they must hear of it
         return None, f"--layout auto: planning failed: {type(e).__name__}: {e}"
 
 
-def choose_layout(args, rank: int) -> str:
-    """Every rank: set args' --dp/--tp/--pp/--shard/--sequence-parallel/--microbatches/--batch (and
-    --compress) to rank 0's plan; returns the line saying why (raises ValueError, on every rank, where planning failed)."""
+def choose_layout(args, rank: int) -> tuple[Layout, str]:
+    """Every rank: rank 0's plan as the run's Layout, and the line saying why (raises ValueError, on
+    every rank, where planning failed). --batch stays the global batch (replica_batch splits it)."""
     import torch.distributed as dist
 
     from picofx.cost.device import calibrate_link
@@ -130,15 +112,43 @@ def choose_layout(args, rank: int) -> str:
     link = calibrate_link(None) if args.device == "cpu" else None  # every rank takes part
     choice = [planned_choice(args, config, link) if rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)
-    fields, line = choice[0]
-    if fields is None:
+    layout, line = choice[0]
+    if layout is None:
         raise ValueError(line)
-    layout = Layout(**fields)
-    args.dp, args.tp, args.pp, args.shard = layout.dp, layout.tp, layout.pp, layout.shard
-    args.sequence_parallel, args.schedule, args.cp = layout.sequence_parallel, layout.schedule, layout.cp
-    args.batch //= layout.dp  # sequences per replica
-    if layout.pp > 1:
-        args.microbatches = layout.microbatches
-    if layout.compress:
-        args.compress = layout.compress
-    return line
+    return layout, line
+
+
+def layout_line(layout: Layout, world: int, dp_default: bool = False) -> str:
+    """The run's layout in words, as `picofx train` says it first."""
+    dp, tp, pp, compress = layout.dp, layout.tp, layout.pp, layout.compress
+    if world == 1:
+        return "one process"
+    if layout.cp > 1:
+        return f"{world} ranks: {layout.cp}-way context parallel, each rank its part of every sequence"
+    if layout.shard and layout.dp_replicate > 1:
+        parts = [f"{pp} pipeline stages" if pp > 1 else "", f"{layout.dp_replicate} replicas",
+                 f"each sharded over {layout.dp_shard} ranks", f"{tp}-way tensor parallel" if tp > 1 else ""]
+        compressed = f", replicas' gradients all-reduced as {compress}" if compress else ""
+        return f"{world} ranks: HSDP, {' x '.join(p for p in parts if p)}{compressed}"
+    if tp > 1 and (layout.shard or pp > 1):
+        if layout.shard and pp > 1:
+            return (f"{world} ranks: {pp} pipeline stages x {dp} sharded data-parallel x {tp}-way tensor parallel, "
+                    f"each rank holding 1/{dp * tp} of its stage")
+        if layout.shard:
+            return (f"{world} ranks: {dp} sharded data-parallel x {tp}-way tensor parallel, each rank holding "
+                    f"1/{dp * tp} of the model, each data-parallel rank on its own batches")
+        return f"{world} ranks: {pp} pipeline stages, each {tp}-way tensor parallel"
+    if layout.shard:
+        stages = f"{pp} pipeline stages, each " if pp > 1 else ""
+        compressed = f", gradients reduce-scattered as {compress}" if compress else ""
+        return (f"{world} ranks: {stages}sharded data parallel, each rank holding 1/{dp} of "
+                f"{'its stage' if pp > 1 else 'the model'}, each replica on its own batches{compressed}")
+    replicas = f" x {dp} data-parallel replicas each on its own batches" if dp > 1 else ""
+    if tp > 1:
+        sequence = " with sequence parallelism" if layout.sequence_parallel else ""
+        return f"{world} ranks: {tp}-way tensor parallel{sequence}{replicas}"
+    if pp == 1:
+        default = " (the default under torchrun: --dp/--pp choose another layout)" if dp_default else ""
+        compressed = f", gradients exchanged as {compress}" if compress else ""
+        return f"{world} ranks: data parallel, {dp} replicas each on its own batches{compressed}{default}"
+    return f"{world} ranks: {pp} pipeline stages{replicas}"

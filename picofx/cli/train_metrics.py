@@ -2,7 +2,8 @@
 metrics written by --metrics and --tensorboard.
 
 MFU = the whole model's FLOPs per token x the tokens per second of the whole run (every replica)
-/ (the peak FLOP/s of one rank x every rank the run uses: dp x tp x pp). A pipeline's stages and
+/ (the peak FLOP/s of one rank x every rank the run uses: dp x tp x pp x cp), the layout being the
+run's one description (picofx.planner.layouts.Layout). A pipeline's stages and
 a replica's tensor-parallel ranks share one batch, so the run's tokens/s is one replica's tokens/s
 times the data-parallel replicas; the FLOPs per token stay the whole model's, whatever part of it
 a rank holds. The peak is measured on a CPU (a matmul at the step's dtype, on the threads each
@@ -23,25 +24,9 @@ from picofx.cost.device import available_cores, device_for, matmul_flops
 from picofx.cost.model import CostModel, compute_dtype, node_flops
 from picofx.diagnose import gather_rank_figures
 from picofx.diagnose.records import METRICS_NAME
+from picofx.planner.layouts import Layout
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1  # data-parallel replicas (sharded or not), each on its own batch
-    tp: int = 1  # tensor-parallel ranks, one batch split over them
-    pp: int = 1  # pipeline stages, one batch through all of them
-    cp: int = 1  # context-parallel ranks, each sequence of one batch split over them
-
-    @property
-    def ranks(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    @classmethod
-    def of(cls, args) -> Layout:
-        """picofx train's layout, from its resolved options."""
-        return cls(dp=args.dp * args.dp_replicate, tp=args.tp, pp=args.pp, cp=args.cp)
 
 
 def run_tokens_per_s(replica_tokens_per_s: float, layout: Layout) -> float:
@@ -52,7 +37,7 @@ def run_tokens_per_s(replica_tokens_per_s: float, layout: Layout) -> float:
 def model_flops_utilization(flops_per_token: float, replica_tokens_per_s: float, peak_flops_per_s: float,
                             layout: Layout) -> float:
     """The fraction of the ranks' peak that the model's FLOPs use (0.42 is 42%)."""
-    return flops_per_token * run_tokens_per_s(replica_tokens_per_s, layout) / (peak_flops_per_s * layout.ranks)
+    return flops_per_token * run_tokens_per_s(replica_tokens_per_s, layout) / (peak_flops_per_s * layout.gpus)
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:
@@ -125,8 +110,8 @@ def rank_peak(device: str, dtype: torch.dtype, layout: Layout, total=None) -> Pe
         return Peak(spec.flops_per_second(dtype), dtype, spec.source, spec.name)
     threads = torch.get_num_threads()
     flops, when = cached_cpu_peak(lambda: matmul_flops(dtype, device, size=MATMUL, repeats=3), dtype, threads,
-                                  layout.ranks, total)
-    per_rank = " per rank, every rank at once" if layout.ranks > 1 else ""
+                                  layout.gpus, total)
+    per_rank = " per rank, every rank at once" if layout.gpus > 1 else ""
     return Peak(flops, dtype, "measured", f"a {MATMUL} x {MATMUL} matmul on {threads} thread"
                                           f"{'s' if threads > 1 else ''}{per_rank}", when)
 
@@ -150,7 +135,7 @@ class Throughput:
     peak: Peak                    # of one rank
 
     def line(self, layout: Layout) -> str:
-        ranks = f" per rank x {layout.ranks} ranks" if layout.ranks > 1 else ""
+        ranks = f" per rank x {layout.gpus} ranks" if layout.gpus > 1 else ""
         dtype = DTYPE_NAMES.get(self.peak.dtype, str(self.peak.dtype))
         return (f"MFU {100 * self.mfu:.3g}% of the {self.peak.kind} {dtype} peak, {self.peak.flops / 1e9:,.0f} "
                 f"GFLOP/s{ranks} ({self.peak.how}){' ' + self.peak.when if self.peak.when else ''}; "
@@ -207,13 +192,13 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats(device)
 
     @classmethod
-    def of_run(cls, args, model, opt_model, *, speaks: bool, append: bool, total=None) -> StepMetrics | None:
+    def of_run(cls, args, layout: Layout, model, opt_model, *, speaks: bool, append: bool,
+               total=None) -> StepMetrics | None:
         """The run's writer, or None without --metrics, --tensorboard and --save (whose directory then
         holds the records, for picofx doctor). A collective under torchrun."""
         path = args.metrics or (str(pathlib.Path(args.save) / METRICS_NAME) if args.save else None)
         if path is None and args.tensorboard is None:
             return None
-        layout = Layout.of(args)
         peak = rank_peak(args.device, step_dtype(captured_graphs(opt_model)), layout, total)
         run = {"batch": args.batch, "data_workers": args.data_workers, "device": args.device}
         if torch.device(args.device).type == "cuda":

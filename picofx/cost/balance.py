@@ -30,6 +30,23 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 
 
+def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B") -> str | None:
+    """The one micro-batch rule (the planner, the recipe and picofx train ask it): why `microbatches`
+    cannot run `pp` pipeline ranks under `schedule` (None: they can). Each stage needs one at least
+    (fewer can stall the schedule), each of an interleaved schedule's 2 stages per rank too, and
+    torch's interleaved schedules run them in whole rounds (of microbatches // pp)."""
+    if pp == 1:  # micro-batches of one stage: gradient accumulation, which the planner plans too
+        return None
+    stages = pp * (2 if schedule in INTERLEAVED_SCHEDULES else 1)
+    if microbatches < stages:
+        return f"{microbatches} micro-batches are fewer than the {stages} pipeline stages, which can stall the schedule"
+    rounds = max(1, microbatches // pp)
+    if schedule in INTERLEAVED_SCHEDULES and microbatches % rounds:
+        return (f"{schedule} runs micro-batches in rounds of {pp} (one per stage rank): {microbatches} is not a "
+                f"whole number of rounds; {rounds * pp} is")
+    return None
+
+
 def in_flight(schedule: str, rank: int, ranks: int, microbatches: int, virtual: int = 1) -> int:
     """Micro-batches (of one stage's activations) rank `rank` keeps alive at once.
     GPipe runs every forward first: all M. 1F1B starts a backward as soon as it can: stage r holds

@@ -16,6 +16,9 @@ import torch
 from picofx.cost.gpus import A100_80GB as A100, GPUS as DEVICES, H100, H200  # noqa: F401
 from picofx.cost.hardware import GB, GiB, Device, Link  # noqa: F401
 
+MAX_MEMORY_FRACTION = 0.95  # what a step may use of a device's memory: the rest is kept for the allocator and
+                            # fragmentation (the planner's fit, the checkpoint budget of a planned recipe)
+
 
 def cpu(cores: int | None = None) -> Device:
     """A nominal x86-64 CPU: per core 2 AVX2 FMA units x 8 fp32 lanes x 2 FLOP x 2.5 GHz = 80 GFLOP/s,

@@ -191,8 +191,8 @@ def cells() -> list[Cell]:
 
 def features_of(passes, mesh=None) -> frozenset:
     """The features a list of passes (names or pass objects) asks for, on the run's `mesh` (a
-    ParallelMesh, a DeviceMesh with picofx's dimension names, or None)."""
-    sizes = dict(getattr(mesh, "sizes", ()) or ())  # a ParallelMesh
+    ParallelMesh, a DeviceMesh with picofx's dimension names, their sizes by name, or None)."""
+    sizes = dict(mesh) if isinstance(mesh, dict) else dict(getattr(mesh, "sizes", ()) or ())  # a ParallelMesh
     if getattr(mesh, "mesh_dim_names", None):  # a DeviceMesh
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     out = {"hsdp"} if sizes.get("dp_replicate", 1) > 1 and sizes.get("dp_shard", 1) > 1 else set()

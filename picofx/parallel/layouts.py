@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch import fx
 
@@ -193,6 +193,19 @@ class TensorParallelLayout:
 
     def first_difference(self, theirs: "TensorParallelLayout", rank: int) -> str:
         return first_differing_entry(self.entries, theirs.entries, rank, lambda e: e.style, "is placed")
+
+
+class Placement(Protocol):
+    """What a recorded layout that places the model's parameters does at run time (implemented beside
+    its runtime, picofx.runtime.placement): `check` that every rank recorded the same (a collective),
+    `place` the model's parameters as it says (on the run's ParallelMesh), and give the graph's
+    `local_inputs` for a call (`names`: each input slot's parameter name, or None)."""
+
+    def check(self) -> None: ...
+
+    def place(self, model: Any, mesh: Any) -> None: ...
+
+    def local_inputs(self, names: list, values: list) -> list: ...
 
 
 @dataclass

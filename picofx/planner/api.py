@@ -23,14 +23,14 @@ from picofx.cost.device import Device, device_for, devices
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES
-from picofx.planner.layouts import Checkpointing, Layout, Prediction, Run
+from picofx.planner.layouts import LAYOUT_NAMES, Checkpointing, Layout, Prediction, Run
 from picofx.planner.device_profile import read_device_profile
 from picofx.planner.measure import calibrated_device
 from picofx.planner.models import HF_KEYS, model_config
 from picofx.planner.recipe import Recipe, planned_recipe
 from picofx.planner.run import check_run, on_network, plan_run, table
 
-LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
+LAYOUT_FIELDS = set(LAYOUT_NAMES)
 
 
 def as_config(model) -> LlamaConfig:

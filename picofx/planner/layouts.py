@@ -41,19 +41,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from picofx.cost.balance import INTERLEAVED_SCHEDULES
 from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_seconds
-from picofx.cost.device import Device
+from picofx.cost.device import MAX_MEMORY_FRACTION, Device
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
 from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
 from picofx.planner.float8 import FLOAT8, at_precision, gather_bytes_per_parameter, refusal as float8_refusal
+from picofx.planner.recipe import refusal
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
 ADAMW_TRAFFIC = 28            # bytes an AdamW step moves per fp32 parameter: reads p, g, m, v; writes p, m, v
-MAX_MEMORY_FRACTION = 0.95   # what a step may use of the device's memory: the rest is kept for the allocator
-                             # and fragmentation
 BOTTLENECKS = {  # the step's time terms, as the bottleneck each names
     "compute": "compute", "recompute": "recompute", "tensor_parallel_comm": "tensor-parallel communication",
     "pipeline_sends": "pipeline activation sends", "bubble": "pipeline bubble",
@@ -88,29 +88,68 @@ class Checkpointing(enum.StrEnum):
 
 CHECKPOINTS = tuple(Checkpointing)  # what layouts are planned with: none, selective, full
 PRECISIONS = ("bf16", "float8", "float8_rowwise")  # float8: torchao's tensorwise recipe
+CP_METHODS = ("allgather", "ring")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Layout:
-    dp: int
+    """The one description of a run's layout: the planner plans it, the recipe (picofx.planner.recipe)
+    turns it into passes and a mesh, `picofx train` runs it, its metrics and checkpoints record it.
+
+    The data-parallel ranks are `dp_replicate` replicas of `dp_shard` ranks that shard (HSDP where
+    both are over 1); `dp` (their product: the batches a step takes) and `shard` are what
+    `Layout(dp=4, shard=True)` and `--layout dp=4,shard=true` spell. `shard` with dp_shard 1 shards over
+    the cp ranks alone. Positionally: LAYOUT_NAMES' order, up to shard_stage."""
+
+    dp_replicate: int
+    dp_shard: int
     tp: int
     pp: int
-    shard: bool = False
-    microbatches: int = 1
-    schedule: str = "1F1B"
-    checkpoint: Checkpointing = Checkpointing.NONE  # a bool or a name is converted
-    sequence_parallel: bool = False
-    compress: str | None = None
-    cp: int = 1  # context-parallel ranks: each sequence split over them (picofx.planner.context)
-    precision: str = "bf16"  # one of PRECISIONS: the matmuls' precision
-    shard_stage: int = 3  # with shard: 1 optimizer state, 2 and gradients, 3 and parameters (ZeRO's stages)
+    shard: bool
+    microbatches: int
+    schedule: str
+    checkpoint: Checkpointing
+    sequence_parallel: bool
+    compress: str | None
+    cp: int  # context-parallel ranks: each sequence split over them (picofx.planner.context)
+    precision: str  # one of PRECISIONS: the matmuls' precision
+    shard_stage: int  # with shard: 1 optimizer state, 2 and gradients, 3 and parameters (ZeRO's stages)
+    async_tp: bool  # with sequence_parallel: its gathers and reduce-scatters chunked, overlapped with the linears
+    cp_method: str  # with cp: "allgather" (each rank gathers the keys and values) or "ring"
 
-    def __post_init__(self):
-        object.__setattr__(self, "checkpoint", Checkpointing.of(self.checkpoint))
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
-        if self.shard_stage not in (1, 2, 3):
-            raise ValueError(f"shard_stage {self.shard_stage!r}: 1, 2 or 3")
+    def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, shard: bool = False, microbatches: int = 1,
+                 schedule: str = "1F1B", checkpoint=Checkpointing.NONE, sequence_parallel: bool = False,
+                 compress: str | None = None, cp: int = 1, precision: str = "bf16", shard_stage: int = 3, *,
+                 dp_replicate: int = 1, dp_shard: int = 1, async_tp: bool = True, cp_method: str = "allgather"):
+        if dp is not None:  # the data-parallel degree: HSDP's replicas kept where they still divide it
+            replicas = dp_replicate if shard and dp_replicate < dp and dp % dp_replicate == 0 else 1
+            dp_replicate, dp_shard = (replicas, dp // replicas) if shard else (dp, 1)
+        elif shard and dp_shard == 1 and dp_replicate > 1:  # shard turned on: the replicas become the shards
+            dp_replicate, dp_shard = 1, dp_replicate
+        elif not shard and dp_shard > 1:  # shard turned off: the shards become replicas
+            dp_replicate, dp_shard = dp_replicate * dp_shard, 1
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+        if shard_stage not in (1, 2, 3):
+            raise ValueError(f"shard_stage {shard_stage!r}: 1, 2 or 3")
+        if cp_method not in CP_METHODS:
+            raise ValueError(f"cp_method {cp_method!r}: one of {', '.join(CP_METHODS)}")
+        values = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, shard=bool(shard),
+                      microbatches=microbatches, schedule=schedule, checkpoint=Checkpointing.of(checkpoint),
+                      sequence_parallel=bool(sequence_parallel), compress=compress, cp=cp, precision=precision,
+                      shard_stage=shard_stage, async_tp=bool(async_tp), cp_method=cp_method)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each takes its own batch (replicated, sharded, or both)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def virtual(self) -> int:
+        """Pipeline stages per pp rank: 2 under an interleaved schedule, else 1."""
+        return 2 if self.schedule in INTERLEAVED_SCHEDULES else 1
 
     @property
     def gpus(self) -> int:
@@ -118,13 +157,19 @@ class Layout:
 
     def describe(self) -> str:
         stage = "" if self.shard_stage == 3 else f" stage {self.shard_stage}"
-        parts = [f"dp{self.dp}" + (" shard" + stage if self.shard else ""), f"tp{self.tp}" + (" sp" if self.sequence_parallel
-                                                                                  else ""), f"pp{self.pp}"]
+        hsdp = f" ({self.dp_replicate} replicas of {self.dp_shard})" if self.shard and self.dp_replicate > 1 else ""
+        parts = [f"dp{self.dp}" + (" shard" + stage + hsdp if self.shard else ""),
+                 f"tp{self.tp}" + (" sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
         return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
             (f", {self.compress}" if self.compress else "") + \
             (f", {self.precision}" if self.precision != "bf16" else "")
+
+
+# what a plan's limits and --layout name: the constructor's positional order, then the keywords
+LAYOUT_NAMES = ("dp", "tp", "pp", "shard", "microbatches", "schedule", "checkpoint", "sequence_parallel", "compress",
+                "cp", "precision", "shard_stage", "dp_replicate", "dp_shard", "async_tp", "cp_method")
 
 
 @dataclass
@@ -143,10 +188,11 @@ class Prediction:
     measured_step_s: float | None = None
     matmuls: dict = field(default_factory=dict)  # float8 layouts: what each of a layer's linears runs in, and why
 
-    def as_json(self) -> dict:
-        return {**dataclasses.asdict(self.layout), "memory_per_gpu": self.memory_per_gpu, "step_s": self.step_s,
-                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits, "reason": self.reason,
-                "bottleneck": self.bottleneck, "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
+    def as_json(self) -> dict:  # the layout's fields, and dp: their data-parallel product
+        return {**dataclasses.asdict(self.layout), "dp": self.layout.dp, "memory_per_gpu": self.memory_per_gpu,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "fits": self.fits,
+                "reason": self.reason, "bottleneck": self.bottleneck,
+                "suggestions": [dataclasses.asdict(s) for s in self.suggestions],
                 "memory": self.memory, "time": self.time, "measured_step_s": self.measured_step_s,
                 "matmuls": self.matmuls}
 
@@ -309,9 +355,7 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
     if run.global_batch % (layout.dp * layout.microbatches):
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
-    if layout.pp > 1 and layout.microbatches < layout.pp:
-        return "fewer micro-batches than pipeline stages"
-    return None
+    return refusal(layout)  # what the passes cannot run: the micro-batch rule, the composability table
 
 
 def divisors(n: int) -> list[int]:
@@ -337,7 +381,7 @@ def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> 
                                                 precision=precision)
                                 if valid(run, layout) is None:
                                     layouts.append(layout)
-                                    layouts += compressed(run, layout, compress)
+                                    layouts += [c for c in compressed(run, layout, compress) if refusal(c) is None]
     return layouts
 
 

@@ -1,4 +1,4 @@
-"""The one recipe from a layout to the passes that run it and the mesh they run on, as torchtitan's
+"""The one recipe from a layout (picofx.planner.layouts.Layout) to the passes that run it and the mesh they run on, as torchtitan's
 parallelize.py composes its parallelisms: `picofx.plan(...).passes()`, `picofx plan` (its best plan's
 recipe), `picofx plan --measure`, and `picofx train` (its --dp/--tp/--pp/--shard options or
 --layout auto's choice, as a Layout) all take their passes from here.
@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from picofx.cost.balance import INTERLEAVED_SCHEDULES
+from picofx.cost.balance import microbatch_refusal
+from picofx.cost.device import MAX_MEMORY_FRACTION
+from picofx.manager import pass_info, resolve_pass
+from picofx.manager.combinations import features_of, refused
+from picofx.manager.order import STAGE_ORDER, run_order
 from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Precision, Shard, TensorParallel
 from picofx.planner.float8 import RECIPES as FLOAT8_RECIPES
-from picofx.planner.layouts import MAX_MEMORY_FRACTION, Layout
 
 
 @dataclass(frozen=True)
@@ -31,41 +34,44 @@ class Recipe:
 
 def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpoint_optimizer=None,
            compress_warmup: int = 0, measure_cuts: bool = False) -> Recipe:
-    """The passes that run `layout`, and its mesh.
+    """The passes that run `layout`, in the order their PassInfo declares, and its mesh.
 
     compute: the passes that rewrite the computation (names or pass objects: fuse, precision, a
     user's), kept in their order. checkpoint_budget, checkpoint_optimizer: Checkpoint's budget and
     optimizer where `layout.checkpoint` (both None: the pass by its name, with its defaults).
     compress_warmup: the steps the data-parallel exchange runs uncompressed first (its warmup).
     measure_cuts: the pipeline cuts where measured unit times balance, instead of predicted ones."""
-    compute = in_precision(list(compute), layout.precision)
-    tensor_parallel = [TensorParallel(sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
-    pipeline = [Pipeline(stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
-                         virtual=2 if layout.schedule in INTERLEAVED_SCHEDULES else 1, measure=measure_cuts)
-                ] if layout.pp > 1 else []
-    checkpoint = []
+    passes = in_precision(list(compute), layout.precision)
     if layout.checkpoint:
         given = checkpoint_budget is not None or checkpoint_optimizer is not None
-        checkpoint = [Checkpoint(budget=checkpoint_budget, optimizer=checkpoint_optimizer) if given else "checkpoint"]
-    data = []
-    if layout.shard or layout.dp > 1:  # sharded over the dp_shard ranks (one included), or replicas' exchange
+        passes.append(Checkpoint(budget=checkpoint_budget, optimizer=checkpoint_optimizer) if given else "checkpoint")
+    if layout.pp > 1:
+        passes.append(Pipeline(stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
+                               virtual=layout.virtual, measure=measure_cuts))
+    if layout.tp > 1:
+        passes.append(TensorParallel(sequence_parallel=layout.sequence_parallel,
+                                     async_overlap=layout.async_tp))
+    if layout.cp > 1:  # each rank of the cp group keeps its part of every sequence
+        passes.append(ContextParallel(method=layout.cp_method))
+    if layout.shard or layout.dp > 1:  # sharded over dp_shard (one included; x cp, and HSDP's replicas), or replicas'
         exchange = Shard if layout.shard else Overlap
         stage = {"stage": layout.shard_stage} if layout.shard and layout.shard_stage != 3 else {}
-        data = [exchange(compress=layout.compress, warmup=compress_warmup if layout.compress else 0, **stage)]
-    # tensor parallel reads the plain linears that fuse and precision rewrite, so it comes before
-    # them; under a pipeline the cut comes first and tensor parallel splits each stage's graph.
-    # Checkpointing plans the joint graph the compute passes made; the data-parallel exchange
-    # buckets the gradients of the (stage's) backward, last.
-    if tensor_parallel and pipeline:
-        passes = [*pipeline, *tensor_parallel, *compute, *checkpoint, *data]
-    else:
-        passes = [*tensor_parallel, *compute, *checkpoint, *pipeline, *data]
-    shape = {"pp": layout.pp, "dp_replicate": 1 if layout.shard else layout.dp,
-             "dp_shard": layout.dp if layout.shard else 1, "tp": layout.tp}
-    if layout.cp > 1:  # each rank of the cp group keeps its part of every sequence, first of all
-        passes.insert(0, ContextParallel())
+        passes.append(exchange(compress=layout.compress, warmup=compress_warmup if layout.compress else 0, **stage))
+    shape = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+    if layout.cp > 1:
         shape["cp"] = layout.cp
-    return Recipe(passes, shape)
+    return Recipe(declared_order(passes), shape)
+
+
+def declared_order(passes: list) -> list:
+    """`passes` in the order the manager runs them: as their PassInfo declares (tensor and context
+    parallelism before the compute passes and after the pipeline's cut, shard after them all). The
+    passes they require (PassInfo.requires) are left to the manager, which adds them."""
+    resolved = [resolve_pass(p) for p in passes]
+    ordered, _ = run_order(resolved)
+    ordered.sort(key=lambda p: STAGE_ORDER[pass_info(p).stage])  # stable: the stages run one after another
+    given = {id(r): i for i, r in enumerate(resolved)}
+    return [passes[given[id(o)]] for o in ordered if id(o) in given]
 
 
 def in_precision(compute: list, precision: str) -> list:
@@ -90,13 +96,17 @@ def planned_recipe(layout: Layout, device, compute) -> Recipe:
     return recipe(layout, compute=list(compute), checkpoint_budget=budget, checkpoint_optimizer="adamw")
 
 
-def unsupported(layout: Layout) -> str | None:
-    """Why picofx's passes cannot run `layout` together (None: they can)."""
-    if layout.tp > 1 and layout.pp > 1 and layout.dp > 1 and not layout.shard:
-        return "replicated data parallel over tensor-parallel pipeline stages (shard them instead)"
-    if layout.sequence_parallel and layout.pp > 1:
-        return "sequence parallelism under a pipeline"
-    return None
+def refusal(layout: Layout, compute=()) -> str | None:
+    """Why picofx cannot run `layout` (None: it can), as the authorities say: the one micro-batch rule
+    (picofx.cost.balance) and the composability table (picofx.manager.combinations), asked of the
+    passes and mesh this recipe makes (with the `compute` passes). The planner, `picofx plan` and
+    `picofx train` ask here."""
+    reason = microbatch_refusal(layout.pp, layout.microbatches, layout.schedule)
+    if reason is not None:
+        return reason
+    made = recipe(layout, compute=compute)
+    found = refused(features_of(made.passes, made.mesh_shape))
+    return None if found is None else found.reason
 
 
 def describe_passes(passes: list) -> str:

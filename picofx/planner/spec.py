@@ -1,21 +1,24 @@
 """A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
 as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective"
 (cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full"; precision=bf16|float8|float8_rowwise;
-shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3).
+shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3). The data-parallel ranks
+are spelled dp=N with shard=true|false, or as their two dimensions, "dp_replicate=2,dp_shard=4" (HSDP);
+async_tp=true|false, cp_method=allgather|ring.
 
-Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
+Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default.
+`layout_spec` writes every field of a Layout in this spelling (what a checkpoint records)."""
 from __future__ import annotations
 
 import dataclasses
 
 from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
 from picofx.planner.compress import kinds_to_consider
-from picofx.planner.layouts import PRECISIONS, Checkpointing, Layout
+from picofx.planner.layouts import CP_METHODS, LAYOUT_NAMES, PRECISIONS, Checkpointing, Layout
 
-WHOLE = ("dp", "tp", "pp", "microbatches", "cp", "shard_stage")
-YES_NO = ("shard", "sequence_parallel")
+WHOLE = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "microbatches", "cp", "shard_stage")
+YES_NO = ("shard", "sequence_parallel", "async_tp")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
-FIELDS = [f.name for f in dataclasses.fields(Layout)]
+FIELDS = list(LAYOUT_NAMES)
 
 
 def parse_value(key: str, text: str):
@@ -35,6 +38,10 @@ def parse_value(key: str, text: str):
     if key == "schedule":
         if text not in SINGLE_STAGE_SCHEDULES:
             raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)}")
+        return text
+    if key == "cp_method":
+        if text not in CP_METHODS:
+            raise ValueError(f"cp_method={text!r}: one of {', '.join(CP_METHODS)}")
         return text
     if key == "precision":
         if text not in PRECISIONS:
@@ -68,6 +75,20 @@ def parse_layout(spec: str, gpus: int | None = None) -> Layout:
     if "shard_stage" in given:
         if given.setdefault("shard", True) is False:
             raise ValueError("--layout: shard_stage with shard=false; leave shard out or set it true")
+    if given.get("dp_shard", 1) > 1 and given.setdefault("shard", True) is False:
+        raise ValueError("--layout: dp_shard over 1 with shard=false; leave shard out or set it true")
+    if "dp" in given and {"dp_replicate", "dp_shard"} & set(given):
+        raise ValueError("--layout: dp with dp_replicate or dp_shard: give dp (and shard) or the two dimensions")
     tp, pp, cp = given.setdefault("tp", 1), given.setdefault("pp", 1), given.setdefault("cp", 1)
-    given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
+    if not {"dp_replicate", "dp_shard"} & set(given):
+        given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
     return Layout(**given)
+
+
+def layout_spec(layout: Layout) -> str:
+    """Every field of `layout` as --layout spells it; parse_layout reads it back (a planned schedule)."""
+    def text(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else "none" if value is None else str(value)
+
+    return ",".join(f"{f.name}={text(getattr(layout, f.name))}" for f in dataclasses.fields(Layout)
+                    if layout.shard or f.name != "shard_stage")  # a stage implies shard

@@ -32,7 +32,8 @@ def percent(share: float) -> str:
 
 def plan_label(p: dict) -> str:
     cp = f" x cp{p['cp']}" if p.get("cp", 1) > 1 else ""
-    text = (f"dp{p['dp']}{' shard' if p.get('shard') else ''} x tp{p['tp']}"
+    dp = p["dp"] if "dp" in p else p["dp_replicate"] * p["dp_shard"]  # a Layout's asdict: its two dimensions
+    text = (f"dp{dp}{' shard' if p.get('shard') else ''} x tp{p['tp']}"
             f"{' sp' if p.get('sequence_parallel') else ''} x pp{p['pp']}{cp}, {p['microbatches']} mb")
     checkpoint = {True: "full", False: "none", None: "none"}.get(p.get("checkpoint"), p.get("checkpoint"))  # old JSON: a bool
     checkpoint = {"none": "", "full": ", ckpt"}.get(checkpoint, f", {checkpoint} ckpt")
@@ -67,7 +68,7 @@ def suggestion_item(s, plan: dict) -> str:
     nothing is quiet."""
     layout = _field(s, "layout")
     layout = layout if isinstance(layout, dict) else vars(layout) if hasattr(layout, "__dict__") else None
-    tip = f' title="{escape(plan_label(layout))}"' if layout and "dp" in layout else ""
+    tip = f' title="{escape(plan_label(layout))}"' if layout and {"dp", "dp_shard"} & set(layout) else ""
     gains = _field(s, "step_seconds_gain") or _field(s, "memory_bytes_gain") or isinstance(s, str)
     quiet = "" if gains else ' class="quiet"'
     return f"<span{tip}{quiet}>{escape(suggestion_text(s, plan))}</span>"

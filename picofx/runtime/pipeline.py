@@ -25,11 +25,8 @@ from picofx.manager import Context, pass_info
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
-from picofx.runtime.distributed import check_layouts
-from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.runtime.placement import local_values, place, placements
 from picofx.runtime.shard_stages import reduce_after
-from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
-                                             padded_pieces, sharded_tensor_parallel_mesh)
 
 
 class StageModule(nn.Module):
@@ -41,17 +38,8 @@ class StageModule(nn.Module):
         self.stage = recorded(gm).stage
         self.resident = [slot for slot in self.stage.inputs if not isinstance(slot, str)]
         self.constants = constants
-        self.shards = recorded(gm).shards  # pass shard: the stage takes these parameters' local shards
-        self.placed = recorded(gm).tensor_parallel  # pass tensor_parallel: and these parameters' pieces
-        if self.shards is not None or self.placed is not None:  # the ranks agree on the layout, then place
-            check_layouts({"stage": gm})
-        if self.shards is not None and self.placed is not None:  # pp x dp_shard x tp: 2-D DTensors per stage
-            apply_sharded_tensor_parallel_layout(self.shards, self.placed, model,
-                                                 sharded_tensor_parallel_mesh(mesh, self.shards, self.placed))
-        elif self.shards is not None:
-            apply_shard_layout(self.shards, model)
-        elif self.placed is not None:
-            apply_tensor_parallel_layout(self.placed, model)
+        self.placed = placements(gm)  # the recorded layouts that place the stage's parameters (shard, tp)
+        place(self.placed, model, mesh)  # the ranks agree on each, then its parameters are placed
         for slot in self.resident:
             if slot.kind in ("parameter", "buffer"):
                 register_as(self, model, slot.target, slot.kind)
@@ -60,11 +48,7 @@ class StageModule(nn.Module):
     def resident_values(self) -> list:
         values = [slot.resident_value(self, self.constants) for slot in self.resident]
         names = [slot.target if slot.kind == "parameter" else None for slot in self.resident]
-        if self.shards is not None:
-            values = local_inputs(self.shards, names, values)
-        if self.placed is not None:
-            values = padded_pieces(self.placed, names, values)
-        return values
+        return local_values(self.placed, names, values)
 
     def forward(self, *carried):
         outputs = self.run(self.resident_values() + list(carried))

@@ -91,7 +91,7 @@ def trained_and_saved(rank: int, world: int, layouts: list, root: str) -> dict:
         saver = AsyncSaver(directory, group=ranks.agreement, rank=rank)
         state = train_state.run_state(s.opt_model, s.optimizer, s.schedule, s.batches, step=2, replica=ranks.replica)
         with single_process_quiet():
-            saver.save({**state, "options": run_options(args)}, 2)
+            saver.save({**state, "options": run_options(args, ranks.layout)}, 2)
             saver.wait()
         whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                  for n, p in train_state.trained_module(s.opt_model).named_parameters()}

@@ -246,7 +246,8 @@ def test_a_hub_name_fails_at_once_where_the_hub_does_not_answer(monkeypatch):
 
 def test_the_cpu_peak_is_measured_once_per_machine_and_the_mfu_line_says_when(monkeypatch, tmp_path):
     from picofx.cli import train_metrics
-    from picofx.cli.train_metrics import Layout, Throughput, rank_peak
+    from picofx.cli.train_metrics import Throughput, rank_peak
+    from picofx.planner.layouts import Layout
 
     monkeypatch.setenv("PICOFX_CACHE_DIR", str(tmp_path))
     measured = iter([50e9, 20e9, 30e9])
@@ -267,10 +268,11 @@ def test_mfu_and_the_captured_flops_count_every_context_parallel_rank():
     FLOPs per token sum both ranks' halves of each sequence (it had one rank's: halved)."""
     from types import SimpleNamespace
 
-    from picofx.cli.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
+    from picofx.cli.train_metrics import captured_flops_per_token, model_flops_utilization
+    from picofx.planner.layouts import Layout
 
-    layout = Layout.of(SimpleNamespace(dp=1, dp_replicate=1, tp=1, pp=1, cp=2))
-    assert layout.ranks == 2
+    layout = Layout(cp=2)
+    assert layout.gpus == 2
     assert model_flops_utilization(100.0, 10.0, 1000.0, layout) == 100.0 * 10.0 / (1000.0 * 2)
     assert captured_flops_per_token(50.0, 10, layout, total=lambda x: 2 * x) == 10.0  # both halves, one replica
 

@@ -47,17 +47,16 @@ def test_the_metric_functions_count_the_whole_job_under_each_dimension():
     --dp 2 the whole on T tokens each; --tp 2 half the matmuls each, the norms whole (a little over F
     in all); --cp 2 half of every sequence each; --pp 2 a stage each on one micro-batch of T/2. The
     whole job's FLOPs per token is F/T for every one, and MFU divides by both ranks' peak."""
-    from types import SimpleNamespace
-
-    from picofx.cli.train_metrics import Layout, captured_flops_per_token, model_flops_utilization
+    from picofx.cli.train_metrics import captured_flops_per_token, model_flops_utilization
+    from picofx.planner.layouts import Layout
 
     whole, tokens, norms = 1e9, 64, 1e6
     parts = {"dp": ([whole, whole], tokens), "tp": ([(whole - norms) / 2 + norms] * 2, tokens),
              "cp": ([whole / 2, whole / 2], tokens), "pp": ([0.6 * whole / 2, 0.4 * whole / 2], tokens // 2)}
     for name, (ranks, per_call) in parts.items():
-        options = {"dp": 1, "dp_replicate": 1, "tp": 1, "pp": 1, "cp": 1, name: 2}
-        layout = Layout.of(SimpleNamespace(**options))
-        assert layout.ranks == 2, name
+        options = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, name: 2}
+        layout = Layout(**options)
+        assert layout.gpus == 2, name
         found = captured_flops_per_token(ranks[0], per_call, layout, total=lambda x, ranks=ranks: sum(ranks))
         assert found == pytest.approx(whole / tokens, rel=0.10 if name == "tp" else 1e-12), name
         replicas = 2 if name == "dp" else 1

@@ -268,8 +268,8 @@ def test_the_device_fit_check_and_the_plan_take_the_models_own_shape(files, tmp_
     monkeypatch.setattr("picofx.cost.device.calibrate_link", lambda _: None)
     monkeypatch.setattr("torch.distributed.broadcast_object_list", lambda *_, **__: None)  # rank 0's own choice
     monkeypatch.setattr(train_layout, "planned_choice", lambda args, config, link: planned.append(config) or (
-        dataclasses.asdict(Layout(dp=2, tp=1, pp=1)), "layout auto: dp2"))
-    assert train_layout.choose_layout(args, 0) == "layout auto: dp2" and planned == [shape]
+        Layout(dp=2, tp=1, pp=1), "layout auto: dp2"))
+    assert train_layout.choose_layout(args, 0) == (Layout(dp=2), "layout auto: dp2") and planned == [shape]
 
     tied_model = resized(files, tmp_path / "tied", tie_word_embeddings=True)
     shape, tied = planned_shape(parse_args(["--model", str(tied_model), "--seq", "16"], environ={}))

@@ -6,7 +6,9 @@ import torch
 import picofx
 from picofx.cli import train_metrics
 from picofx.cli.train_args import parse_args
-from picofx.cli.train_metrics import (Layout, Peak, captured_flops_per_token, model_flops_utilization,
+from picofx.cli.train_layout import run_layout
+from picofx.planner.layouts import Layout
+from picofx.cli.train_metrics import (Peak, captured_flops_per_token, model_flops_utilization,
                                       oversubscribed, palm_flops_per_token, rank_peak, throughput)
 from picofx.models import zoo
 
@@ -18,7 +20,7 @@ def reference_mfu(layout: Layout, replica_batch_tokens: int, step_seconds: float
     """Written out from the definition: the FLOPs the whole run does in a step (every replica's batch
     through the whole model) over what every rank could have done in that time."""
     done = FLOPS_PER_TOKEN * replica_batch_tokens * layout.dp
-    possible = PEAK * layout.ranks * step_seconds
+    possible = PEAK * layout.gpus * step_seconds
     return done / possible
 
 
@@ -52,7 +54,7 @@ def test_captured_flops_are_summed_over_the_stages_and_counted_once_per_replica(
                                          (["--tp", "2", "--pp", "2"], 4), (["--tp", "2", "--pp", "2", "--shard"], 8)])
 def test_the_layout_of_a_launch_counts_every_rank_it_uses(argv, world):
     args = parse_args(argv, environ={"RANK": "0", "WORLD_SIZE": str(world)})
-    assert Layout.of(args).ranks == world
+    assert run_layout(args).gpus == world
 
 
 def test_mfu_under_tensor_parallelism_divides_by_every_ranks_peak():

@@ -35,17 +35,34 @@ def test_a_resume_with_other_options_or_no_steps_left_is_refused(tmp_path, capsy
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_checkpoint_saved_before_an_option_existed_resumes_with_the_value_it_ran_with(tmp_path, monkeypatch):
-    """A checkpoint from before --cp holds no cp option: it ran with cp 1, and resumes so."""
-    from picofx.cli import train_args
+def test_a_checkpoint_saved_before_it_recorded_its_layout_resumes_with_the_layout_it_ran_with(tmp_path, monkeypatch):
+    """A checkpoint from before the layout record holds the layout's options instead (and, older
+    still, no cp): it resumes with the layout those give, and is refused under another."""
+    from picofx.cli import train, train_args
 
-    current = train_args.RUN_OPTIONS
-    monkeypatch.setattr(train_args, "RUN_OPTIONS", tuple(name for name in current if name != "cp"))
-    load_script().main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
-    monkeypatch.setattr(train_args, "RUN_OPTIONS", current)
-    step, saved = train_args.saved_run(str(tmp_path / "run" / "step-1"), current)
-    assert step == 1 and saved["cp"] is None and saved["batch"] == "2"
+    old = {"size": "tiny", "model": "None", "batch": "2", "seq": "16", "max_positions": "None", "seed": "0",
+           "data": "None", "dp": "1", "dp_replicate": "1", "pp": "1", "microbatches": "4", "shard": "False", "tp": "1",
+           "sequence_parallel": "False", "async_tp": "None", "compress": "None"}
+    monkeypatch.setattr(train, "run_options", lambda args, layout: old)
+    train.main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
+    monkeypatch.undo()
+    step, saved = train_args.saved_run(str(tmp_path / "run" / "step-1"),
+                                       train_args.RUN_OPTIONS + train_args.LAYOUT_OPTIONS_BEFORE)
+    assert step == 1 and saved["cp"] is None and saved["layout"] is None and saved["batch"] == "2"
+    assert train_args.saved_layout(saved) == train_args.Layout()
     assert train_args.parse_args([*FAST, "--steps", "2", "--resume", str(tmp_path / "run")], environ={}).cp == 1
+
+
+def test_a_checkpoint_records_its_layout_and_a_resume_under_another_is_refused_with_the_difference(tmp_path):
+    from picofx.cli.train_args import Layout, layout_changes, saved_layout, saved_run, RUN_OPTIONS
+    from picofx.planner.spec import layout_spec
+
+    load_script().main([*FAST, "--steps", "1", "--save", str(tmp_path / "run")])
+    _, saved = saved_run(str(tmp_path / "run" / "step-1"), RUN_OPTIONS)
+    assert saved["layout"] == layout_spec(Layout()) and saved_layout(saved) == Layout()
+    assert layout_changes(Layout(dp=2, shard=True), Layout(dp_replicate=2)) == [
+        "layout dp_replicate=1 there, 2 here", "layout dp_shard=2 there, 1 here", "layout shard=True there, False here"]
+    assert layout_changes(Layout(2, checkpoint="full"), Layout(2)) == []  # checkpointing saves the same state
 
 
 def test_a_checkpoint_holds_the_model_under_its_own_names(tmp_path):

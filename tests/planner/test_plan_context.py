@@ -164,12 +164,12 @@ def test_the_html_report_labels_a_plan_with_its_cp():
 def test_picofx_train_with_cp_runs_the_plans_recipe():
     """`picofx train --shard --cp 2` on 4 ranks is the plan's layout dp 2 shard x cp 2, its passes and mesh."""
     from picofx.cli.train_args import parse_args, picofx_passes
-    from picofx.cli.train_layout import args_layout, train_recipe
+    from picofx.cli.train_layout import run_layout, train_recipe
 
     args = parse_args(["--passes", "fuse", "--no-measure-cuts", "--shard", "--cp", "2"],
                       environ={"RANK": "0", "WORLD_SIZE": "4"})
     layout = Layout(2, 1, 1, shard=True, cp=2)
-    assert args_layout(args) == layout
+    assert run_layout(args) == layout
     planned = recipe(layout, compute=["fuse"])
     assert picofx_passes(args) == planned.passes and isinstance(planned.passes[0], ContextParallel)
     assert train_recipe(args).mesh_shape == planned.mesh_shape == {"pp": 1, "dp_replicate": 1, "dp_shard": 2,
@@ -177,7 +177,9 @@ def test_picofx_train_with_cp_runs_the_plans_recipe():
 
 
 def test_picofx_train_sees_a_planned_cp_layout_as_context_parallel():
-    from picofx.cli.train_layout import layout_features, unrunnable
+    from picofx.cli.train_layout import unrunnable
+    from picofx.manager.combinations import features_of
 
-    assert "context_parallel" in layout_features(layout=Layout(2, 1, 1, shard=True, cp=2))
+    made = recipe(Layout(2, 1, 1, shard=True, cp=2))
+    assert "context_parallel" in features_of(made.passes, made.mesh_shape)
     assert unrunnable(Layout(2, 1, 1, shard=True, cp=2)) is None

@@ -9,7 +9,7 @@ import pytest
 
 import picofx
 from picofx.cli.train_args import parse_args, picofx_passes
-from picofx.cli.train_layout import args_layout, train_recipe
+from picofx.cli.train_layout import run_layout, train_recipe
 from picofx.passes import Checkpoint, Overlap, Pipeline, Shard, TensorParallel
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import describe_passes, recipe
@@ -54,16 +54,35 @@ TRAIN_LAYOUTS = [  # picofx train's options on 4 ranks, and the layout they give
 def test_picofx_train_runs_the_plans_recipe(options, layout):
     """`picofx train` with a layout's options runs the passes a plan of that layout gives, on its mesh."""
     args = parse_args(["--passes", "fuse", "--no-measure-cuts", *options], environ={"RANK": "0", "WORLD_SIZE": "4"})
-    assert args_layout(args) == layout
+    assert run_layout(args) == layout
     planned = recipe(layout, compute=["fuse"])
     assert picofx_passes(args) == planned.passes
     assert train_recipe(args).mesh_shape == planned.mesh_shape
 
 
+@pytest.mark.parametrize("layout", [Layout(4, 1, 1, shard=True, checkpoint="full", compress="int8"),
+                                    Layout(2, 2, 2, shard=True, microbatches=2), Layout(2, 1, 1, shard=True, cp=4),
+                                    Layout(1, 2, 2, microbatches=2, sequence_parallel=True, checkpoint="full")])
+def test_the_recipe_lists_its_passes_in_the_order_the_manager_runs_them(layout):
+    """No order by hand: the recipe's list is the one the passes' declarations give, stage by stage (the
+    passes they require, such as tensor parallel's fuse_loss, added by the manager where they are named)."""
+    from picofx.manager import resolve_passes
+    from picofx.manager.order import STAGE_ORDER, run_order
+    from picofx.manager.passes import pass_stage
+
+    made = recipe(layout, compute=["precision", "fuse"], checkpoint_budget=1 << 30)
+    resolved = resolve_passes(made.passes)
+    ordered, moved = run_order(resolved)
+    assert all(line.startswith(("given ", "  added ")) for line in (moved or "").splitlines()), moved
+    assert [p for p in ordered if any(p is r for r in resolved)] == resolved, moved
+    assert [STAGE_ORDER[pass_stage(p)] for p in resolved] == sorted(STAGE_ORDER[pass_stage(p)] for p in resolved)
+    assert [p for p in made.passes if p in ("fuse", "precision")] == ["fuse", "precision"]  # fuse's runs_before
+
+
 def test_picofx_train_keeps_its_own_options_in_the_recipe():
     args = parse_args(["--passes", "fuse", "checkpoint", "--memory-budget", "0.5", "--shard", "--compress", "int8",
                        "--compress-warmup", "3"], environ={"RANK": "0", "WORLD_SIZE": "2"})
-    fuse, checkpoint, shard = picofx_passes(args)
+    fuse, shard, checkpoint = picofx_passes(args)  # shard rewrites the forward graph, checkpoint the joint one
     assert fuse == "fuse" and checkpoint == Checkpoint(budget=0.5) and shard == Shard(compress="int8", warmup=3)
     args = parse_args(["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "4"],
                       environ={"RANK": "0", "WORLD_SIZE": "2"})

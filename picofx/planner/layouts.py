@@ -38,12 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from picofx.cost.balance import SINGLE_STAGE_SCHEDULES, in_flight as in_flight_micro_batches
 from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_seconds
 from picofx.cost.device import Device
-from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
+from picofx.cost.shard import ADAMW_STATE_BYTES, Layer
 from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
+from picofx.planner.sharding import sharded_step
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -84,6 +86,10 @@ class Checkpointing(enum.StrEnum):
 
 CHECKPOINTS = tuple(Checkpointing)  # what layouts are planned with: none, selective, full
 PRECISIONS = ("bf16", "float8", "float8_rowwise")  # float8: torchao's tensorwise recipe
+INTERLEAVED = "Interleaved1F1B"
+SHARD_STAGES = (1, 2, 3)
+VIRTUAL = (1, 2)  # pipeline stages per rank the search tries (2: interleaved 1F1B)
+RESHARD_AFTER_FORWARD = True  # Shard()'s default, as the recipe builds it: stage 3 gathers again for the backward
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class Layout:
     cp: int = 1  # context-parallel ranks: each sequence split over them (picofx.planner.context)
     precision: str = "bf16"  # one of PRECISIONS: the matmuls' precision
     shard_stage: int = 3  # with shard: 1 optimizer state, 2 and gradients, 3 and parameters (ZeRO's stages)
+    virtual_stages: int = 1  # pipeline stages per rank: more than 1 runs interleaved 1F1B
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint", Checkpointing.of(self.checkpoint))
@@ -107,6 +114,10 @@ class Layout:
             raise ValueError(f"precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
         if self.shard_stage not in (1, 2, 3):
             raise ValueError(f"shard_stage {self.shard_stage!r}: 1, 2 or 3")
+        if self.virtual_stages > 1 and self.schedule in SINGLE_STAGE_SCHEDULES:  # chunks per rank: interleaved
+            object.__setattr__(self, "schedule", INTERLEAVED)
+        if self.schedule == INTERLEAVED and self.virtual_stages < 2:
+            raise ValueError(f"schedule {INTERLEAVED}: give virtual_stages (pipeline stages per rank) of at least 2")
 
     @property
     def gpus(self) -> int:
@@ -118,7 +129,8 @@ class Layout:
                                                                                   else ""), f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
-        return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
+        chunks = f" ({self.virtual_stages} stages/rank)" if self.virtual_stages > 1 else ""
+        return " x ".join(parts) + chunks + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
             (f", {self.compress}" if self.compress else "") + \
             (f", {self.precision}" if self.precision != "bf16" else "")
 
@@ -193,12 +205,13 @@ def predict(run: Run, layout: Layout) -> Prediction:
             3 * all_reduce_seconds(share * c.seq * 4, tp, link)  # the vocabulary-parallel loss's per token
     neighbours = run.link(2 * layout.dp * cp * tp, layout.dp * cp * tp)  # the next stage's rank is as far away
     sent = activation_bytes / tp if layout.sequence_parallel or run.sends_scattered else activation_bytes
-    sends = 2 * send_seconds(sent, neighbours) if pp > 1 else 0.0
+    v = layout.virtual_stages  # interleaved: each micro-batch passes every rank v times
+    sends = 2 * v * send_seconds(sent, neighbours) if pp > 1 else 0.0
     cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp, tp), full)
     micro = fw + bw + recompute + tp_comm + sends + cp_comm
-    slots = layout.microbatches + pp - 1
+    slots = layout.microbatches + (pp - 1) / layout.virtual_stages
     compute_step = slots * micro
-    bubble = (pp - 1) * micro
+    bubble = (pp - 1) * micro / v  # interleaved: the fill and drain run chunks of 1/v of a stage
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
     data = layout.dp * cp  # the ranks a gradient is summed over (sharded: the shard group)
     dp_link = run.link(data * tp, tp)
@@ -213,12 +226,12 @@ def predict(run: Run, layout: Layout) -> Prediction:
         layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units)
                    for i in range(stage_layers)]
         sent = scatter_exchange(c.config, layout, b * c.seq, run.device) if layout.compress else None
-        sharded = predict_sharded(layers, 0, data, dp_link, gather_bytes_per_parameter=2,
-                                  reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
-        compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         # ranks sharing cores: as for the all-reduce below, nothing hides
-        exposed = sharded.communication_s if run.device.cpu_share < 1 else sharded.exposed_s
-        dp_exposed, dp_what = layout.microbatches * exposed, "parameter all-gathers and gradient reduce-scatters"
+        sharded = sharded_step(layout.shard_stage, layers, data, dp_link, layout.microbatches,
+                               hidden=run.device.cpu_share >= 1, reshard_after_forward=RESHARD_AFTER_FORWARD,
+                               reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
+        compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
+        dp_exposed, dp_what = sharded.exposed_s, sharded.what
     else:
         sent = gradient_exchange(c.config, dataclasses.replace(layout, dp=data), b * c.seq, run.device, dp_link)
         all_reduce, compression = sent.link_s, sent.compute_s
@@ -231,8 +244,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
     optimizer += (stage_layers * c.layer_tensors + c.rest_tensors) * tensor_cost
     step = compute_step + dp_exposed + compression + optimizer
 
-    states = ADAMW_STATE_BYTES * stage_params / (data if layout.shard else 1)
-    in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
+    states = sharded.state_bytes if layout.shard and data > 1 else ADAMW_STATE_BYTES * stage_params
+    in_flight = in_flight_micro_batches(layout.schedule, 0, pp, layout.microbatches, layout.virtual_stages)
     split = 1 / tp if layout.sequence_parallel else (1 - TP_SPLIT_FRACTION) + TP_SPLIT_FRACTION / tp
     if full:  # each layer's input (split by sequence parallelism), and one layer recomputed at a time
         kept = c.saved_bytes(layout.checkpoint) / (tp if layout.sequence_parallel else 1)
@@ -241,7 +254,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
         activations = in_flight * stage_layers * share * c.saved_bytes(layout.checkpoint) * split
     activations += share * (c.rest_saved + c.transient) / tp
     activations += gathered_kv_kept(c.config, c.seq, b, 1 if full else in_flight * stage_layers, tp, cp)
-    gathered = 3 * c.layer_parameters / tp * 2 + c.layer_parameters / tp * 4 if layout.shard else 0
+    gathered = sharded.gathered_bytes if layout.shard and data > 1 else 0
     memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
     total = sum(memory.values())
     capacity = run.device.memory_capacity * MAX_MEMORY_FRACTION
@@ -297,6 +310,16 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
     if layout.pp > 1 and layout.microbatches < layout.pp:
         return "fewer micro-batches than pipeline stages"
+    if layout.virtual_stages > 1:
+        if layout.pp == 1:
+            return "virtual_stages without a pipeline (pp 1)"
+        if layout.pp * layout.virtual_stages > config.num_hidden_layers:
+            return (f"pp {layout.pp} x {layout.virtual_stages} stages per rank exceeds the "
+                    f"{config.num_hidden_layers} layers")
+        if layout.microbatches % layout.pp:
+            return f"interleaved 1F1B runs micro-batches in rounds of pp: {layout.microbatches} is not a multiple of {layout.pp}"
+    if layout.shard and layout.shard_stage < 3 and layout.compress:
+        return "a compressed gradient exchange is planned with shard stage 3 only: drop the compressor or the stage"
     return None
 
 
@@ -315,13 +338,14 @@ def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> 
             dp = run.gpus // (tp * pp * cp)
             per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
             for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
-                for shard in ((False, True) if dp * cp > 1 else (False,)):
-                    for checkpoint in CHECKPOINTS:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp)
-                            if valid(run, layout) is None:
-                                layouts.append(layout)
-                                layouts += compressed(run, layout, compress)
+                for shard, stage in [(False, 3), *([(True, s) for s in SHARD_STAGES] if dp * cp > 1 else [])]:
+                    for checkpoint, sp, v in [(c, sp, v) for c in CHECKPOINTS for sp in ((False, True) if tp > 1 else
+                                                                                        (False,)) for v in VIRTUAL]:
+                        layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp, shard_stage=stage,
+                                        virtual_stages=v)
+                        if valid(run, layout) is None:
+                            layouts.append(layout)
+                            layouts += compressed(run, layout, compress)
     return layouts
 
 

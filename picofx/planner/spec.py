@@ -1,7 +1,8 @@
 """A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
 as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective"
 (cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full"; precision=bf16|float8|float8_rowwise;
-shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3).
+shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3; virtual_stages=N: N pipeline
+stages per rank, interleaved 1F1B).
 
 Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default."""
 from __future__ import annotations
@@ -10,9 +11,9 @@ import dataclasses
 
 from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
 from picofx.planner.compress import kinds_to_consider
-from picofx.planner.layouts import PRECISIONS, Checkpointing, Layout
+from picofx.planner.layouts import INTERLEAVED, PRECISIONS, Checkpointing, Layout
 
-WHOLE = ("dp", "tp", "pp", "microbatches", "cp", "shard_stage")
+WHOLE = ("dp", "tp", "pp", "microbatches", "cp", "shard_stage", "virtual_stages")
 YES_NO = ("shard", "sequence_parallel")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 FIELDS = [f.name for f in dataclasses.fields(Layout)]
@@ -33,8 +34,9 @@ def parse_value(key: str, text: str):
         lowered = text.lower()
         return Checkpointing.of(lowered in TRUE if lowered in TRUE + FALSE else lowered)
     if key == "schedule":
-        if text not in SINGLE_STAGE_SCHEDULES:
-            raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)}")
+        if text not in (*SINGLE_STAGE_SCHEDULES, INTERLEAVED):
+            raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)} and "
+                             f"{INTERLEAVED} (with virtual_stages=N)")
         return text
     if key == "precision":
         if text not in PRECISIONS:

@@ -11,19 +11,22 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   and one for the embedding's output, and the vocabulary-parallel loss's three of b x T fp32 numbers;
   not overlapped; full checkpointing's recompute runs each layer's two again; each rank's matmuls
   at their split shapes (`picofx.planner.tensor_parallel`);
-- pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
-  (pp - 1) / (m + pp - 1) of the step; each slot sends its activations on and receives their
-  gradient back, a link latency and b x T x hidden bf16 bytes each (/ tp under sequence
-  parallelism), not overlapped, on the sending rank's own network port across nodes;
+- pipeline: (m + (pp - 1) / v) micro-batch slots for m micro-batches, v stages per rank (1F1B and
+  GPipe: v = 1; interleaved 1F1B: `virtual_stages`): the bubble is (pp - 1) / v of them; each slot
+  sends its activations on and receives their gradient back v times, a link latency and
+  b x T x hidden bf16 bytes each (/ tp under sequence parallelism, or where the run scatters its
+  sends over tp), not overlapped, on the sending rank's own network port across nodes;
 - replicated data parallel: the stage's gradients exchanged as `compress` says (none: a ring
   all-reduce of fp32; the bytes each compressor sends: `picofx.planner.compress`), hidden behind the
   last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores), plus the
   compressor's own passes over the gradient; across nodes a group gets the network ports of the
   ranks it has in each node (beside tp 8, one of eight);
-- sharded: per micro-batch, each layer's (and the embedding's and head's) bf16 gather (twice:
-  forward, backward) and fp32 reduce-scatter, overlapped layer by layer (`picofx.cost.shard`; not at
-  all on CPU ranks sharing cores);
-- memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
+- sharded, by `shard_stage` (`picofx.planner.sharding`): stage 3 per micro-batch each layer's (and
+  the embedding's and head's) bf16 gather (twice: forward, backward) and fp32 reduce-scatter; stage 2
+  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch;
+  stage 1 one reduce-scatter and one gather a step; overlapped layer by layer (not at all on CPU
+  ranks sharing cores);
+- memory: 16 bytes per parameter of the stage (sharded: as its stage keeps them); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;
 - context parallel (cp > 1, where the sequence is long): compute and activations per rank / cp, each
@@ -209,7 +212,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     sends = 2 * v * send_seconds(sent, neighbours) if pp > 1 else 0.0
     cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp, tp), full)
     micro = fw + bw + recompute + tp_comm + sends + cp_comm
-    slots = layout.microbatches + (pp - 1) / layout.virtual_stages
+    slots = pipeline_slots(layout.microbatches, pp, v)
     compute_step = slots * micro
     bubble = (pp - 1) * micro / v  # interleaved: the fill and drain run chunks of 1/v of a stage
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
@@ -276,6 +279,13 @@ def predict(run: Run, layout: Layout) -> Prediction:
                              "fragmentation)")
     prediction.bottleneck = bottleneck(prediction, dp_what)
     return prediction
+
+
+def pipeline_slots(microbatches: int, pp: int, virtual: int = 1) -> float:
+    """A pipelined step's length in micro-batches of one rank's work (all its stages' forward and
+    backward): the m micro-batches, and the fill and drain of (pp - 1) / virtual (1F1B: one stage per
+    rank; interleaved 1F1B: each of the rank's `virtual` stages holds 1/virtual of its layers)."""
+    return microbatches + (pp - 1) / virtual
 
 
 def bottleneck(p: Prediction, dp_what: str) -> str:

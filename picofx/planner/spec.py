@@ -72,4 +72,7 @@ def parse_layout(spec: str, gpus: int | None = None) -> Layout:
             raise ValueError("--layout: shard_stage with shard=false; leave shard out or set it true")
     tp, pp, cp = given.setdefault("tp", 1), given.setdefault("pp", 1), given.setdefault("cp", 1)
     given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
-    return Layout(**given)
+    try:
+        return Layout(**given)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None

@@ -119,8 +119,8 @@ class Layout:
             raise ValueError(f"shard_stage {self.shard_stage!r}: 1, 2 or 3")
         if self.virtual_stages > 1 and self.schedule in SINGLE_STAGE_SCHEDULES:  # chunks per rank: interleaved
             object.__setattr__(self, "schedule", INTERLEAVED)
-        if self.schedule == INTERLEAVED and self.virtual_stages < 2:
-            raise ValueError(f"schedule {INTERLEAVED}: give virtual_stages (pipeline stages per rank) of at least 2")
+        if self.schedule == INTERLEAVED and self.virtual_stages == 1:  # the interleaved schedule named alone
+            object.__setattr__(self, "virtual_stages", 2)
 
     @property
     def gpus(self) -> int:

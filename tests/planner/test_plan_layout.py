@@ -29,7 +29,7 @@ def test_a_spec_spells_the_plans_own_fields():
     ("dp=four", "dp='four': a whole number of at least 1"),
     ("dp=4,shard=maybe", "shard='maybe': true or false"),
     ("dp=4,checkpoint=some", "checkpoint 'some': one of none, selective, full"),
-    ("dp=4,schedule=Interleaved1F1B", "give virtual_stages"),
+    ("dp=4,virtual_stages=0", "virtual_stages='0': a whole number of at least 1"),
     ("dp=4,schedule=ZeroBubble", "the planner predicts GPipe, 1F1B and Interleaved1F1B"),
     ("dp=4,compress=zip", "zip"),
     ("dp=4,dp=2", "dp given twice"),

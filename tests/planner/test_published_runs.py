@@ -27,6 +27,11 @@ RECORDED = {
     'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.012, None),
     'GPT 530B, TP 8 x PP 35, full recomputation': (0.008, None),
     'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.004, None),
+    'GPT 76B, TP 8 x PP 4, interleaved, 1,024 GPUs': (0.106, None),
+    'GPT 146B, TP 8 x PP 8, interleaved, 1,536 GPUs': (0.104, None),
+    'GPT 310B, TP 8 x PP 16, interleaved, 1,920 GPUs': (0.110, None),
+    'GPT 530B, TP 8 x PP 35, interleaved, 2,520 GPUs': (0.084, None),
+    'GPT 1T, TP 8 x PP 64, interleaved, 3,072 GPUs': (0.107, None),
 }
 
 
@@ -35,7 +40,7 @@ def tool(import_tool):
     return import_tool("plan_published")
 
 
-def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool):
+def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool, import_tool):
     from picofx.cost.gpus import FIT_RUNS, GPUS, NETWORKS
 
     runs = tool.RUNS
@@ -48,6 +53,10 @@ def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart
     assert fitted and sorted(fitted) == sorted(FIT_RUNS)
     assert len(runs) - len(fitted) >= 12  # checked on runs it was not fitted on
     assert set(RECORDED) == {r.name for r in runs}
+    apart = import_tool("published_runs").LARGE_RUNS  # runs of 1,000 GPUs and more not yet within 15%
+    large = [r for r in [*runs, *apart] if r.gpus >= 1000]
+    assert len(large) >= 6 and all(r.source for r in large)
+    assert all(r.layout.gpus == r.gpus for r in apart)
 
 
 def test_the_docs_table_names_every_run_and_what_cannot_be_expressed(tool):

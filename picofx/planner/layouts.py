@@ -327,7 +327,8 @@ def valid(run: Run, layout: Layout) -> str | None:
             return (f"pp {layout.pp} x {layout.virtual_stages} stages per rank exceeds the "
                     f"{config.num_hidden_layers} layers")
         if layout.microbatches % layout.pp:
-            return f"interleaved 1F1B runs micro-batches in rounds of pp: {layout.microbatches} is not a multiple of {layout.pp}"
+            return (f"interleaved 1F1B runs micro-batches in rounds of pp: {layout.microbatches} is not a "
+                    f"multiple of {layout.pp}")
     if layout.shard and layout.shard_stage < 3 and layout.compress:
         return "a compressed gradient exchange is planned with shard stage 3 only: drop the compressor or the stage"
     return None

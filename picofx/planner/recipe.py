@@ -39,7 +39,8 @@ def recipe(layout: Layout, *, compute=("fuse",), checkpoint_budget=None, checkpo
     measure_cuts: the pipeline cuts where measured unit times balance, instead of predicted ones."""
     tensor_parallel = [TensorParallel(sequence_parallel=layout.sequence_parallel)] if layout.tp > 1 else []
     pipeline = [Pipeline(stages=layout.pp, schedule=layout.schedule, microbatches=layout.microbatches,
-                         virtual=layout.virtual_stages if layout.schedule in INTERLEAVED_SCHEDULES else 1, measure=measure_cuts)
+                         virtual=layout.virtual_stages if layout.schedule in INTERLEAVED_SCHEDULES else 1,
+                         measure=measure_cuts)
                 ] if layout.pp > 1 else []
     checkpoint = []
     if layout.checkpoint:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, SHARD_STAGES, VIRTUAL, Checkpointing, Layout,
-                                    Prediction, Run, compressed, divisors, predict, valid)
+from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, SHARD_STAGES, VIRTUAL, Checkpointing,
+                                    Layout, Prediction, Run, compressed, divisors, predict, valid)
 from picofx.planner.sharding import STAGE_NAMES
 
 MIN_GAIN = 0.01  # a faster neighbour is suggested when it saves at least this share of the step
@@ -77,7 +77,8 @@ class Neighbourhood:
                         for stage in SHARD_STAGES if layout.shard and stage != layout.shard_stage]
         if layout.pp > 1:
             changes += [(f"interleaved 1F1B, {v} stages per rank" if v > 1 else "no interleaving",
-                         replace(layout, virtual_stages=v, schedule="1F1B")) for v in VIRTUAL if v != layout.virtual_stages]
+                         replace(layout, virtual_stages=v, schedule="1F1B"))
+                        for v in VIRTUAL if v != layout.virtual_stages]
         plain = replace(layout, compress=None)
         if layout.compress:
             changes.append(("uncompressed gradients", plain))

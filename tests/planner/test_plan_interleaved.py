@@ -43,7 +43,8 @@ def ticks(order: dict, stages: int) -> int:
     return tick
 
 
-@pytest.mark.parametrize("pp, virtual, microbatches", [(4, 2, 8), (4, 2, 4), (2, 3, 4), (4, 2, 16), (8, 4, 16), (4, 1, 8)])
+@pytest.mark.parametrize("pp, virtual, microbatches",
+                         [(4, 2, 8), (4, 2, 4), (2, 3, 4), (4, 2, 16), (8, 4, 16), (4, 1, 8)])
 def test_torchs_interleaved_order_lasts_the_planners_slots(pp, virtual, microbatches):
     stages = [ScheduledStage(pp * j, pp, virtual) for j in range(virtual)]
     order = ScheduleInterleaved1F1B(stages, microbatches).pipeline_order

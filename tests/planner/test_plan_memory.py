@@ -18,7 +18,8 @@ from picofx.planner.costs import capture
 @pytest.mark.slow  # two captures: ~15 s of CPU
 def test_a_capture_allocates_no_more_at_four_times_the_sequence():
     config = dataclasses.replace(CONFIGS["tiny"], num_attention_heads=8, num_key_value_heads=8, hidden_size=128)
-    cost_model = CostModel(devices()["h100"], attention_scratch=False)  # attention's scratch is measured apart, to 256 MiB
+    # attention's scratch is measured apart (inputs to 256 MiB)
+    cost_model = CostModel(devices()["h100"], attention_scratch=False)
     peaks = {}
     for seq in (16384, 65536):  # rope's q at 65,536 tokens: 16 MiB of bf16, past CHECK_BYTES
         peaks[seq] = peak_allocated_during(lambda: capture(config, 1, seq, cost_model, ("fuse", "precision")))

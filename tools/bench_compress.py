@@ -56,7 +56,8 @@ def predicted_steps(model="llama2-7b", gpus=16, per_node=8, seq=4096, global_bat
     from picofx.cost.model import CostModel
     from picofx.planner.compress import exchange
     from picofx.planner.costs import model_costs
-    from picofx.planner.layouts import Run, plan_layouts, predict
+    from picofx.planner.layouts import Run, predict
+    from picofx.planner.search import plan_layouts
     from picofx.planner.models import model_config
 
     config, device = model_config(model), devices()[gpu]

@@ -30,14 +30,14 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 
 
-def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B") -> str | None:
+def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B", virtual: int | None = None) -> str | None:
     """The one micro-batch rule (the planner, the recipe and picofx train ask it): why `microbatches`
     cannot run `pp` pipeline ranks under `schedule` (None: they can). Each stage needs one at least
-    (fewer can stall the schedule), each of an interleaved schedule's 2 stages per rank too, and
-    torch's interleaved schedules run them in whole rounds (of microbatches // pp)."""
+    (fewer can stall the schedule), each of an interleaved schedule's `virtual` stages per rank too
+    (default 2), and torch's interleaved schedules run them in whole rounds (of microbatches // pp)."""
     if pp == 1:  # micro-batches of one stage: gradient accumulation, which the planner plans too
         return None
-    stages = pp * (2 if schedule in INTERLEAVED_SCHEDULES else 1)
+    stages = pp * ((virtual or 2) if schedule in INTERLEAVED_SCHEDULES else 1)
     if microbatches < stages:
         return f"{microbatches} micro-batches are fewer than the {stages} pipeline stages, which can stall the schedule"
     rounds = max(1, microbatches // pp)

@@ -11,19 +11,22 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   and one for the embedding's output, and the vocabulary-parallel loss's three of b x T fp32 numbers;
   not overlapped; full checkpointing's recompute runs each layer's two again; each rank's matmuls
   at their split shapes (`picofx.planner.tensor_parallel`);
-- pipeline: (m + pp - 1) micro-batch slots for m micro-batches (1F1B, GPipe): the bubble is
-  (pp - 1) / (m + pp - 1) of the step; each slot sends its activations on and receives their
-  gradient back, a link latency and b x T x hidden bf16 bytes each (/ tp under sequence
-  parallelism), not overlapped, on the sending rank's own network port across nodes;
+- pipeline: (m + (pp - 1) / v) micro-batch slots for m micro-batches, v stages per rank (1F1B and
+  GPipe: v = 1; interleaved 1F1B: `virtual_stages`): the bubble is (pp - 1) / v of them; each slot
+  sends its activations on and receives their gradient back v times, a link latency and
+  b x T x hidden bf16 bytes each (/ tp under sequence parallelism, or where the run scatters its
+  sends over tp), not overlapped, on the sending rank's own network port across nodes;
 - replicated data parallel: the stage's gradients exchanged as `compress` says (none: a ring
   all-reduce of fp32; the bytes each compressor sends: `picofx.planner.compress`), hidden behind the
   last micro-batch's backward as far as it lasts (not at all on CPU ranks sharing cores), plus the
   compressor's own passes over the gradient; across nodes a group gets the network ports of the
   ranks it has in each node (beside tp 8, one of eight);
-- sharded: per micro-batch, each layer's (and the embedding's and head's) bf16 gather (twice:
-  forward, backward) and fp32 reduce-scatter, overlapped layer by layer (`picofx.cost.shard`; not at
-  all on CPU ranks sharing cores);
-- memory: 16 bytes per parameter of the stage (/ dp when sharded); activations of the micro-batches
+- sharded, by `shard_stage` (`picofx.planner.sharding`): stage 3 per micro-batch each layer's (and
+  the embedding's and head's) bf16 gather (twice: forward, backward) and fp32 reduce-scatter; stage 2
+  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch;
+  stage 1 one reduce-scatter and one gather a step; overlapped layer by layer (not at all on CPU
+  ranks sharing cores);
+- memory: 16 bytes per parameter of the stage (sharded: as its stage keeps them); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;
 - float8 (precision float8: torchao's tensorwise recipe, gathering weights in float8 when sharded;
@@ -41,15 +44,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from picofx.cost.balance import INTERLEAVED_SCHEDULES
+from picofx.cost.balance import SINGLE_STAGE_SCHEDULES, in_flight as in_flight_micro_batches
 from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds, send_seconds
 from picofx.cost.device import MAX_MEMORY_FRACTION, Device
-from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, predict_sharded
-from picofx.planner.context import LONG_SEQUENCE, cp_degrees, cp_refusal, gathered_kv_kept, kv_exchange_seconds
-from picofx.planner.compress import embedding_as_rows, exchange as gradient_exchange, scatter_exchange
+from picofx.cost.shard import ADAMW_STATE_BYTES, Layer
+from picofx.planner.context import cp_refusal, gathered_kv_kept, kv_exchange_seconds
+from picofx.planner.compress import exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
-from picofx.planner.float8 import FLOAT8, at_precision, gather_bytes_per_parameter, refusal as float8_refusal
+from picofx.planner.float8 import at_precision, gather_bytes_per_parameter, refusal as float8_refusal
 from picofx.planner.recipe import refusal
+from picofx.planner.sharding import sharded_step
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -89,6 +93,10 @@ class Checkpointing(enum.StrEnum):
 CHECKPOINTS = tuple(Checkpointing)  # what layouts are planned with: none, selective, full
 PRECISIONS = ("bf16", "float8", "float8_rowwise")  # float8: torchao's tensorwise recipe
 CP_METHODS = ("allgather", "ring")
+INTERLEAVED = "Interleaved1F1B"
+SHARD_STAGES = (1, 2, 3)
+VIRTUAL = (1, 2)  # pipeline stages per rank the search tries (2: interleaved 1F1B)
+RESHARD_AFTER_FORWARD = True  # Shard()'s default, as the recipe builds it: stage 3 gathers again for the backward
 
 
 @dataclass(frozen=True, init=False)
@@ -116,11 +124,13 @@ class Layout:
     shard_stage: int  # with shard: 1 optimizer state, 2 and gradients, 3 and parameters (ZeRO's stages)
     async_tp: bool  # with sequence_parallel: its gathers and reduce-scatters chunked, overlapped with the linears
     cp_method: str  # with cp: "allgather" (each rank gathers the keys and values) or "ring"
+    virtual_stages: int  # pipeline stages per rank: more than 1 runs interleaved 1F1B
 
     def __init__(self, dp: int | None = None, tp: int = 1, pp: int = 1, shard: bool = False, microbatches: int = 1,
                  schedule: str = "1F1B", checkpoint=Checkpointing.NONE, sequence_parallel: bool = False,
                  compress: str | None = None, cp: int = 1, precision: str = "bf16", shard_stage: int = 3, *,
-                 dp_replicate: int = 1, dp_shard: int = 1, async_tp: bool = True, cp_method: str = "allgather"):
+                 dp_replicate: int = 1, dp_shard: int = 1, async_tp: bool = True, cp_method: str = "allgather",
+                 virtual_stages: int = 1):
         if dp is not None:  # the data-parallel degree: HSDP's replicas kept where they still divide it
             replicas = dp_replicate if shard and dp_replicate < dp and dp % dp_replicate == 0 else 1
             dp_replicate, dp_shard = (replicas, dp // replicas) if shard else (dp, 1)
@@ -134,10 +144,15 @@ class Layout:
             raise ValueError(f"shard_stage {shard_stage!r}: 1, 2 or 3")
         if cp_method not in CP_METHODS:
             raise ValueError(f"cp_method {cp_method!r}: one of {', '.join(CP_METHODS)}")
+        if virtual_stages > 1 and schedule in SINGLE_STAGE_SCHEDULES:  # chunks per rank: interleaved
+            schedule = INTERLEAVED
+        if schedule == INTERLEAVED and virtual_stages == 1:  # the interleaved schedule named alone
+            virtual_stages = 2
         values = dict(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, shard=bool(shard),
                       microbatches=microbatches, schedule=schedule, checkpoint=Checkpointing.of(checkpoint),
                       sequence_parallel=bool(sequence_parallel), compress=compress, cp=cp, precision=precision,
-                      shard_stage=shard_stage, async_tp=bool(async_tp), cp_method=cp_method)
+                      shard_stage=shard_stage, async_tp=bool(async_tp), cp_method=cp_method,
+                      virtual_stages=virtual_stages)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -148,8 +163,8 @@ class Layout:
 
     @property
     def virtual(self) -> int:
-        """Pipeline stages per pp rank: 2 under an interleaved schedule, else 1."""
-        return 2 if self.schedule in INTERLEAVED_SCHEDULES else 1
+        """Pipeline stages per pp rank (virtual_stages)."""
+        return self.virtual_stages
 
     @property
     def gpus(self) -> int:
@@ -162,7 +177,8 @@ class Layout:
                  f"tp{self.tp}" + (" sp" if self.sequence_parallel else ""), f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         ckpt = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: ", selective ckpt", Checkpointing.FULL: ", ckpt"}
-        return " x ".join(parts) + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
+        chunks = f" ({self.virtual_stages} stages/rank)" if self.virtual_stages > 1 else ""
+        return " x ".join(parts) + chunks + f", {self.microbatches} mb" + ckpt[self.checkpoint] + \
             (f", {self.compress}" if self.compress else "") + \
             (f", {self.precision}" if self.precision != "bf16" else "")
 
@@ -246,12 +262,13 @@ def predict(run: Run, layout: Layout) -> Prediction:
             3 * all_reduce_seconds(share * c.seq * 4, tp, link)  # the vocabulary-parallel loss's per token
     neighbours = run.link(2 * layout.dp * cp * tp, layout.dp * cp * tp)  # the next stage's rank is as far away
     sent = activation_bytes / tp if layout.sequence_parallel or run.sends_scattered else activation_bytes
-    sends = 2 * send_seconds(sent, neighbours) if pp > 1 else 0.0
+    v = layout.virtual_stages  # interleaved: each micro-batch passes every rank v times
+    sends = 2 * v * send_seconds(sent, neighbours) if pp > 1 else 0.0
     cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp, tp), full)
     micro = fw + bw + recompute + tp_comm + sends + cp_comm
-    slots = layout.microbatches + pp - 1
+    slots = pipeline_slots(layout.microbatches, pp, v)
     compute_step = slots * micro
-    bubble = (pp - 1) * micro
+    bubble = (pp - 1) * micro / v  # interleaved: the fill and drain run chunks of 1/v of a stage
     stage_params = (stage_layers * c.layer_parameters + c.embedding_parameters / min(pp, 2)) / tp
     data = layout.dp * cp  # the ranks a gradient is summed over (sharded: the shard group)
     dp_link = run.link(data * tp, tp)
@@ -266,12 +283,12 @@ def predict(run: Run, layout: Layout) -> Prediction:
         layers += [Layer(f"l{i}", (stage_params - ends_params) / stage_layers, (fw + recompute) / units, bw / units,
                          gather_bytes_per_parameter(c)) for i in range(stage_layers)]
         sent = scatter_exchange(c.config, layout, b * c.seq, run.device) if layout.compress else None
-        sharded = predict_sharded(layers, 0, data, dp_link, gather_bytes_per_parameter=2,
-                                  reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
-        compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         # ranks sharing cores: as for the all-reduce below, nothing hides
-        exposed = sharded.communication_s if run.device.cpu_share < 1 else sharded.exposed_s
-        dp_exposed, dp_what = layout.microbatches * exposed, "parameter all-gathers and gradient reduce-scatters"
+        sharded = sharded_step(layout.shard_stage, layers, data, dp_link, layout.microbatches,
+                               hidden=run.device.cpu_share >= 1, reshard_after_forward=RESHARD_AFTER_FORWARD,
+                               reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
+        compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
+        dp_exposed, dp_what = sharded.exposed_s, sharded.what
     else:
         sent = gradient_exchange(c.config, dataclasses.replace(layout, dp=data), b * c.seq, run.device, dp_link)
         all_reduce, compression = sent.link_s, sent.compute_s
@@ -284,8 +301,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
     optimizer += (stage_layers * c.layer_tensors + c.rest_tensors) * tensor_cost
     step = compute_step + dp_exposed + compression + optimizer
 
-    states = ADAMW_STATE_BYTES * stage_params / (data if layout.shard else 1)
-    in_flight = min(layout.microbatches, pp) if layout.schedule == "1F1B" else layout.microbatches
+    states = sharded.state_bytes if layout.shard and data > 1 else ADAMW_STATE_BYTES * stage_params
+    in_flight = in_flight_micro_batches(layout.schedule, 0, pp, layout.microbatches, layout.virtual_stages)
     split = 1 / tp if layout.sequence_parallel else (1 - TP_SPLIT_FRACTION) + TP_SPLIT_FRACTION / tp
     if full:  # each layer's input (split by sequence parallelism), and one layer recomputed at a time
         kept = c.saved_bytes(layout.checkpoint) / (tp if layout.sequence_parallel else 1)
@@ -294,8 +311,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
         activations = in_flight * stage_layers * share * c.saved_bytes(layout.checkpoint) * split
     activations += share * (c.rest_saved + c.transient) / tp
     activations += gathered_kv_kept(c.config, c.seq, b, 1 if full else in_flight * stage_layers, tp, cp)
-    gathered = 3 * c.layer_parameters / tp * gather_bytes_per_parameter(c) + \
-        c.layer_parameters / tp * 4 if layout.shard else 0
+    gathered = sharded.gathered_bytes if layout.shard and data > 1 else 0
     memory = {"states": int(states), "activations": int(activations), "gathered": int(gathered)}
     total = sum(memory.values())
     capacity = run.device.memory_capacity * MAX_MEMORY_FRACTION
@@ -321,6 +337,13 @@ def predict(run: Run, layout: Layout) -> Prediction:
 
 def runs_float8(p: Prediction) -> bool:
     return any(choice.startswith("float8") for choice in p.matmuls.values())
+
+
+def pipeline_slots(microbatches: int, pp: int, virtual: int = 1) -> float:
+    """A pipelined step's length in micro-batches of one rank's work (all its stages' forward and
+    backward): the m micro-batches, and the fill and drain of (pp - 1) / virtual (1F1B: one stage per
+    rank; interleaved 1F1B: each of the rank's `virtual` stages holds 1/virtual of its layers)."""
+    return microbatches + (pp - 1) / virtual
 
 
 def bottleneck(p: Prediction, dp_what: str) -> str:
@@ -355,68 +378,8 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
     if run.global_batch % (layout.dp * layout.microbatches):
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
+    if layout.virtual_stages > 1 and layout.pp * layout.virtual_stages > config.num_hidden_layers:
+        return f"pp {layout.pp} x {layout.virtual_stages} stages per rank exceeds the {config.num_hidden_layers} layers"
+    if layout.shard and layout.shard_stage < 3 and layout.compress:
+        return "a compressed gradient exchange is planned with shard stage 3 only: drop the compressor or the stage"
     return refusal(layout)  # what the passes cannot run: the micro-batch rule, the composability table
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> list[Layout]:
-    """Every valid layout; replicated data parallel also with each compressor named in `compress`
-    that changes its bytes (sparse_rows only where the embedding goes as rows). `context`: also each
-    cp of the GPUs left after tp and pp that splits the sequence (picofx.planner.context)."""
-    layouts = []
-    for tp in [d for d in divisors(run.gpus) if d <= run.gpus_per_node]:
-        for pp, cp in [(pp, cp) for pp in divisors(run.gpus // tp)
-                       for cp in [1, *(cp_degrees(run.costs.seq, run.gpus // (tp * pp)) if context else [])]]:
-            dp = run.gpus // (tp * pp * cp)
-            per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
-            for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
-                for shard in ((False, True) if dp * cp > 1 else (False,)):
-                    for checkpoint in CHECKPOINTS:
-                        for sp in ((False, True) if tp > 1 else (False,)):
-                            for precision in precisions(run.device):
-                                layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp,
-                                                precision=precision)
-                                if valid(run, layout) is None:
-                                    layouts.append(layout)
-                                    layouts += [c for c in compressed(run, layout, compress) if refusal(c) is None]
-    return layouts
-
-
-def precisions(device) -> tuple:
-    """The precisions layouts are planned with: the float8 recipes too where the device multiplies float8."""
-    return PRECISIONS if FLOAT8 in device.peak_flops else ("bf16",)
-
-
-def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
-    """`layout` with each compressor of `kinds` that applies: dp > 1, replicated or sharded,
-    sparse_rows where the embedding goes as rows."""
-    if layout.dp == 1 or layout.compress or layout.cp > 1:
-        return []
-    out = []
-    for kind in kinds:
-        other = dataclasses.replace(layout, compress=kind)
-        if kind.startswith("sparse_rows"):
-            tokens = run.global_batch // (layout.dp * layout.microbatches) * run.costs.seq
-            rows = scatter_exchange(run.costs.config, other, tokens, run.device).rows if layout.shard else \
-                embedding_as_rows(run.costs.config, other, tokens)[0]
-            if rows != "rows":
-                continue
-        out.append(other)
-    return out
-
-
-def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
-    """Every valid layout predicted (replicated ones also with each compressor of `compress`), with
-    cp where the sequence is long or where nothing fits without it: those that fit first, fastest
-    first; then the rest."""
-    predictions = [predict(run, layout) for layout in enumerate_layouts(run, compress)]
-    if run.costs.seq >= LONG_SEQUENCE or not any(p.fits for p in predictions):
-        predictions += [predict(run, layout) for layout in enumerate_layouts(run, compress, context=True)
-                        if layout.cp > 1]
-    # a float8 layout none of whose linears pays in float8 is its bf16 twin: left out
-    predictions = [p for p in predictions if p.layout.precision == "bf16" or runs_float8(p)]
-    predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
-    return predictions

@@ -30,6 +30,9 @@ MODELS = {
     "llama3-405b": LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                                num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=8192,
                                rope_theta=500000.0),
+    "llama3.1-405b": LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                 num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072,
+                                 rope_theta=500000.0),
     "smollm-1.7b": LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048),
 }

@@ -10,7 +10,8 @@ from picofx.cost.model import CostModel
 from picofx.models.llama import LlamaConfig
 from picofx.planner.compress import kinds_to_consider
 from picofx.planner.costs import PASSES, model_costs
-from picofx.planner.layouts import Layout, Prediction, Run, plan_layouts, predict, valid
+from picofx.planner.layouts import Layout, Prediction, Run, predict, valid
+from picofx.planner.search import plan_layouts
 from picofx.planner.models import model_config
 from picofx.planner.suggest import with_suggestions
 

@@ -1,9 +1,9 @@
 """A layout as `picofx plan --layout` spells it: the plan's own fields, "key=value" comma-separated,
 as `--json` writes them: "dp=128,shard=true,tp=1,pp=1,microbatches=1,checkpoint=selective"
 (cp: context-parallel ranks, "dp=1,shard=true,cp=8,checkpoint=full"; precision=bf16|float8|float8_rowwise;
-shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3). The data-parallel ranks
-are spelled dp=N with shard=true|false, or as their two dimensions, "dp_replicate=2,dp_shard=4" (HSDP);
-async_tp=true|false, cp_method=allgather|ring.
+shard_stage=1|2|3, which implies shard=true: "shard=true" alone is stage 3; virtual_stages=N: N pipeline
+stages per rank, interleaved 1F1B). The data-parallel ranks are spelled dp=N with shard=true|false, or as
+their two dimensions, "dp_replicate=2,dp_shard=4" (HSDP); async_tp=true|false, cp_method=allgather|ring.
 
 Left out, tp, pp and cp are 1 and dp makes up the GPUs; every other field takes Layout's default.
 `layout_spec` writes every field of a Layout in this spelling (what a checkpoint records)."""
@@ -13,9 +13,9 @@ import dataclasses
 
 from picofx.cost.balance import SINGLE_STAGE_SCHEDULES
 from picofx.planner.compress import kinds_to_consider
-from picofx.planner.layouts import CP_METHODS, LAYOUT_NAMES, PRECISIONS, Checkpointing, Layout
+from picofx.planner.layouts import CP_METHODS, INTERLEAVED, LAYOUT_NAMES, PRECISIONS, Checkpointing, Layout
 
-WHOLE = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "microbatches", "cp", "shard_stage")
+WHOLE = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "microbatches", "cp", "shard_stage", "virtual_stages")
 YES_NO = ("shard", "sequence_parallel", "async_tp")
 TRUE, FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
 FIELDS = list(LAYOUT_NAMES)
@@ -36,8 +36,9 @@ def parse_value(key: str, text: str):
         lowered = text.lower()
         return Checkpointing.of(lowered in TRUE if lowered in TRUE + FALSE else lowered)
     if key == "schedule":
-        if text not in SINGLE_STAGE_SCHEDULES:
-            raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)}")
+        if text not in (*SINGLE_STAGE_SCHEDULES, INTERLEAVED):
+            raise ValueError(f"schedule={text!r}: the planner predicts {', '.join(SINGLE_STAGE_SCHEDULES)} and "
+                             f"{INTERLEAVED} (with virtual_stages=N)")
         return text
     if key == "cp_method":
         if text not in CP_METHODS:
@@ -82,7 +83,10 @@ def parse_layout(spec: str, gpus: int | None = None) -> Layout:
     tp, pp, cp = given.setdefault("tp", 1), given.setdefault("pp", 1), given.setdefault("cp", 1)
     if not {"dp_replicate", "dp_shard"} & set(given):
         given.setdefault("dp", max(1, (gpus or 1) // (tp * pp * cp)))
-    return Layout(**given)
+    try:
+        return Layout(**given)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None
 
 
 def layout_spec(layout: Layout) -> str:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, Checkpointing, Layout, Prediction, Run,
-                                    compressed, divisors, precisions, predict, valid)
+from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, SHARD_STAGES, VIRTUAL, Checkpointing,
+                                    Layout, Prediction, Run, predict, valid)
+from picofx.planner.search import compressed, divisors, precisions
+from picofx.planner.sharding import STAGE_NAMES
 
 MIN_GAIN = 0.01  # a faster neighbour is suggested when it saves at least this share of the step
 NONE_HELPS = "no neighbouring change helps"
@@ -75,7 +77,14 @@ class Neighbourhood:
                     if p != layout.precision]
         if layout.dp * layout.cp > 1:
             changes.append(("replicated data parallel" if layout.shard else "sharded data parallel",
-                            replace(layout, shard=not layout.shard, compress=None)))
+                            replace(layout, shard=not layout.shard, compress=None, shard_stage=3)))
+            changes += [(f"shard stage {stage} ({STAGE_NAMES[stage]} sharded)",
+                         replace(layout, shard=True, shard_stage=stage, compress=None))
+                        for stage in SHARD_STAGES if layout.shard and stage != layout.shard_stage]
+        if layout.pp > 1:
+            changes += [(f"interleaved 1F1B, {v} stages per rank" if v > 1 else "no interleaving",
+                         replace(layout, virtual_stages=v, schedule="1F1B"))
+                        for v in VIRTUAL if v != layout.virtual_stages]
         plain = replace(layout, compress=None)
         if layout.compress:
             changes.append(("uncompressed gradients", plain))

@@ -14,7 +14,8 @@ from picofx.passes import ContextParallel
 from picofx.planner import plan_run
 from picofx.planner.context import LONG_SEQUENCE, gathered_kv_bytes, gathered_kv_kept
 from picofx.planner.costs import ModelCosts
-from picofx.planner.layouts import Layout, Run, enumerate_layouts, plan_layouts, predict, valid
+from picofx.planner.layouts import Layout, Run, predict, valid
+from picofx.planner.search import enumerate_layouts, plan_layouts
 from picofx.planner.models import model_config, parameter_count
 from picofx.planner.recipe import recipe
 from picofx.planner.spec import parse_layout

@@ -12,7 +12,8 @@ from picofx.cost.device import devices
 from picofx.cost.gpus import NETWORKS
 from picofx.planner.costs import ModelCosts
 from picofx.planner.float8 import layer_linears, linear_times, speedup, with_float8
-from picofx.planner.layouts import Layout, Run, enumerate_layouts, plan_layouts, predict, valid
+from picofx.planner.layouts import Layout, Run, predict, valid
+from picofx.planner.search import enumerate_layouts, plan_layouts
 from picofx.planner.models import model_config, parameter_count
 from picofx.planner.suggest import Neighbourhood
 

@@ -10,25 +10,30 @@ GROWTH = 0.01  # a point: what the captures' order of summation may move, not a 
 
 # |error| of tokens/s per GPU and of memory per GPU (None: not published), as the docs record them
 RECORDED = {
-    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.005, 0.021),
+    'Llama 3.1 8B, FSDP + compile, 8 GPUs': (0.024, 0.032),
     'Llama 3.1 8B, FSDP + compile + Float8, 8 GPUs': (0.089, 0.026),
-    'Llama 3.1 8B, FSDP, 8 GPUs': (0.139, 0.085),
-    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.021, 0.022),
+    'Llama 3.1 8B, FSDP, 8 GPUs': (0.138, 0.036),
+    'Llama 3.1 8B, FSDP + compile, 128 GPUs': (0.001, 0.044),
     'Llama 3.1 8B, FSDP + compile + Float8, 128 GPUs': (0.068, 0.029),
-    'Llama 3.1 8B, FSDP, 128 GPUs': (0.113, 0.095),
-    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.019, None),
+    'Llama 3.1 8B, FSDP, 128 GPUs': (0.113, 0.034),
+    'Llama 3.1 405B, FSDP 16 x TP 8, full checkpointing': (0.018, None),
     'Llama 3 8B, selective op checkpointing': (0.006, None),
     'Llama 3 70B, full checkpointing': (0.051, None),
     'Llama 2 13B, batch 2, no checkpointing': (0.052, None),
-    'Llama 2 13B, batch 2, selective op checkpointing': (0.039, None),
-    'Llama 2 70B, batch 1, selective op checkpointing': (0.119, None),
-    'Llama 2 70B, batch 2, full checkpointing': (0.044, None),
-    'GPT 22B, TP 8, full recomputation': (0.062, None),
-    'GPT 22B, TP 8, sequence parallel + selective': (0.044, None),
-    'GPT 175B, TP 8 x PP 8, full recomputation': (0.019, None),
-    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.012, None),
-    'GPT 530B, TP 8 x PP 35, full recomputation': (0.008, None),
-    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.004, None),
+    'Llama 2 13B, batch 2, selective op checkpointing': (0.038, None),
+    'Llama 2 70B, batch 1, selective op checkpointing': (0.118, None),
+    'Llama 2 70B, batch 2, full checkpointing': (0.043, None),
+    'GPT 22B, TP 8, full recomputation': (0.033, None),
+    'GPT 22B, TP 8, sequence parallel + selective': (0.009, None),
+    'GPT 175B, TP 8 x PP 8, full recomputation': (0.021, None),
+    'GPT 175B, TP 8 x PP 8, sequence parallel + selective': (0.038, None),
+    'GPT 530B, TP 8 x PP 35, full recomputation': (0.053, None),
+    'GPT 530B, TP 8 x PP 35, sequence parallel + selective': (0.056, None),
+    'GPT 76B, TP 8 x PP 4, interleaved, 1,024 GPUs': (0.106, None),
+    'GPT 146B, TP 8 x PP 8, interleaved, 1,536 GPUs': (0.104, None),
+    'GPT 310B, TP 8 x PP 16, interleaved, 1,920 GPUs': (0.110, None),
+    'GPT 530B, TP 8 x PP 35, interleaved, 2,520 GPUs': (0.084, None),
+    'GPT 1T, TP 8 x PP 64, interleaved, 3,072 GPUs': (0.107, None),
 }
 
 
@@ -37,7 +42,7 @@ def tool(import_tool):
     return import_tool("plan_published")
 
 
-def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool):
+def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart(tool, import_tool):
     from picofx.cost.gpus import FIT_RUNS, GPUS, NETWORKS
 
     runs = tool.RUNS
@@ -50,6 +55,10 @@ def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart
     assert fitted and sorted(fitted) == sorted(FIT_RUNS)
     assert len(runs) - len(fitted) >= 12  # checked on runs it was not fitted on
     assert set(RECORDED) == {r.name for r in runs}
+    apart = import_tool("published_runs").LARGE_RUNS  # runs of 1,000 GPUs and more not yet within 15%
+    large = [r for r in [*runs, *apart] if r.gpus >= 1000]
+    assert len(large) >= 6 and all(r.source for r in large)
+    assert all(r.layout.gpus == r.gpus for r in apart)
 
 
 def test_the_docs_table_names_every_run_and_what_cannot_be_expressed(tool):

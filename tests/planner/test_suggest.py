@@ -9,7 +9,8 @@ import pytest
 from picofx.cost.device import devices
 from picofx.planner import plan_run
 from picofx.planner.costs import ModelCosts
-from picofx.planner.layouts import BOTTLENECKS, DOES_NOT_FIT, Checkpointing, Layout, Run, plan_layouts, predict
+from picofx.planner.layouts import BOTTLENECKS, DOES_NOT_FIT, Checkpointing, Layout, Run, predict
+from picofx.planner.search import plan_layouts
 from picofx.planner.models import model_config, parameter_count
 from picofx.planner.suggest import NONE_HELPS, Neighbourhood, Suggestion, with_suggestions
 

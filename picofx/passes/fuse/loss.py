@@ -87,12 +87,19 @@ def context_chunking(ctx) -> LossChunking:
     return chunking_for(ctx.device, getattr(described, "memory_capacity", None))
 
 
+def _argument(node: torch.fx.Node, index: int):
+    """The op's argument `index`, given or (dropped from the call when it equals it) its schema default."""
+    if index < len(node.args):
+        return node.args[index]
+    argument = node.target._schema.arguments[index]
+    return node.kwargs.get(argument.name, argument.default_value)
+
+
 def chunking_notes(graph: torch.fx.Graph, chunking: LossChunking) -> list[str]:
     """One line per fused loss in `graph`: its chunk count and why."""
     lines = []
     for node in graph.find_nodes(op="call_function", target=torch.ops.picofx.linear_cross_entropy.default):
-        x, weight = node.args[0].meta.get("val"), node.args[1].meta.get("val")
-        chunk = node.args[7] if len(node.args) > 7 else node.kwargs.get("chunk_size", DEFAULT_CHUNK_SIZE)
+        x, weight, chunk = node.args[0].meta.get("val"), node.args[1].meta.get("val"), _argument(node, 7)
         if x is None or weight is None:
             continue
         n_tokens = x.shape[:-1].numel()

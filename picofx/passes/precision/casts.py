@@ -13,6 +13,8 @@ new input dtypes is reported when the pass runs, naming the node.
 """
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 
 import torch
@@ -145,19 +147,55 @@ def _mixed_by_the_pass(node: fx.Node, traced_dtypes: dict) -> bool:
     return len(now) > 1 and len(_float_input_dtypes(node, traced_dtypes.get)) == 1
 
 
+CHECK_BYTES = 8 * 2**20  # the most a dtype check allocates: a larger call runs on halved shapes
+
+
 def _check_accepts_dtypes(node: fx.Node) -> None:
     """Run the op once on zeros of its inputs' shapes and new dtypes: fake tensors do not check
     dtypes for every op (grid_sample, custom ops), and a rejected dtype should fail here, not at
-    the first training step."""
+    the first training step. Inputs past CHECK_BYTES run with every even size above 16 halved
+    (alike in every input, so the shapes still agree) until they fit: the check's memory does not
+    grow with the sequence; where the op refuses the smaller shapes, the call runs at full size."""
+    shapes = [n.meta["val"].shape for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    halvings = 0
+    while _zeros_bytes(node, halvings) > CHECK_BYTES and _halved_sizes(shapes, halvings + 1) != _halved_sizes(
+            shapes, halvings):
+        halvings += 1
+    try:
+        _call_on_zeros(node, halvings)
+    except (RuntimeError, TypeError, ValueError) as error:
+        if not halvings:
+            _raise_rejected(node, error)
+        try:
+            _call_on_zeros(node, 0)
+        except (RuntimeError, TypeError, ValueError) as error:
+            _raise_rejected(node, error)
+
+
+def _halved(size: int, halvings: int) -> int:
+    for _ in range(halvings):
+        size = size // 2 if size > 16 and size % 2 == 0 else size
+    return size
+
+
+def _halved_sizes(shapes, halvings: int) -> list:
+    return [tuple(_halved(s, halvings) for s in shape) for shape in shapes]
+
+
+def _zeros_bytes(node: fx.Node, halvings: int) -> int:
+    return sum(math.prod(_halved(s, halvings) for s in n.meta["val"].shape) * n.meta["val"].element_size()
+               for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _call_on_zeros(node: fx.Node, halvings: int) -> None:
     def zeros(n):
         val = n.meta.get("val")
-        return torch.zeros(val.shape, dtype=val.dtype) if isinstance(val, torch.Tensor) else val
+        if not isinstance(val, torch.Tensor):
+            return val
+        return torch.zeros([_halved(s, halvings) for s in val.shape], dtype=val.dtype)
     args, kwargs = pytree.tree_map_only(fx.Node, zeros, (node.args, node.kwargs))
-    try:
-        with torch.no_grad():
-            node.target(*args, **kwargs)
-    except (RuntimeError, TypeError, ValueError) as error:
-        _raise_rejected(node, error)
+    with torch.no_grad():
+        node.target(*args, **kwargs)
 
 
 def _call_key(node: fx.Node) -> str:

@@ -2,22 +2,18 @@
 
 - The core imports no pass: below the passes nothing imports picofx.passes, the planner or the CLI;
   picofx/__init__.py imports the passes and then the planner as its last imports.
-- No import cycles between picofx's modules; imports run down the layers: cli -> planner -> passes ->
-  the public face (api, rules, testing) -> runtime -> manager, compression, report_html -> parallel ->
-  cost, rewrite, kernels -> capture, models -> errors.
-- Process groups and device meshes are made and resolved in picofx/parallel/ only.
-- Nothing reads a pass's declarations by probing its attributes (`getattr(p, "communicates")`):
-  they are read through `pass_info` (picofx/manager/passes.py).
-- Graph meta keys are named constants (capture/vocabulary.py, parallel/layouts.py), never
-  `meta["picofx_..."]` literals.
-- No module imports another module's private (_underscore) names.
+- No import cycles; imports run down the layers: cli -> planner -> passes -> the public face (api,
+  rules, testing) -> runtime -> manager, compression, report_html -> parallel -> cost, rewrite,
+  kernels -> capture, models -> errors.
+- Process groups and device meshes are made and resolved in picofx/parallel/ only; pass declarations
+  are read through `pass_info`, never probed (`getattr(p, "communicates")`); graph meta keys are
+  named constants, never `meta["picofx_..."]` literals; no module imports another's private names.
 - Pass families are independent: nothing in picofx/passes/X imports picofx/passes/Y (nor the
-  picofx.passes package, which imports them all), at the top or inside a function. What several
-  families share lives below them (picofx/parallel/, picofx/cost/); a pass that needs another
-  declares it in its PassInfo (`requires`).
+  picofx.passes package), at the top or inside a function. What several families share lives below
+  them (picofx/parallel/, picofx/cost/); a pass that needs another declares it (`requires`).
 - picofx/ has at most 8 top-level modules and at least 4 subpackages; no module is over 400 lines.
-- A run's layout is described once: the planner's Layout (picofx/planner/layouts.py). No other class
-  is named Layout, and no other class has fields for the data-parallel, tp and pp degrees.
+- A run's layout is described once: the planner's Layout (picofx/planner/layouts.py); no other class
+  is named Layout or has fields for the data-parallel, tp and pp degrees.
 
 Each rule is also run on a small tree that breaks it, so a rule that stopped seeing its breach fails.
 """
@@ -264,8 +260,7 @@ def parallel_problems(root: Path) -> list[str]:
 
 
 def test_pass_families_import_no_other_family():
-    assert family_problems(ROOT) == []
-    # The imports are seen: a family's own modules import each other.
+    assert family_problems(ROOT) == []  # and the imports are seen: a family's own modules import each other
     assert import_graph(ROOT).has_edge("picofx.passes.shard.shard", "picofx.passes.shard.reduce")
 
 
@@ -279,13 +274,9 @@ def second_layouts(root: Path) -> list[str]:
     found = []
     for path in sorted((root / "picofx").rglob("*.py")):
         where = path.relative_to(root).as_posix()
-        if where == THE_LAYOUT:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ClassDef):
-                continue
+        for node in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]:
             fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-            if node.name == "Layout" or all(fields & names for names in DEGREES):
+            if where != THE_LAYOUT and (node.name == "Layout" or all(fields & names for names in DEGREES)):
                 found.append(f"{where}:{node.lineno} class {node.name} describes a run's layout again: use "
                              f"picofx.planner.layouts.Layout (one description of the run)")
     return found

@@ -107,7 +107,9 @@ def predict_sharded(layers: list[Layer], activation_bytes: int, world: int, link
     backward = overlapped([layer.backward_s for layer in reversed(layers)], backward_gathers, reduce[::-1], prefetch)
     parameters = sum(layer.parameters for layer in layers)
     largest = sorted((layer.parameters for layer in layers), reverse=True)
-    gathered = sum(largest[:1 + prefetch]) * gather_bytes_per_parameter + sum(largest[:2]) * reduce_bytes_per_parameter
+    held = sorted((layer.parameters * (layer.gather_bytes_per_parameter or gather_bytes_per_parameter) for layer in layers),
+                  reverse=True)  # a gathered layer as it is gathered (float8 weights: a byte each)
+    gathered = sum(held[:1 + prefetch]) + sum(largest[:2]) * reduce_bytes_per_parameter
     communication = sum(gather) * (2 if reshard_after_forward else 1) + sum(reduce)
     return ShardPrediction(world, parameters, -(-parameters * ADAMW_STATE_BYTES // world), activation_bytes, gathered,
                            sum(layer.forward_s + layer.backward_s for layer in layers), forward + backward,

@@ -185,7 +185,7 @@ class Layout:
 
 # what a plan's limits and --layout name: the constructor's positional order, then the keywords
 LAYOUT_NAMES = ("dp", "tp", "pp", "shard", "microbatches", "schedule", "checkpoint", "sequence_parallel", "compress",
-                "cp", "precision", "shard_stage", "dp_replicate", "dp_shard", "async_tp", "cp_method")
+                "cp", "precision", "shard_stage", "dp_replicate", "dp_shard", "async_tp", "cp_method", "virtual_stages")
 
 
 @dataclass

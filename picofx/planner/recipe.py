@@ -104,7 +104,10 @@ def refusal(layout: Layout, compute=()) -> str | None:
     reason = microbatch_refusal(layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages)
     if reason is not None:
         return reason
-    made = recipe(layout, compute=compute)
+    try:
+        made = recipe(layout, compute=compute)
+    except (NotImplementedError, ValueError) as e:  # a pass refusing its own options where they are declared
+        return str(e)
     found = refused(features_of(made.passes, made.mesh_shape))
     return None if found is None else found.reason
 

@@ -47,7 +47,7 @@ def precisions(device) -> tuple:
 def compressed(run: Run, layout: Layout, kinds: tuple) -> list[Layout]:
     """`layout` with each compressor of `kinds` that applies: dp > 1, replicated or sharded,
     sparse_rows where the embedding goes as rows."""
-    if layout.dp == 1 or layout.compress or layout.cp > 1:
+    if layout.dp == 1 or layout.compress or layout.cp > 1 or (layout.shard and layout.shard_stage < 3):
         return []
     out = []
     for kind in kinds:

@@ -57,7 +57,8 @@ def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches
         return Sharded(microbatches * exposed, microbatches * one.communication_s,
                        ADAMW_STATE_BYTES * parameters / world, one.gathered_bytes,
                        "parameter all-gathers and gradient reduce-scatters per micro-batch")
-    gathers = [all_gather_seconds(layer.parameters * GATHERED_BYTES, world, link) for layer in layers]
+    sent = [layer.parameters * (layer.gather_bytes_per_parameter or GATHERED_BYTES) for layer in layers]
+    gathers = [all_gather_seconds(size, world, link) for size in sent]
     reduces = [reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link) for layer in layers]
     forward = [layer.forward_s for layer in layers]
     backward = [layer.backward_s for layer in reversed(layers)]
@@ -70,6 +71,6 @@ def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches
         state = WHOLE_BYTES_STAGE_1 * parameters + (ADAMW_STATE_BYTES - WHOLE_BYTES_STAGE_1) * parameters / world
         return Sharded(exposed, communication, state, 0.0,
                        "gradient reduce-scatter and parameter all-gather, once a step")
-    kept = GATHERED_BYTES * parameters + sum(largest[:2]) * REDUCED_BYTES
+    kept = sum(sent) + sum(largest[:2]) * REDUCED_BYTES
     return Sharded(exposed, communication, ADAMW_STATE_BYTES * parameters / world, kept,
                    "parameter all-gather once a step, gradient reduce-scatters per micro-batch")

@@ -82,8 +82,8 @@ def test_sharded_weights_gather_in_float8_under_tensorwise_and_in_bf16_under_row
     # 64 GPUs over 8 nodes on a slow network: the gathers, not the compute, set the step
     run = dataclasses.replace(llama3_8b(gpus=64, batch=64), device=devices()["h100"].on(NETWORKS["efa-p4d"]))
     bf16, tensorwise, rowwise = (predict(run, fsdp(64, p)) for p in ("bf16", "float8", "float8_rowwise"))
-    weights = sum(linear.inputs * linear.outputs for linear in layer_linears(run.costs.config))
-    assert bf16.memory["gathered"] - tensorwise.memory["gathered"] == 3 * weights  # three layers gathered at once
+    # the units held gathered at once are the largest as gathered: here the embedding and the head, in bf16
+    assert tensorwise.memory["gathered"] == bf16.memory["gathered"]
     assert rowwise.memory["gathered"] == bf16.memory["gathered"]
     # per parameter the link carries two gathers (forward, backward) and an fp32 reduce-scatter: 2 + 2 + 4
     # bytes in bf16, 1 + 1 + 4 in float8, 3/4 of them

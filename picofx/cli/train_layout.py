@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from picofx.manager.combinations import COMPRESSION, closed, refused
+from picofx.cli.train_float8 import compute_passes
 from picofx.cli.train_model import planned_shape
 from picofx.passes import ContextParallel, TensorParallel
 from picofx.planner.layouts import Layout
@@ -51,7 +52,7 @@ def train_recipe(args) -> Recipe:
     """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe; with
     --dp-replicate, HSDP (the shard pass over dp_replicate x dp_shard); --no-async-tp: sequence
     parallelism without its chunked overlap; --cp-method: context parallelism's method."""
-    made = recipe(args_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
+    made = recipe(args_layout(args), compute=compute_passes(args),
                   checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
                   measure_cuts=args.measure_cuts)
     passes, shape = list(made.passes), dict(made.mesh_shape)

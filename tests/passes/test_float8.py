@@ -96,7 +96,7 @@ def test_cost_rule_turns_where_torchao_measures_the_turn():
     def speedup(m, k, n):
         bf16, fp8 = step_seconds(Linear("mm", "", m, k, n, False), "tensorwise", H100)
         return bf16 / fp8
-    assert 0.6 < speedup(1024, 2048, 1024) < 1.0 and 1.25 < speedup(4096, 8192, 16384) < 1.6
+    assert 0.4 < speedup(1024, 2048, 1024) < 1.0 and 1.25 < speedup(4096, 8192, 16384) < 1.6
     big = Linear("mm", "layers.0.mlp", 4096, 8192, 16384, False)
     assert choose(big, "auto", "tensorwise", H100).float8
     assert not choose(big, "auto", "tensorwise", zoo_cpu()).float8

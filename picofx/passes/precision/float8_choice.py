@@ -12,7 +12,8 @@ recipe casts and its bf16 rate otherwise, plus the casts at the device's memory 
 cast reads its operand twice (amax, then scale and cast: 2 + 2 bytes an element) and writes one
 byte, and the backward's transposed operands are copied once more (1 + 1 bytes). Against three
 bf16 matmuls. torchao measures the same turn: 1024 x 2048 x 1024 loses (0.80x on an H100),
-4096 x 8192 x 16384 gains (1.39x); the rule predicts 0.8x and 1.4x there.
+4096 x 8192 x 16384 gains (1.39x); the rule predicts 0.53x and 1.35x there
+(it prices no launch or tile effects, so it is harsher on small layers).
 """
 from __future__ import annotations
 

@@ -46,6 +46,9 @@ from picofx.passes.precision.rules import (LOW_PRECISION, Rule, explicitly_fp32,
 # shared by every key, so its terms sum to ~4e-4 against ~1e-2 for the weights) keeps the absolute
 # rounding of its terms, measured at 3.9% of its norm on a one-layer Hugging Face Llama.
 TOLERANCE = {torch.bfloat16: (5e-2, 1e-6), torch.float16: (5e-3, 1e-7), torch.float32: (1e-5, 1e-6)}
+# Float8 linear layers: e5m2 gradients keep 2 significant bits; on the tiny LLaMA torchao's float8 and
+# picofx's both move the worst gradient by ~12% of its norm from fp32 (the first loss by ~2e-4).
+FLOAT8_TOLERANCE = (2.5e-1, 1e-6)
 
 
 @register_pass("precision")
@@ -115,8 +118,9 @@ class Precision:
             changes["float8"] = float8_notes["float8_linears"]
         if self.loss_scale is not None and _scaler_enabled(self.loss_scale):
             notes["loss_scale"] = type(self.loss_scale).__name__  # the loop scales, steps and updates with it
-        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=TOLERANCE[loosest],
-                          normwise=loosest != torch.float32)
+        tolerance = FLOAT8_TOLERANCE if changes.get("float8") else TOLERANCE[loosest]
+        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=tolerance,
+                          normwise=loosest != torch.float32 or bool(changes.get("float8")))
 
     def float8_rewrite(self, gm: fx.GraphModule, ctx) -> dict:
         device = getattr(ctx.cost_model, "device", None) or device_for(ctx.device)

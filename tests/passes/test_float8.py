@@ -75,7 +75,7 @@ def test_bf16_policy_first_loss_within_1e_4_and_gradients_closer_than_bf16(recip
 
 
 def test_each_layer_s_choice_and_reason_are_in_the_notes():
-    z = zoo.reference_llama("tiny", hidden_dim=40)  # 40 is no multiple of 16: the kernels cannot take it
+    z = zoo.reference_llama("tiny", intermediate_size=40)  # 40 is no multiple of 16: the kernels cannot take it
     opt = optimize(z, z.model, [Precision(float8="tensorwise", float8_layers=["decoder_layers.0.*"])])
     notes = next(r.notes for r in opt.report.records if r.name == "precision")
     layers = notes["float8_layers"]

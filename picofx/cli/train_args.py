@@ -13,6 +13,7 @@ from picofx.cost.device import device_for
 from picofx.cost.units import format_bytes
 from picofx.models.llama import CONFIGS
 from picofx.cli.train_data import check_data_source
+from picofx.cli.train_float8 import check_float8
 from picofx.cli.train_guards import check_guard_options
 from picofx.cli.train_profile import check_profile_options
 from picofx.cli.train_parser import build_parser, step_bytes
@@ -48,6 +49,7 @@ def parse_args(argv=None, doc: str = "", environ=None):
         check_layout(args, launched_world(environ))
         check_passes(args)
         check_runnable(args)
+        check_float8(args)
         check_positions(args)
         check_device(args)
         check_paths(args)

@@ -10,6 +10,7 @@ equal work per step).
 """
 from __future__ import annotations
 
+from picofx.cli.train_float8 import compute_passes, layout_precision
 from picofx.cli.train_model import planned_shape
 from picofx.planner.layouts import Layout
 from picofx.planner.recipe import Recipe, recipe, refusal
@@ -26,12 +27,12 @@ def run_layout(args) -> Layout:
                   shard=args.shard, microbatches=args.microbatches if args.pp > 1 else 1, schedule=args.schedule,
                   checkpoint="checkpoint" in args.passes, sequence_parallel=args.sequence_parallel,
                   async_tp=args.async_tp is not False, compress=args.compress, cp=args.cp, cp_method=args.cp_method,
-                  shard_stage=args.shard_stage)
+                  shard_stage=args.shard_stage, precision=layout_precision(args))
 
 
 def train_recipe(args, layout: Layout | None = None) -> Recipe:
     """The passes (--passes and the layout's) and the mesh of the run, by the planner's recipe."""
-    return recipe(layout or run_layout(args), compute=[name for name in args.passes if name != "checkpoint"],
+    return recipe(layout or run_layout(args), compute=compute_passes(args),
                   checkpoint_budget=args.memory_budget, compress_warmup=args.compress_warmup,
                   measure_cuts=args.measure_cuts)
 

@@ -9,6 +9,7 @@ from picofx.compression.registry import spellings
 from picofx.cost.device import device_for
 from picofx.cost.units import check_budget
 from picofx.models.llama import CONFIGS
+from picofx.passes.precision.float8_linear import RECIPES as FLOAT8_RECIPES
 from picofx.cli.train_guards import add_guard_options
 from picofx.cli.train_profile import add_profile_options
 
@@ -96,6 +97,12 @@ def build_parser(doc: str, speaks: bool = True) -> OneLineParser:
     p.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
                    help="inductor generates code (20-30 s to compile on CPU); eager runs the graphs as they are")
     p.add_argument("--passes", nargs="*", default=["fuse"], help="picofx passes, e.g. fuse precision checkpoint")
+    p.add_argument("--float8", choices=FLOAT8_RECIPES, metavar="RECIPE",
+                   help="the linear layers in float8 (pass precision's float8, added if --passes lacks precision): "
+                        f"{', '.join(FLOAT8_RECIPES)}")
+    p.add_argument("--float8-layers", default="auto", metavar="auto|all|GLOB,...",
+                   help="with --float8: where the cost rule predicts a gain (auto), every linear layer the kernels "
+                        "take (all), or the layers whose module path matches a glob")
     p.add_argument("--memory-budget", type=memory_budget, metavar="BUDGET",
                    help="the checkpoint pass's budget: bytes, '2GiB', or a fraction of the peak without it "
                         "('0.5'); default: the device's memory")

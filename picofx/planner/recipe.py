@@ -85,6 +85,8 @@ def in_precision(compute: list, precision: str) -> list:
     if not named:
         return [*compute, float8]
     given = compute[named[0]]
+    if isinstance(given, Precision) and given.float8 is not None:  # its own recipe (rowwise_with_gw_hp included)
+        return compute
     compute[named[0]] = dataclasses.replace(given, float8=float8.float8) if isinstance(given, Precision) else float8
     return compute
 

@@ -7,6 +7,10 @@ Matmuls, attention and fused ops compute in `dtype`; norm statistics, softmax, R
 losses stay fp32 (the rules in rules.py); everything else follows its inputs.
 `overrides` maps module-path globs to a dtype for the matmul/attention/fused nodes of the
 matching modules and their submodules (a later entry wins over an earlier one).
+`float8` ("tensorwise", "rowwise", "rowwise_with_gw_hp": torchao's recipes) runs the linear layers
+`float8_layers` selects ("auto": where the cost rule predicts a gain; "all"; module-path globs) in
+float8 with dynamic scales, forward and backward (float8.py, float8_choice.py, float8_linear.py);
+the notes' "float8_layers" give each linear layer's choice and why.
 `sensitivity` measures, on the example inputs, each low-precision node's own relative error
 against fp32 and keeps the nodes above it in fp32 (listed in the notes' "kept_fp32").
 
@@ -28,8 +32,10 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from picofx.capture.vocabulary import module_path
+from picofx.cost.device import device_for
 from picofx.manager import PassInfo, PassResult, Stage, register_pass
 from picofx.passes.precision.casts import insert_casts
+from picofx.passes.precision.float8 import check_device, check_options, fused_loss_note, rewrite_to_float8
 from picofx.passes.precision.rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
                                           parse_dtype, resolve_op_names, rule_table, weight_free_nodes)
 from picofx.runtime.peaks import low_precision_cost
@@ -42,6 +48,9 @@ from picofx.runtime.peaks import low_precision_cost
 # shared by every key, so its terms sum to ~4e-4 against ~1e-2 for the weights) keeps the absolute
 # rounding of its terms, measured at 3.9% of its norm on a one-layer Hugging Face Llama.
 TOLERANCE = {torch.bfloat16: (5e-2, 1e-6), torch.float16: (5e-3, 1e-7), torch.float32: (1e-5, 1e-6)}
+# Float8 linear layers: e5m2 gradients keep 2 significant bits; on the tiny LLaMA torchao's float8 and
+# picofx's both move the worst gradient by ~12% of its norm from fp32 (the first loss by ~2e-4).
+FLOAT8_TOLERANCE = (2.5e-1, 1e-6)
 
 
 @register_pass("precision")
@@ -52,12 +61,15 @@ class Precision:
     fp32_ops: tuple = ()                            # ops kept in fp32 besides the default islands
     sensitivity: float | None = None                # relative error above which a node stays fp32
     loss_scale: object = None                       # the torch.amp.GradScaler the loop uses (fp16)
+    float8: str | None = None                       # "tensorwise" | "rowwise" | "rowwise_with_gw_hp"
+    float8_layers: str | tuple | list = "auto"      # "auto" | "all" | module-path globs
     info = PassInfo(Stage.FORWARD)
 
     def __post_init__(self):
         dtypes = {parse_dtype(self.dtype)} | {parse_dtype(d, f"dtype for override {g!r}")
                                               for g, d in self.overrides.items()}
         resolve_op_names(self.fp32_ops)
+        check_options(self.float8, self.float8_layers)
         if self.sensitivity is not None and not self.sensitivity > 0:
             raise ValueError(f"Precision: sensitivity is a relative error threshold > 0, got {self.sensitivity!r}.")
         enabled = self.loss_scale is not None and _scaler_enabled(self.loss_scale)
@@ -75,6 +87,10 @@ class Precision:
         compute = parse_dtype(self.dtype)
         overrides = {glob: parse_dtype(d) for glob, d in self.overrides.items()}
         check_globs(gm, overrides)
+        if self.float8 is not None:
+            check_device(ctx.device)
+            if not isinstance(self.float8_layers, str):
+                check_globs(gm, dict.fromkeys(self.float8_layers), what="float8_layers glob")
         plan, rules, matched = assign_dtypes(gm, compute, overrides, rule_table(resolve_op_names(self.fp32_ops)))
         kept = {}
         if self.sensitivity is not None:
@@ -83,6 +99,8 @@ class Precision:
             kept = {n: e for n, e in errors.items() if e > self.sensitivity}
             plan.update({n: torch.float32 for n in kept})
         changes = insert_casts(gm, plan)
+        if self.float8 is not None:
+            float8_notes = self.float8_rewrite(gm, ctx)
         planned = set(plan.values())
         loosest = next((d for d in (torch.bfloat16, torch.float16) if d in planned), torch.float32)
         if ctx.device.type == "cpu" and loosest != torch.float32:
@@ -99,10 +117,26 @@ class Precision:
             notes["kept_fp32"] = ", ".join(f"{n.name} ({n.meta.get('module_path', '')}): {e:.3g}"
                                            for n, e in sorted(kept.items(), key=lambda kv: -kv[1])) or "none"
             notes["sensitivity_errors"] = {n.name: e for n, e in errors.items()}
+        if self.float8 is not None:
+            notes.update(float8_notes)
+            changes["float8"] = float8_notes["float8_linears"]
         if self.loss_scale is not None and _scaler_enabled(self.loss_scale):
             notes["loss_scale"] = type(self.loss_scale).__name__  # the loop scales, steps and updates with it
-        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=TOLERANCE[loosest],
-                          normwise=loosest != torch.float32)
+        tolerance = FLOAT8_TOLERANCE if changes.get("float8") else TOLERANCE[loosest]
+        return PassResult(changed=sum(changes.values()) > 0, notes=notes, tolerance=tolerance,
+                          normwise=loosest != torch.float32 or bool(changes.get("float8")))
+
+    def float8_rewrite(self, gm: fx.GraphModule, ctx) -> dict:
+        device = getattr(ctx.cost_model, "device", None) or device_for(ctx.device)
+        layers = self.float8_layers if isinstance(self.float8_layers, str) else tuple(self.float8_layers)
+        choices = rewrite_to_float8(gm, self.float8, layers, device)
+        notes = {"float8": self.float8, "float8_linears": sum(c.float8 for c in choices.values()),
+                 "float8_layers": {layer: f"{'float8' if c.float8 else 'high precision'}: {c.reason}"
+                                   for layer, c in choices.items()}}
+        fused = fused_loss_note(gm)
+        if fused:
+            notes["float8_fused_loss"] = fused
+        return notes
 
 
 class PrecisionCostWarning(UserWarning):
@@ -166,12 +200,12 @@ def override_for(path: str, overrides: dict) -> str | None:
     return hits[-1] if hits else None
 
 
-def check_globs(gm: fx.GraphModule, overrides: dict) -> None:
+def check_globs(gm: fx.GraphModule, overrides: dict, what: str = "override") -> None:
     paths = sorted({module_path(n) for n in gm.graph.nodes} - {""})
     unmatched = [glob for glob in overrides if not any(matches(p, glob) for p in paths)]
     if unmatched:
         examples = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
-        raise ValueError(f"Precision: override {unmatched[0]!r} matches no module of the graph; module "
+        raise ValueError(f"Precision: {what} {unmatched[0]!r} matches no module of the graph; module "
                          f"paths look like: {examples}. Globs use fnmatch ('decoder_layers.0.*').")
 
 

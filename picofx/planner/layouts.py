@@ -378,6 +378,8 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
     if run.global_batch % (layout.dp * layout.microbatches):
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
+    if layout.virtual_stages > 1 and layout.pp == 1:
+        return "virtual_stages without a pipeline (pp 1)"
     if layout.virtual_stages > 1 and layout.pp * layout.virtual_stages > config.num_hidden_layers:
         return f"pp {layout.pp} x {layout.virtual_stages} stages per rank exceeds the {config.num_hidden_layers} layers"
     if layout.shard and layout.shard_stage < 3 and layout.compress:

@@ -28,8 +28,9 @@ def enumerate_layouts(run: Run, compress: tuple = (), context: bool = False) -> 
             per_replica = run.global_batch // dp if run.global_batch % dp == 0 else 0
             for micro in sorted({m for m in divisors(per_replica) if m >= pp} if per_replica else set()):
                 for shard, stage in [(False, 3), *([(True, s) for s in SHARD_STAGES] if dp * cp > 1 else [])]:
-                    for checkpoint, sp, v in [(c, sp, v) for c in CHECKPOINTS for sp in ((False, True) if tp > 1 else
-                                                                                        (False,)) for v in VIRTUAL]:
+                    options = [(c, sp, v) for c in CHECKPOINTS for sp in ((False, True) if tp > 1 else (False,))
+                               for v in (VIRTUAL if pp > 1 else (1,))]  # stages per rank: with a pipeline only
+                    for checkpoint, sp, v in options:
                         for precision in precisions(run.device):
                             layout = Layout(dp, tp, pp, shard, micro, "1F1B", checkpoint, sp, cp=cp,
                                             shard_stage=stage, virtual_stages=v, precision=precision)

@@ -9,7 +9,7 @@ import pytest
 from picofx.cost.device import devices
 from picofx.cost.shard import Layer
 from picofx.planner import plan_run
-from picofx.planner.layouts import Layout, predict
+from picofx.planner.layouts import Layout, predict, valid
 from picofx.planner.search import enumerate_layouts
 from picofx.planner.sharding import sharded_step
 from picofx.planner.suggest import Neighbourhood
@@ -53,9 +53,11 @@ def tiny_run():
     return run
 
 
-def test_the_search_tries_each_stage(tiny_run):
-    stages = {layout.shard_stage for layout in enumerate_layouts(tiny_run) if layout.shard}
-    assert stages == {1, 2, 3}
+def test_the_search_tries_each_stage_and_interleaves_pipelines_only(tiny_run):
+    layouts = enumerate_layouts(tiny_run)
+    assert {layout.shard_stage for layout in layouts if layout.shard} == {1, 2, 3}
+    assert all(layout.pp > 1 for layout in layouts if layout.virtual_stages > 1)
+    assert valid(tiny_run, Layout(16, 1, 1, virtual_stages=2)) == "virtual_stages without a pipeline (pp 1)"
 
 
 def test_with_many_micro_batches_a_lower_stage_pays_and_is_suggested(tiny_run):

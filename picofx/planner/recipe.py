@@ -76,9 +76,9 @@ def declared_order(passes: list) -> list:
 
 def in_precision(compute: list, precision: str) -> list:
     """`compute` with the precision pass running a float8 layout's recipe (torchao's name: "tensorwise",
-    "rowwise"), added after the others where `compute` lacks it. A precision pass without float8 (before
-    issue 49's pass) is left as it is: the recipe then runs bf16."""
-    if precision not in FLOAT8_RECIPES or "float8" not in {f.name for f in dataclasses.fields(Precision)}:
+    "rowwise"), added after the others where `compute` lacks it; a precision pass given a float8
+    recipe of its own keeps it."""
+    if precision not in FLOAT8_RECIPES:
         return compute
     float8 = Precision(float8=FLOAT8_RECIPES[precision])
     named = [i for i, p in enumerate(compute) if p == "precision" or isinstance(p, Precision)]

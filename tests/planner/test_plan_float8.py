@@ -119,10 +119,11 @@ def test_a_float8_layouts_recipe_runs_the_precision_pass_with_its_recipe():
     from picofx.passes import Precision
     from picofx.planner.recipe import recipe
 
-    if "float8" not in {f.name for f in dataclasses.fields(Precision)}:
-        pytest.skip("the precision pass has no float8 yet (issue 49, item 1): the recipe runs bf16")
     made = recipe(fsdp(4, "float8_rowwise"), compute=["fuse", "precision"])
     assert [p.float8 for p in made.passes if isinstance(p, Precision)] == ["rowwise"]
     assert [p.float8 for p in recipe(fsdp(4, "float8"), compute=["fuse"]).passes if isinstance(p, Precision)] == \
         ["tensorwise"]
     assert "precision" in recipe(fsdp(4), compute=["fuse", "precision"]).passes
+    own = Precision(float8="rowwise_with_gw_hp")  # a recipe of its own is kept
+    assert [p.float8 for p in recipe(fsdp(4, "float8_rowwise"), compute=[own]).passes
+            if isinstance(p, Precision)] == ["rowwise_with_gw_hp"]

@@ -11,7 +11,9 @@ parts that do not overlap and add up to it:
     checkpoint      saving a checkpoint (the `picofx.checkpoint` range: what the step waits for; an
                     asynchronous save writes the rest behind the steps)
     exposed_comm    the stepping thread inside a collective or a wait for one (c10d, gloo, NCCL,
-                    functional collectives' `wait_tensor`), wherever in the step
+                    functional collectives' `wait_tensor`), wherever in the step; or running no op
+                    at all while a collective was in flight: blocked in a wait the trace does not
+                    record (a blocking `dist.all_reduce`, `Work.wait()`)
     idle            time outside the ranges above in which the thread ran no op (Python between phases)
     unattributed    time outside the ranges above in which it ran ops (zero_grad, logging, metrics)
 
@@ -19,9 +21,10 @@ parts that do not overlap and add up to it:
 (forward, backward or optimizer). On a CPU, where collectives have no stream of their own, a
 collective is in flight from its issue (a functional collective such as
 `_c10d_functional::all_reduce`, matched in order with the `wait_tensor`s after it) to the end of
-the wait for it; or for as long as it runs on another thread (gloo's or NCCL's worker threads, when
-the trace shows them). On CUDA the same rule reads the collectives' kernels, which run on their own
-stream.
+the wait for it; and for as long as its work runs on gloo's (or NCCL's) worker thread, which the
+trace records as a `gloo:<op>` range up to the collective's completion
+(picofx.diagnose.collectives). On CUDA the same rule reads the collectives' kernels, which run on
+their own stream.
 """
 from __future__ import annotations
 
@@ -149,7 +152,9 @@ def step_breakdowns(spans: list[Span]) -> list[StepBreakdown]:
             if s.thread == main and s.name.startswith(MARK):
                 marks.setdefault(s.name[len(MARK):], []).append((s.start, s.end))
         ops = [(s.start, s.end) for s in inside if s.thread == main and not s.name.startswith((MARK, STEP))]
-        comm = intersect([(s.start, s.end) for s in inside if s.thread == main and is_comm(s.name)], window)
+        waits = [(s.start, s.end) for s in inside if s.thread == main and is_comm(s.name)]
+        blocked = subtract(intersect(flying, window), ops)  # no op ran while a collective was in flight
+        comm = union(intersect(waits, window) + blocked)
         data, checkpoint = marks.get("data", []), marks.get("checkpoint", [])
         passes = marks.get("forward_backward", [])
         passes_end = max((end for _, end in passes), default=None)  # the optimizer part starts there

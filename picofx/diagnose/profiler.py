@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from picofx.diagnose.breakdown import COMPONENTS, mean_breakdown, spans_of, step_breakdowns
+from picofx.diagnose.collectives import collectives_of_trace
 
 PHASES = ("data", "forward_backward", "optimizer", "checkpoint")
 
@@ -43,12 +44,14 @@ def this_rank() -> int:
 
 class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.profiler.profile is)
     def __init__(self, steps: int = 3, *, wait: int = 2, warmup: int = 1, directory: str | os.PathLike = "profile",
-                 rank: int | None = None, graphs=None):
+                 rank: int | None = None, graphs=None, shapes: bool = False):
         if steps < 1 or wait < 0 or warmup < 0:
             raise ValueError(f"picofx.profile: steps {steps}, wait {wait}, warmup {warmup}: steps must be at least 1, "
                              "wait and warmup at least 0")
         self.steps, self.wait, self.warmup = steps, wait, warmup
         self.directory, self.rank, self.graphs = pathlib.Path(directory), rank, graphs
+        self.shapes = shapes  # record ops' input shapes: the collectives' sizes, for link rates
+        self.collectives: list = []  # each collective the traced steps ran (picofx.diagnose.collectives)
         self.trace: pathlib.Path | None = None  # the trace file, once the traced steps are done
         self.breakdowns: list = []  # StepBreakdown of each traced step
         self.attribution: dict = {}  # per layer and per pass (picofx.runtime.attribution), with `graphs`
@@ -69,6 +72,7 @@ class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.prof
         with warnings.catch_warnings():  # no warm-up is a choice here (a run as short as the window)
             warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
             self._prof = torch.profiler.profile(activities=activities, on_trace_ready=self._ready,
+                                                record_shapes=self.shapes,
                                                 schedule=schedule(wait=self.wait, warmup=self.warmup,
                                                                   active=self.steps, repeat=1))
         self._prof.__enter__()
@@ -105,6 +109,7 @@ class profile:  # noqa: N801  (used as `with picofx.profile(...)`, as torch.prof
         self.directory.mkdir(parents=True, exist_ok=True)
         self.trace = self.directory / f"rank{rank}.pt.trace.json"
         prof.export_chrome_trace(str(self.trace))
+        self.collectives = collectives_of_trace(self.trace)
         events = prof.events()
         self.breakdowns = step_breakdowns(spans_of(events))
         if self.graphs:

@@ -24,15 +24,18 @@ def profile_path(ranks: int) -> pathlib.Path:
     return machine_file("devices", f"{ranks} ranks")
 
 
-def write_device_profile(device: Device, ranks: int, how: str) -> pathlib.Path:
-    """Stores `device` for plans of `ranks` ranks on this machine; returns the file."""
+def write_device_profile(device: Device, ranks: int, how: str, communication: dict | None = None) -> pathlib.Path:
+    """Stores `device` for plans of `ranks` ranks on this machine; returns the file. `communication`: the
+    measured collectives' rates per mesh dimension (picofx.diagnose.collectives.link_rates), kept
+    beside the device for the reader."""
     fields = dataclasses.asdict(device)
     fields["peak_flops"] = {str(dtype).removeprefix("torch."): flops for dtype, flops in device.peak_flops.items()}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path = profile_path(ranks)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"device": fields, "measured": when, "how": how}, indent=1))
+    stored = {"device": fields, "measured": when, "how": how, **({"communication": communication} if communication else {})}
+    partial.write_text(json.dumps(stored, indent=1))
     partial.replace(path)
     return path
 
@@ -58,3 +61,20 @@ def scaled(device: Device, compute: float, optimizer_tensor_overhead: float) -> 
                                optimizer_tensor_overhead=max(0.0, optimizer_tensor_overhead),
                                name=device.name.replace(", nominal", "") + ", calibrated by a run",
                                source="calibrated: picofx train --profile --calibrate")
+
+
+LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the first with a bandwidth prices the link
+
+
+def with_link(device: Device, rates: dict, how: str) -> Device:
+    """`device` whose link (in the node and across nodes: one machine's gloo) has the bandwidth and
+    ring-step latency of `rates` (link_rates' per kind), the per-collective latency folded into the
+    steps'; `device` itself where no kind was timed with a bandwidth."""
+    kind = next((k for k in LINK_KINDS if (rates.get(k) or {}).get("bandwidth")), None)
+    if kind is None:
+        return device
+    bandwidth, latency = rates[kind]["bandwidth"], rates[kind]["latency_s"]
+    return dataclasses.replace(device, link_bandwidth=bandwidth, link_latency=latency, network_bandwidth=bandwidth,
+                               network_latency=latency, collective_latency=0.0,
+                               link_name=f"gloo, measured ({kind.replace('_', '-')}s)", network_name="gloo, measured",
+                               link_source=f"calibrated: {how}")

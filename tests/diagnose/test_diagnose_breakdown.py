@@ -41,6 +41,15 @@ def test_a_collective_on_another_thread_is_in_flight_and_steps_are_told_apart():
     assert second.hidden_comm == 14 + 15 and first.hidden_comm == 14
 
 
+def test_a_thread_blocked_while_a_collective_runs_on_gloos_thread_waits_for_it():
+    # gloo's range 89-92: 89-90 beside the optimizer's ops (hidden); 90-92 the stepping thread runs no
+    # op (a blocking all-reduce's wait, which the trace does not record): exposed, not idle
+    (step,) = step_breakdowns(step_spans() + [Span("gloo:all_reduce", 89, 92, GLOO, True)])
+    assert step.parts["exposed_comm"] == 11 + 2 and step.parts["idle"] == 7 - 2
+    assert step.hidden_comm == 14 + 1 and step.in_flight == 25 + 3
+    assert sum(step.parts[k] for k in COMPONENTS) == pytest.approx(step.seconds)
+
+
 def test_time_no_range_covers_is_unattributed_or_idle_never_lost():
     spans = [Span("ProfilerStep*", 0, 10, MAIN), Span("aten::add", 2, 3, MAIN, False)]
     (step,) = step_breakdowns(spans)

@@ -1,0 +1,93 @@
+"""The collectives a trace shows running, and the link rates they imply.
+
+On a CPU, gloo runs each collective on a worker thread of its process group; torch records that
+work as a `gloo:<op>` range on the worker thread, from when the worker takes it up to its
+completion (NCCL's work shows as `nccl:<op>` the same way). The issuing thread shows only the
+enqueue (`c10d::allreduce_`, a few microseconds) and, for a blocking call or `Work.wait()`, nothing
+at all while it waits. These ranges are the collectives' time in flight that the breakdown uses
+(picofx.diagnose.breakdown), and with `record_shapes` their sizes, from which `link_rates` fits
+the link's bandwidth and latency (`picofx train --profile N --calibrate`).
+
+gloo reduce-scatters by all-reducing the whole input (its range is `gloo:all_reduce`): the rates are
+fitted per kind of work that ran, which is what the link carried.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from dataclasses import dataclass
+
+WORKER_PREFIXES = ("gloo:", "nccl:")  # a backend's range for one collective's work, issue to completion
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1,
+                 "c10::Float8_e5m2": 1}
+SMALL_BYTES = 64 * 2**10  # a collective below this is timed by its latency, one above by its bandwidth
+
+
+def is_worker_range(name: str) -> bool:
+    return name.startswith(WORKER_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective's work as the trace shows it: its kind ("all_reduce", "all_gather", ...),
+    the bytes of its input (None where the trace has no shapes) and its seconds in flight."""
+
+    kind: str
+    nbytes: int | None
+    seconds: float
+
+
+def collectives_of_trace(path: str | pathlib.Path) -> list[Collective]:
+    """The worker ranges of a Chrome trace file written by torch.profiler, in the order they started."""
+    events = json.loads(pathlib.Path(path).read_text()).get("traceEvents", [])
+    ranges = sorted((e for e in events if e.get("ph") == "X" and is_worker_range(str(e.get("name", "")))),
+                    key=lambda e: e.get("ts", 0))
+    return [Collective(e["name"].split(":", 1)[1], nbytes_of(e.get("args", {})), e.get("dur", 0.0) / 1e6)
+            for e in ranges]
+
+
+def nbytes_of(args: dict) -> int | None:
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if not dims or not types or types[0] not in ELEMENT_BYTES:
+        return None
+    count = 1
+    for size in dims[0]:
+        count *= size
+    return count * ELEMENT_BYTES[types[0]]
+
+
+def fastest_of_ranks(per_rank: list[list[Collective]]) -> list[Collective]:
+    """Each collective at its shortest over the ranks: a rank that arrived early waited in it for the
+    others, the last to arrive timed the transfer alone. Ranks whose lists differ (other groups,
+    other collectives) are left out; the first rank's list is the reference."""
+    reference = per_rank[0] if per_rank else []
+    same = [r for r in per_rank if [(c.kind, c.nbytes) for c in r] == [(c.kind, c.nbytes) for c in reference]]
+    return [min((r[i] for r in same), key=lambda c: c.seconds) for i in range(len(reference))]
+
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+              "broadcast": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+
+
+def link_rates(collectives: list[Collective], ranks: int) -> dict[str, dict]:
+    """Per kind of collective over `ranks` ranks (the rings picofx.cost.comm times): the latency of a
+    ring step (the median small collective's seconds over its steps) and the bandwidth (the large
+    ones' bytes on the wire over their seconds less their steps' latency), with how many of each
+    were timed. A kind with no large collective has no bandwidth; one with no small collective a
+    latency of 0 (the bandwidth then carries the whole time)."""
+    rates = {}
+    for kind, steps_of in RING_STEPS.items():
+        timed = [c for c in collectives if c.kind == kind and c.nbytes is not None and c.seconds > 0]
+        if not timed or ranks < 2:
+            continue
+        steps = steps_of(ranks)
+        small = [c.seconds for c in timed if c.nbytes < SMALL_BYTES]
+        latency = statistics.median(small) / steps if small else 0.0
+        large = [c for c in timed if c.nbytes >= SMALL_BYTES]
+        wire = sum(steps / ranks * c.nbytes for c in large)
+        moving = sum(max(c.seconds - steps * latency, 1e-9) for c in large)
+        rates[kind] = {"latency_s": latency, "bandwidth": wire / moving if large else None,
+                       "small": len(small), "large": len(large), "ranks": ranks}
+    return rates

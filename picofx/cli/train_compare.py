@@ -73,7 +73,7 @@ def compare_with_plan(args, session, every: list[dict], found: dict) -> list[str
     lines = [f"  predicted against measured (rank 0, per step, data wait and checkpoint aside; device {source}): "
              + "; ".join(parts)]
     if args.calibrate:
-        lines.append("  " + calibrate(args, device, prediction, predicted, measured, session))
+        lines.append("  " + calibrate(args, device, prediction, predicted, measured, session, every))
     return lines
 
 
@@ -83,9 +83,11 @@ def ratio(measured: float, predicted: float) -> str:
     return f" ({measured / predicted:.2g}x)"
 
 
-def calibrate(args, device, prediction, predicted: dict, measured: dict, session) -> str:
-    """A device whose compute and optimizer rates give the measured times, stored for `picofx plan`."""
-    from picofx.planner.device_profile import scaled, write_device_profile
+def calibrate(args, device, prediction, predicted: dict, measured: dict, session, every: list[dict]) -> str:
+    """A device whose compute and optimizer rates give the measured times and whose link the traced
+    collectives' rates (picofx.cli.train_link), stored for `picofx plan`."""
+    from picofx.cli.train_link import measured_link
+    from picofx.planner.device_profile import scaled, with_link, write_device_profile
 
     if args.device != "cpu":
         return "--calibrate: device profiles are kept for the CPU only (a GPU's are its datasheet's)"
@@ -96,10 +98,12 @@ def calibrate(args, device, prediction, predicted: dict, measured: dict, session
     first = scaled(device, factor, device.optimizer_tensor_overhead)
     again = components(predicted_layout(args, first))
     overhead = device.optimizer_tensor_overhead + (measured["optimizer"] - again["optimizer"]) / tensors
-    path = write_device_profile(scaled(device, factor, overhead), args.world,
-                                f"picofx train --profile {args.profile} --calibrate on {args.world} rank(s)")
+    how = f"picofx train --profile {args.profile} --calibrate on {args.world} rank(s)"
+    rates, link_said = measured_link(args, every)
+    calibrated = with_link(scaled(device, factor, overhead), next(iter(rates.values()), {}), how)
+    path = write_device_profile(calibrated, args.world, how, communication=rates)
     return (f"calibrated: compute {factor:.3g}x the device's figures, AdamW {overhead * 1e6:.0f} us per tensor; "
-            f"written to {path}: picofx plan on this machine predicts {args.world}-rank layouts with it")
+            f"{link_said}; written to {path}: picofx plan on this machine predicts {args.world}-rank layouts with it")
 
 
 def stage_balance_lines(every: list[dict]) -> list[str]:

@@ -53,3 +53,37 @@ def test_the_report_draws_each_rank_measured_beside_the_predicted():
     assert "Measured step per rank" in html and "rank 1 measured" in html and ">predicted<" in html
     assert "The planner predicted a step of 2.5 ms" in html
     assert "Measured step per rank" not in render()
+
+
+def link_args(*argv: str):
+    from picofx.cli.train_args import parse_args
+
+    return parse_args(list(argv), environ={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+
+
+def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
+    from picofx.cli.train_link import measured_link
+
+    mib = 4 * 2**20
+
+    def rank(small_s, large_s):
+        return {"collectives": [{"kind": "all_reduce", "nbytes": 4, "seconds": small_s},
+                                {"kind": "all_reduce", "nbytes": mib, "seconds": large_s},
+                                {"kind": "gather", "nbytes": 12, "seconds": 0.5}]}  # not a ring: not fitted
+    # 4 ranks on dp: 6 ring steps; the rank that arrived last times each collective alone
+    rates, said = measured_link(link_args("--dp", "4"), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
+                                                         rank(0.012, 0.4)])
+    fitted = rates["dp"]["all_reduce"]
+    assert fitted["latency_s"] == pytest.approx(0.003 / 6)
+    assert fitted["bandwidth"] == pytest.approx(6 / 4 * mib / (0.2 - 0.003))
+    assert said.startswith("dp link ") and "from 2 traced all-reduces" in said
+    device = with_link_device(rates["dp"])
+    assert device.link_bandwidth == fitted["bandwidth"] and device.link_latency == fitted["latency_s"]
+    rates, said = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
+    assert rates == {} and "link not calibrated" in said and "dp x tp" in said
+
+
+def with_link_device(rates):
+    from picofx.planner.device_profile import with_link
+
+    return with_link(device_for("cpu"), rates, "a test")

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -131,3 +132,38 @@ def test_every_rank_is_traced_with_its_communication_and_pipeline_stages_are_bal
     assert "rank 1: " in report.split("where the time went")[1], report
     staged = out["profiled_pipeline"][0]
     assert "pipeline stages 0/1: measured shares of forward + backward" in staged, staged
+
+
+@pytest.mark.slow  # a process of its own, signalled mid-window: ~20 s on an idle machine
+def test_sigterm_in_the_traced_window_still_writes_the_profile_and_the_doctor_reads_it(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    metrics = tmp_path / "m.jsonl"
+    command = [sys.executable, "-m", "picofx", "train", *FAST, "--steps", "400", "--profile", "300",
+               "--metrics", str(metrics), "--report", str(tmp_path / "r.html")]
+    job = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2])})
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 6):  # 3 steps into the window
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        out = job.communicate(timeout=240)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0, out[-3000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d+), nothing saved", out)
+    assert stopped and 6 <= int(stopped.group(1)) < 400, out[-3000:]
+    traced = int(re.search(r"where the time went \((\d+) traced steps", out).group(1))
+    assert traced == int(stopped.group(1)) - 3, out[-3000:]  # every step from the window's first to the stop
+    assert (tmp_path / "profile" / "rank0.pt.trace.json").is_file()
+    rows = [r for r in read_run(metrics) if "breakdown" in r]
+    assert len(rows) == traced and all(r["breakdown"][0]["seconds"] > 0 for r in rows)
+    page = (tmp_path / "r.html").read_text()
+    assert "Measured step per rank" in page and "stopped by SIGTERM" in page
+    doctor = subprocess.run([sys.executable, "-m", "picofx", "doctor", str(metrics)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2])}, timeout=120)
+    assert doctor.returncode == 0 and f"where the time went ({traced} traced steps)" in doctor.stdout, doctor.stdout

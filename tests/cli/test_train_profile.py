@@ -85,7 +85,7 @@ def profiled_data_parallel(rank: int, world: int, folder: str) -> tuple:
 
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), PICOFX_CACHE_DIR=os.path.join(folder, "cache"))
     called, originals = [], {name: getattr(dist, name) for name in COLLECTIVES}
 
     def counted(name):
@@ -99,7 +99,7 @@ def profiled_data_parallel(rank: int, world: int, folder: str) -> tuple:
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
-            result = train([*FAST, "--dp", "2", "--steps", "6", "--profile", "2", "--save", folder])
+            result = train([*FAST, "--dp", "2", "--steps", "6", "--profile", "2", "--save", folder, "--calibrate"])
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -126,6 +126,10 @@ def test_every_rank_is_traced_with_its_communication_and_pipeline_stages_are_bal
     assert "rank 0: " in printed and "rank 1: " in printed, printed
     for rank in figures:
         assert rank["mean"]["comm_in_flight"] > 0 and rank["mean"]["exposed_comm"] > 0
+    # --calibrate: the link from the traced all-reduces (the gradient buckets', the gradient norm's)
+    assert re.search(r"dp link [0-9.e+-]+ GB/s, \d+ us per ring step \(from \d+ traced all-reduces\)", printed), printed
+    stored = json.loads(next(pathlib.Path(dp, "cache", "devices").iterdir()).read_text())
+    assert stored["device"]["link_bandwidth"] == stored["communication"]["dp"]["all_reduce"]["bandwidth"]
     capsys.readouterr()
     assert picofx_main(["doctor", dp]) == 0
     report = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """This machine's CPU as a run measured it: `picofx train --profile N --calibrate` writes a Device whose
 compute and optimizer rates make the planner's prediction of the run's own layout equal to what the
-trace measured, and `picofx plan` (picofx.plan with gpu="cpu") on this machine predicts with it
+trace measured and whose link has the rates of the collectives it traced (`with_link`), and `picofx plan` (picofx.plan with gpu="cpu") on this machine predicts with it
 instead of measuring a step of its own. Stored in picofx's cache directory (`devices/`, beside the
 measured CPU peak's `peaks/` and the graph cache), keyed by the machine, its CPU, torch and the
 number of ranks; delete the file to measure again.
@@ -34,7 +34,9 @@ def write_device_profile(device: Device, ranks: int, how: str, communication: di
     path = profile_path(ranks)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    stored = {"device": fields, "measured": when, "how": how, **({"communication": communication} if communication else {})}
+    stored = {"device": fields, "measured": when, "how": how}
+    if communication:
+        stored["communication"] = communication
     partial.write_text(json.dumps(stored, indent=1))
     partial.replace(path)
     return path

@@ -343,11 +343,12 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
 
 
 def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, metrics) -> dict:
-    """SIGTERM or Ctrl-C: every rank saved at `step`; the run ends here, to go on with --resume auto
-    (exit status 0 after SIGTERM, 130 after Ctrl-C)."""
+    """SIGTERM or Ctrl-C: every rank stopped (and with --save saved) at `step`; the run ends here, to go
+    on with --resume auto (exit status 0 after SIGTERM, 130 after Ctrl-C)."""
     what = "Ctrl-C" if by == signal.SIGINT else by.name
-    ranks.say(f"\npicofx train: stopped by {what} after step {step}, saved to {args.save}/step-{step} "
-              f"(continue with the same command and --resume auto)")
+    where = (f"saved to {args.save}/step-{step} (continue with the same command and --resume auto)" if args.save
+             else "nothing saved (pass --save DIR to checkpoint at the step boundary)")
+    ranks.say(f"\npicofx train: stopped by {what} after step {step}, {where}")
     if metrics is not None:
         metrics.close()
     ranks.close()

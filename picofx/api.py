@@ -347,8 +347,8 @@ def optimize(model: nn.Module, example_inputs, passes=(), *, backend: str = "ind
         GraphCache(os.environ.get("PICOFX_CACHE_DIR") or default_directory())
     instruments = [*instruments, *([DumpGraphs(dump_dir)] if dump_dir else []),
                    *([Progress(progress)] if progress else [])]
-    module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
     passes = resolve_passes(passes)
+    module_class = optimized_class(OptimizedModule, model, loss_fn, passes)  # the model's call and HF surface
     check_combination(passes, mesh)  # a combination the table refuses: before capture and before any rank waits
     return module_class(model, example_inputs, recapture, passes=passes, loss_fn=loss_fn, backend=backend,
                         verify=verify, instruments=instruments, options=options or {}, cost_model=cost_model,

@@ -135,6 +135,21 @@ def test_rope_gqa_hugging_face_layout(dtype):
     check_matches_unfused(ops.rope, rope_unfused, q, k, cos, sin, low_precision=dtype == torch.bfloat16)
 
 
+def test_rope_keeps_each_input_dimension_order_forward_and_backward():
+    q = randn(2, 5, 6, 8).transpose(1, 2)  # (B, H, T, D) views of (B, T, H, D) projections, as HF has them
+    k = randn(2, 5, 2, 8).transpose(1, 2)
+    cos, sin = cos_sin(2, 1, 5, 8)
+    q_out, k_out = ops.rope(q, k, cos, sin)
+    with torch._subclasses.FakeTensorMode() as mode:
+        faked = ops.rope(*(mode.from_tensor(t) for t in (q, k, cos, sin)))
+    for x, out, fake in zip((q, k), (q_out, k_out), faked):
+        assert out.stride() == x.stride() == fake.stride()  # the attention output after it reshapes as a view
+    grad_q = randn(2, 5, 6, 8).transpose(1, 2)
+    grad_k = randn(2, 5, 2, 8).transpose(1, 2)
+    for g, grad_in in zip((grad_q, grad_k), ops.rope_backward(grad_q, grad_k, cos, sin)):
+        assert grad_in.stride() == g.stride()
+
+
 def test_rope_bf16_queries_fp32_tables():
     q, k = randn(2, 4, 4, 8, dtype=torch.bfloat16), randn(2, 4, 2, 8, dtype=torch.bfloat16)
     cos, sin = cos_sin(4, 1, 8)

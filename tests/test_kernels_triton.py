@@ -122,6 +122,14 @@ def test_rope(layout):
 
 
 @runs_kernels
+def test_rope_writes_into_the_layout_it_is_given():
+    q, _, cos, sin = ROPE_LAYOUTS["hugging face (B, H, T, D) strided, cos (B, 1, T, D)"]()
+    out = torch.empty(2, 5, 6, 8).transpose(1, 2)  # q's own (B, T, H, D) memory order
+    assert triton_rope.rope(q, cos, sin, out=out) is out
+    assert_close(out, rope_reference(q, q, cos, sin)[0])
+
+
+@runs_kernels
 def test_rope_bf16_with_fp32_tables():
     q, cos, sin = randn(2, 5, 4, 8, dtype=torch.bfloat16), randn(5, 1, 8), randn(5, 1, 8)
     assert_close(triton_rope.rope(q, cos, sin), rope_reference(q, q, cos, sin)[0], low_precision=True)

@@ -48,6 +48,9 @@ SHAPES = {  # Hugging Face LlamaConfig fields
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                          tie_word_embeddings=True),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         tie_word_embeddings=False),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
@@ -57,6 +60,9 @@ CONTENDERS = ("eager", "torch.compile", "picofx", "liger")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers kept (default: the shape's); each layer keeps the model's width, so an 8B "
+                        "model's layer shapes fit one card beside its optimizer state")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8, help="timed rounds after the warm-up")
@@ -74,11 +80,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def hf_model(shape: str, seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_config(shape: str, seq: int, layers: int | None = None):
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=seq, rms_norm_eps=1e-5, use_cache=False,
-                         attn_implementation="sdpa")
+    fields = {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}
+    return LlamaConfig(**fields, max_position_embeddings=seq, rms_norm_eps=1e-5, use_cache=False,
+                       attn_implementation="sdpa")
+
+
+def hf_model(shape: str, seq: int, layers: int | None = None):
+    from transformers import LlamaForCausalLM
+
+    config = hf_config(shape, seq, layers)
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
@@ -220,7 +233,7 @@ def step_peak(c: Contender, batch: dict, device: torch.device) -> int | None:
 
 def run(args) -> dict:
     device = torch.device(args.device)
-    base = hf_model(args.shape, args.seq).to(device, torch.float32 if args.precision == "mixed" else torch.bfloat16)
+    base = hf_model(args.shape, args.seq, args.layers).to(device, torch.float32 if args.precision == "mixed" else torch.bfloat16)
     ids = torch.randint(0, base.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
     contenders = []
@@ -291,7 +304,8 @@ def results(args, contenders, device) -> dict:
     flops = training_flops(config, tokens, args.seq)
     gpu, profile = gpu_profile(device)
     peak_flops = profile.peak_flops[torch.bfloat16] if profile else None
-    out = {"model": f"transformers LlamaForCausalLM, {args.shape} shape", "config": config.to_dict(),
+    layers = f", {args.layers} layers" if args.layers else ""
+    out = {"model": f"transformers LlamaForCausalLM, {args.shape} shape{layers}", "config": config.to_dict(),
            "params": sum(p.numel() for p in contenders[0].model.parameters()), "batch": args.batch, "seq": args.seq, "precision": args.precision,
            "tokens_per_step": tokens, "training_flops_per_step": flops, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -291,11 +291,11 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
             interval = {"loss": 0.0, "tokens": 0, "steps": 0, "start": time.perf_counter()}
         if profiling.end_step(step + 1, saves.after_step):  # saved before the validation batch is drawn (as resumed)
             break
-    if saves.stopped_at is not None or profiling.stopped_at is not None:  # SIGTERM, Ctrl-C: --report, --profile too
-        line = profiling.stop(ranks, metrics, steps_log.records, saves)
-        write_report(args, ranks, s, saves, layout_line(layout, args.world), stopped=line, measured=profiling.html)
-        return preempted(saves.stopped_at or profiling.stopped_at, saves.stopped_by or profiling.stopped_by, args,
-                         ranks, losses, metrics)
+    if saves.stopped_at is not None:  # SIGTERM or Ctrl-C: what was measured is kept (--profile, --report)
+        profiling.stop(ranks, metrics, steps_log.records)
+        write_report(args, ranks, s, saves, layout_line(layout, args.world), stopped=saves.stop_line(args.save),
+                     measured=profiling.html)
+        return preempted(saves.stopped_at, saves.stopped_by, args, ranks, losses, metrics)
     run_seconds = time.perf_counter() - run_start
     ranks.at(args.steps, "end of the run (saving, validation, summary)")
     saves.finish()
@@ -345,12 +345,12 @@ def train_steps(args, ranks: Ranks, s: Session) -> dict:
 
 
 def preempted(step: int, by: signal.Signals, args, ranks: Ranks, losses: list, metrics) -> dict:
-    """SIGTERM or Ctrl-C: every rank saved at `step` (--profile without --save: one process, nothing
-    saved); the run ends here, to go on with --resume auto (exit status 0 after SIGTERM, 130 after Ctrl-C)."""
+    """SIGTERM or Ctrl-C: every rank stopped (and with --save saved) at `step`; the run ends here, to go
+    on with --resume auto (exit status 0 after SIGTERM, 130 after Ctrl-C)."""
     what = "Ctrl-C" if by == signal.SIGINT else by.name
-    saved = f"saved to {args.save}/step-{step} (continue with the same command and --resume auto)" if args.save \
-        else "nothing saved (no --save)"
-    ranks.say(f"\npicofx train: stopped by {what} after step {step}, {saved}")
+    where = (f"saved to {args.save}/step-{step} (continue with the same command and --resume auto)" if args.save
+             else "nothing saved (pass --save DIR to checkpoint at the step boundary)")
+    ranks.say(f"\npicofx train: stopped by {what} after step {step}, {where}")
     if metrics is not None:
         metrics.close()
     ranks.close()

@@ -15,12 +15,9 @@ import dataclasses
 import json
 import math
 import pathlib
-import signal
 
 from picofx.diagnose.profiler import crash_records, milliseconds as seconds, profile, where_the_time_went
 
-STOP_NOTICE = ("picofx train: Ctrl-C: stopping at the end of this step with --profile's figures (Ctrl-C again: stop "
-               "now, without them)")
 WAIT, WARMUP = 2, 1  # untraced steps before the window (capture, compilation, the workers' start), warm-up
 
 
@@ -64,14 +61,9 @@ class RunProfile:
         self.args, self.session, self.traced_steps, self.prof = args, session, [], None
         self.measured = None  # every rank's figures, on rank 0 after finish
         self.predicted: dict = {}  # the planner's prediction of the layout, by component (seconds)
-        self.stopped_at, self.signals = None, None  # SIGTERM or Ctrl-C without --save: the step the run stopped after
         run_steps = args.steps - session.start_step
         if not args.profile:
             return
-        if not args.save and args.world == 1:  # (--save's own stop is agreed by every rank; see stop())
-            from picofx.runtime.checkpoints import Preemption
-
-            self.signals = Preemption(STOP_NOTICE).install()
         steps = min(args.profile, run_steps)
         warmup = WARMUP if run_steps > steps else 0
         graphs = session.opt_model.graphs if session.opt_model.pipeline is None else None
@@ -86,8 +78,6 @@ class RunProfile:
         """`save(step)` (the checkpoint due after `step`, numbered from 1 as the records are, inside the
         step's trace), then the profiler's step ends; returns what `save` returned."""
         stop = save(step)
-        if not stop and self.signals is not None and self.signals.requested is not None:
-            stop, self.stopped_at = True, step
         if self.prof is not None:
             if self.prof.recording:
                 self.traced_steps.append(step)
@@ -97,8 +87,6 @@ class RunProfile:
     def finish(self, ranks, metrics, records: list[dict]) -> list[str]:
         """Every rank (one gather): the summary's lines on rank 0; the traced steps' breakdowns appended
         to the --metrics file. Nothing without --profile."""
-        if self.signals is not None:
-            self.signals.restore()
         if self.prof is None:
             return []
         self.prof.__exit__(None, None, None)
@@ -118,20 +106,12 @@ class RunProfile:
         self.measured = every
         return lines
 
-    def stop(self, ranks, metrics, records: list[dict], saves) -> str:
-        """The run stopped by SIGTERM or Ctrl-C (with --save on every rank at one step; without it, one
-        process): --profile's figures of the steps traced so far, said and written as at the end of a
-        run (the trace, the summary's lines, the --metrics lines); returns what stopped the run."""
+    def stop(self, ranks, metrics, records: list[dict]) -> None:
+        """The run stopped by SIGTERM or Ctrl-C (every rank at one step): --profile's figures of the
+        steps traced so far, said and written as at the end of a run (the trace, the summary's
+        lines, the --metrics lines)."""
         for line in self.finish(ranks, metrics, records):
             ranks.say(f"  {line}")
-        if saves.stopped_at is not None:
-            return saves.stop_line(self.args.save)
-        what = "Ctrl-C" if self.signals.requested == signal.SIGINT else self.signals.requested.name
-        return f"stopped by {what} after step {self.stopped_at}, nothing saved (no --save)"
-
-    @property
-    def stopped_by(self):
-        return self.signals.requested if self.stopped_at is not None else None
 
     @property
     def html(self) -> dict:

@@ -70,18 +70,23 @@ class PeriodicSaves:
         self.losses: list[float] = []  # this run's, appended by the loop
         self.first_step = session.start_step + 1 - len(self.earlier)  # > 1: an older checkpoint kept no losses
         self.saver = AsyncSaver(args.save, keep=args.keep, group=group, rank=rank) if args.save else None
-        notice = "picofx train: Ctrl-C: saving at the end of this step, then stopping (Ctrl-C again: stop now, unsaved)"
-        self.preemption = Preemption(notice if rank == 0 else None).install() if args.save else None
+        notice = (f"picofx train: Ctrl-C: {'saving' if args.save else 'writing what was measured'} at the end of this step, "
+                  "then stopping (Ctrl-C again: stop now, unsaved)")
+        # what a signal would lose (a checkpoint, the report, the profile's figures): the run stops at
+        # the step boundary, every rank at the same one; without any of them a signal ends the run at once
+        stops_at_a_step = args.save or args.report or args.profile
+        self.preemption = Preemption(notice if rank == 0 else None).install() if stops_at_a_step else None
         self.stopped_at: int | None = None
         self.stopped_by = None  # the signal (SIGTERM or SIGINT) the run stopped for
 
     def after_step(self, step: int) -> bool:
-        """Save if due; True when the run must stop here (preempted, saved on every rank)."""
-        if self.saver is None:
+        """Save if due; True when the run must stop here (preempted, saved on every rank with --save)."""
+        if self.preemption is None:
             return False
         preempted = self.preemption.agreed()
         self.stopped_by = preempted
-        if step == self.args.steps or preempted or (self.args.save_every and step % self.args.save_every == 0):
+        due = step == self.args.steps or preempted or (self.args.save_every and step % self.args.save_every == 0)
+        if self.saver is not None and due:
             s = self.session
             state = run_state(s.opt_model, s.optimizer, s.schedule, s.batches, step=step, replica=self.replica)
             with single_process_quiet():
@@ -99,13 +104,15 @@ class PeriodicSaves:
     def stop_line(self, save: str) -> str:
         """What stopped the run early and where its state went."""
         what = "Ctrl-C" if self.stopped_by == signal.SIGINT else self.stopped_by.name
-        return f"stopped by {what} after step {self.stopped_at}, saved to {save}/step-{self.stopped_at}"
+        where = f"saved to {save}/step-{self.stopped_at}" if save else "nothing saved (no --save)"
+        return f"stopped by {what} after step {self.stopped_at}, {where}"
 
     def finish(self) -> None:
         """Wait for the save in flight; SIGTERM and Ctrl-C end the process again."""
         if self.saver is not None:
             with single_process_quiet():
                 self.saver.wait()
+        if self.preemption is not None:
             self.preemption.restore()
 
 

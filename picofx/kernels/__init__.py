@@ -19,7 +19,7 @@ import torch
 from picofx.kernels.linear_cross_entropy import (DEFAULT_CHUNK_SIZE, linear_cross_entropy,
                                                  linear_cross_entropy_decomposition)
 from picofx.kernels.rms_norm import add_rms_norm_reference, rms_norm_backward_reference, rms_norm_reference
-from picofx.kernels.rope import rope_backward_reference, rope_reference
+from picofx.kernels.rope import rope_backward_in_place_order, rope_in_place_order
 from picofx.kernels.swiglu import (gelu_mul_backward_reference, gelu_mul_reference, silu_mul_backward_reference,
                                   silu_mul_reference)
 
@@ -45,7 +45,7 @@ def inductor_decompositions() -> dict:
         ops.silu_mul_backward.default: silu_mul_backward_reference,
         ops.gelu_mul.default: gelu_mul_reference,
         ops.gelu_mul_backward.default: gelu_mul_backward_reference,
-        ops.rope.default: rope_reference,
-        ops.rope_backward.default: rope_backward_reference,
+        ops.rope.default: rope_in_place_order,
+        ops.rope_backward.default: rope_backward_in_place_order,
         ops.linear_cross_entropy.default: linear_cross_entropy_decomposition,
     }

@@ -5,8 +5,10 @@
         x * cos + rotate_half(x) * sin for x in (q, k), rotate_half(x) = cat(-x2, x1) over the
         halves of the last dim. cos and sin broadcast to q and to k, e.g. q (B, T, H, D) with
         cos (T, 1, D), or q (B, H, T, D) with cos (B, 1, T, D); q and k may have different
-        head counts (grouped-query attention). Outputs are contiguous, of q's (k's) shape, in
-        the promotion of the input dtypes.
+        head counts (grouped-query attention). Outputs have q's (k's) shape and dimension order
+        (a transposed projection's (B, H, T, D) view stays (B, T, H, D) in memory, so the
+        attention output after it reshapes back without a copy), in the promotion of the input
+        dtypes.
         interleaved=True rotates pairs of neighbouring channels, as view_as_complex(x viewed as
         (..., D / 2, 2)) * (cos + i sin) does: out[2j] = x[2j] cos_j - x[2j+1] sin_j,
         out[2j+1] = x[2j+1] cos_j + x[2j] sin_j; cos and sin then broadcast to (..., D / 2).
@@ -14,7 +16,8 @@
 
     picofx::rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved=False)
         -> (Tensor, Tensor)
-        The gradient with respect to q and k (the transposed rotation), in grad's dtype.
+        The gradient with respect to q and k (the transposed rotation), in grad's dtype and
+        dimension order.
 
 cos and sin get gradients too when they require them (summed to their shapes); only then are
 q and k saved for the backward.
@@ -28,6 +31,20 @@ try:
     from picofx.kernels import triton_rope
 except ImportError:  # no triton: CUDA runs the generic code below
     triton_rope = None
+
+
+def dim_order(x: Tensor) -> list[int]:
+    """x's dimensions from the outermost in memory to the innermost (ties in dimension order)."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+
+
+def layout_like(x: Tensor, y: Tensor) -> Tensor:
+    """y (of x's shape) dense in x's dimension order: a permuted copy where the orders differ."""
+    order = dim_order(x)
+    dense = y.permute(order)
+    if dense.is_contiguous():
+        return y
+    return dense.contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -77,13 +94,24 @@ def _out_like(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) ->
     torch._check(tuple(torch.broadcast_shapes(rotated, cos.shape, sin.shape)) == rotated,
                  lambda: f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must broadcast to {rotated}")
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-    return x.new_empty(x.shape, dtype=dtype)
+    return layout_like(x, x.new_empty(x.shape, dtype=dtype))
+
+
+def rope_in_place_order(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False):
+    """The rotation, each output in its input's dimension order (the op's eager code and its
+    decomposition for Inductor)."""
+    q_out, k_out = rope_reference(q, k, cos, sin, interleaved)
+    return layout_like(q, q_out), layout_like(k, k_out)
+
+
+def rope_backward_in_place_order(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False):
+    grad_q_in, grad_k_in = rope_backward_reference(grad_q, grad_k, cos, sin, interleaved)
+    return layout_like(grad_q, grad_q_in), layout_like(grad_k, grad_k_in)
 
 
 @torch.library.custom_op("picofx::rope", mutates_args=())
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
-    q_out, k_out = rope_reference(q, k, cos, sin, interleaved)
-    return q_out.contiguous(), k_out.contiguous()
+    return rope_in_place_order(q, k, cos, sin, interleaved)
 
 
 @rope.register_fake
@@ -116,8 +144,7 @@ rope.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 @torch.library.custom_op("picofx::rope_backward", mutates_args=())
 def rope_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
                   interleaved: bool = False) -> tuple[Tensor, Tensor]:
-    grad_q_in, grad_k_in = rope_backward_reference(grad_q, grad_k, cos, sin, interleaved)
-    return grad_q_in.contiguous(), grad_k_in.contiguous()
+    return rope_backward_in_place_order(grad_q, grad_k, cos, sin, interleaved)
 
 
 @rope_backward.register_fake
@@ -128,13 +155,13 @@ def _(grad_q, grad_k, cos, sin, interleaved=False):
 if triton_rope is not None:
     def _rope_kernel(q, k, cos, sin, interleaved=False):
         if interleaved or not (triton_rope.supports(q, cos, sin) and triton_rope.supports(k, cos, sin)):
-            return tuple(t.contiguous() for t in rope_reference(q, k, cos, sin, interleaved))
-        return triton_rope.rope(q, cos, sin), triton_rope.rope(k, cos, sin)
+            return rope_in_place_order(q, k, cos, sin, interleaved)
+        return tuple(triton_rope.rope(x, cos, sin, out=_out_like(x, cos, sin)) for x in (q, k))
 
     def _rope_backward_kernel(grad_q, grad_k, cos, sin, interleaved=False):
         if interleaved or not (triton_rope.supports(grad_q, cos, sin) and triton_rope.supports(grad_k, cos, sin)):
-            return tuple(t.contiguous() for t in rope_backward_reference(grad_q, grad_k, cos, sin, interleaved))
-        return triton_rope.rope(grad_q, cos, sin, transposed=True), triton_rope.rope(grad_k, cos, sin, transposed=True)
+            return rope_backward_in_place_order(grad_q, grad_k, cos, sin, interleaved)
+        return tuple(triton_rope.rope(g, cos, sin, transposed=True, out=_out_like(g, cos, sin)) for g in (grad_q, grad_k))
 
     rope.register_kernel("cuda")(_rope_kernel)
     rope_backward.register_kernel("cuda")(_rope_backward_kernel)

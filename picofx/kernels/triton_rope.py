@@ -3,7 +3,7 @@
 x is viewed as (S0, S1, S2, D) with its own strides (any 4-D or smaller layout with a unit
 last stride: (B, T, H, D) and the transposed (B, H, T, D) alike), cos and sin are broadcast
 to it with stride-0 views, so they are read in place, never expanded in memory. Each program
-rotates BLOCK_ROWS rows; the output is contiguous.
+rotates BLOCK_ROWS rows into an output of x's shape with its own strides (the caller's layout).
 
     forward:    out1 = x1 * c1 - x2 * s1,   out2 = x2 * c2 + x1 * s2
     transposed: out1 = g1 * c1 + g2 * s2,   out2 = g2 * c2 - g1 * s1   (the backward)
@@ -25,6 +25,7 @@ def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     n_rows, size1, size2, half,
     x_stride0, x_stride1, x_stride2,
+    out_stride0, out_stride1, out_stride2,
     cos_stride0, cos_stride1, cos_stride2,
     sin_stride0, sin_stride1, sin_stride2,
     TRANSPOSED: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -50,7 +51,7 @@ def _rope_kernel(
     else:
         out1 = x1 * c1 - x2 * s1
         out2 = x2 * c2 + x1 * s2
-    out_row = rows[:, None] * (2 * half) + cols
+    out_row = (i0 * out_stride0 + i1 * out_stride1 + i2 * out_stride2)[:, None] + cols
     tl.store(out_ptr + out_row, out1.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + out_row + half, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -59,19 +60,23 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """x (..., D) rotated by cos/sin broadcast to x's shape; contiguous output."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., D) rotated by cos/sin broadcast to x's shape, into `out` (x's shape, a unit last
+    stride; default: a new contiguous tensor in the promoted dtype)."""
     shape4 = (1,) * (4 - x.dim()) + tuple(x.shape)
     x4 = _unit_last_stride(x).view(shape4) if x.dim() < 4 else _unit_last_stride(x)
     cos4 = _unit_last_stride(cos).broadcast_to(shape4)
     sin4 = _unit_last_stride(sin).broadcast_to(shape4)
-    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if out is None:
+        dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out4 = out[(None,) * (4 - out.dim())]  # leading dimensions of size 1: their strides are never used
     size0, size1, size2, dim = shape4
     n_rows = size0 * size1 * size2
     wrap_triton(_rope_kernel)[(triton.cdiv(n_rows, BLOCK_ROWS),)](
         x4, cos4, sin4, out, n_rows, size1, size2, dim // 2,
-        *x4.stride()[:3], *cos4.stride()[:3], *sin4.stride()[:3],
+        *x4.stride()[:3], *out4.stride()[:3], *cos4.stride()[:3], *sin4.stride()[:3],
         TRANSPOSED=transposed, BLOCK_ROWS=BLOCK_ROWS, BLOCK_HALF=triton.next_power_of_2(dim // 2),
     )
     return out

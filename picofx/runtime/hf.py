@@ -14,11 +14,9 @@ import inspect
 
 from torch import nn
 
-from picofx.manager.passes import pass_name
+from picofx.manager.passes import PassInfo, pass_info
 
-RECOMPUTING_PASSES = ("checkpoint",)   # passes that plan activation recomputation themselves
-GRADIENT_SYNCING_PASSES = ("overlap", "shard")  # passes that average the gradients inside the backward graph
-SHARDING_PASSES = ("shard",)  # passes that make the parameters DTensor shards
+DATA_PARALLEL_DIMS = frozenset({"dp_replicate", "dp_shard"})  # a pass over these averages the gradients
 
 
 def call_signature(model: nn.Module, loss_fn) -> inspect.Signature:
@@ -43,7 +41,8 @@ def optimized_class(base: type, model: nn.Module, loss_fn, passes) -> type:
     """A subclass of `base` (the optimized module) for `model`: `forward` has the model's call
     signature, the Hugging Face surface below answers for the model, and a `PreTrainedModel`'s
     own class is a base too, so `isinstance(opt, type(model))` holds and the class attributes
-    (`main_input_name`, `_no_split_modules`, `config_class`, ...) are the model's."""
+    (`main_input_name`, `_no_split_modules`, `config_class`, ...) are the model's. `passes`: resolved;
+    the surface answers from what each declares (its PassInfo), never from its name."""
     signature = call_signature(model, loss_fn)
 
     def forward(self, *args, **kwargs):
@@ -56,7 +55,7 @@ def optimized_class(base: type, model: nn.Module, loss_fn, passes) -> type:
     forward.__doc__ = f"The training step of {type(model).__name__}, optimized by picofx; called like the model."
     name = f"Optimized{type(model).__name__}"
     namespace = {"forward": forward, "__module__": __name__, "__qualname__": name,
-                 "picofx_pass_names": tuple(pass_name(p) if not isinstance(p, str) else p for p in passes)}
+                 "picofx_pass_infos": tuple(pass_info(p) for p in passes)}
     bases = (HuggingFaceSurface, base, type(model)) if is_pretrained_model(model) else (HuggingFaceSurface, base)
     return type(name, bases, namespace)
 
@@ -93,7 +92,7 @@ class HuggingFaceSurface:
     """The attributes `Trainer` and `accelerate` read, answered for the wrapped model. Mixed in
     before the optimized module; `self._model` is the model it wraps."""
 
-    picofx_pass_names: tuple = ()
+    picofx_pass_infos: tuple[PassInfo, ...] = ()
 
     # ---- what the model is ------------------------------------------------------------------
     @property
@@ -137,11 +136,13 @@ class HuggingFaceSurface:
     # ---- sharded parameters: Trainer leaves placement and gradient reduction to the model ----
     @property
     def is_distributed_loading_by_transformers(self) -> bool:
-        """True when the parameters are DTensor shards (pass shard): Trainer then wraps the module in
-        neither DDP nor FSDP, and calls `save_pretrained` on every rank (so the shards can be
-        gathered). Trainer asks for `save_only_model=True` then: the optimizer's sharded state is not
-        saved in its checkpoints."""
-        return any(name in SHARDING_PASSES for name in self.picofx_pass_names)
+        """True when the parameters are DTensors (placed by shard or tensor_parallel when the step was
+        built): Trainer then wraps the module in neither DDP nor FSDP, and calls `save_pretrained` on
+        every rank (so the pieces can be gathered). Trainer asks for `save_only_model=True` then: the
+        optimizer's sharded state is not saved in its checkpoints."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for p in self._model.parameters())
 
     # ---- generation: not the training step's job --------------------------------------------
     @classmethod
@@ -159,7 +160,7 @@ class HuggingFaceSurface:
 
     @property
     def is_activation_checkpointing(self) -> bool:
-        return any(name in RECOMPUTING_PASSES for name in self.picofx_pass_names)
+        return any(info.plans_partition for info in self.picofx_pass_infos)  # it plans what the backward saves
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -188,8 +189,9 @@ class HuggingFaceSurface:
     # ---- data parallel: who all-reduces the gradients ----------------------------------------
     @property
     def syncs_gradients(self) -> bool:
-        """True when a pass all-reduces the gradients inside the backward graph (picofx's overlap)."""
-        return any(name in GRADIENT_SYNCING_PASSES for name in self.picofx_pass_names)
+        """True when a pass works over a data-parallel dimension: it averages the gradients itself
+        (inside the backward graph, or for Shard's stages 1 and 2 right after it)."""
+        return any(DATA_PARALLEL_DIMS & set(info.mesh_dims) for info in self.picofx_pass_infos)
 
     @property
     def _is_accelerate_prepared(self) -> bool:

@@ -81,3 +81,14 @@ def test_a_report_is_written_on_sigterm_and_after_a_resume_covers_the_whole_run(
     page = text_of(second.read_text())
     assert "resumed at step 2" in page
     assert f"4 steps: loss {stopped['losses'][0]:.4f} at the first, {resumed['losses'][-1]:.4f} at the last" in page
+
+
+def test_a_report_without_save_records_the_sigterm_that_stopped_the_run(tmp_path, monkeypatch, capsys):
+    train = importlib.import_module("picofx.cli.train").main
+    report = tmp_path / "run.html"
+    sigterm_at_optimizer_step(monkeypatch, 2)
+    stopped = train([*FAST, "--steps", "4", "--report", str(report)])
+    assert stopped["preempted"] == 2 and len(stopped["losses"]) == 2
+    assert "stopped by SIGTERM after step 2, nothing saved (no --save)" in text_of(report.read_text())
+    assert "nothing saved (pass --save DIR" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is given back

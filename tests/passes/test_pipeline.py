@@ -97,7 +97,8 @@ def _split(balance, stages=2, layers=4, virtual=1, schedule="1F1B"):
     signature = gm.meta["picofx_signature"]
     inputs = [zoo.model.get_parameter(s.target) if s.kind == "parameter" else None for s in signature.inputs]
     ctx = Context(model=zoo.model, example_inputs=inputs, device=torch.device("cpu"), cost_model=CostModel())
-    return Pipeline(stages=stages, schedule=schedule, microbatches=4, balance=balance, virtual=virtual)(gm, ctx)
+    microbatches = max(4, stages * virtual)
+    return Pipeline(stages=stages, schedule=schedule, microbatches=microbatches, balance=balance, virtual=virtual)(gm, ctx)
 
 
 def _stage_parameters(gm):
@@ -144,7 +145,9 @@ def test_a_later_stage_receives_its_residual_stream_as_sequence_shards_under_seq
 @pytest.mark.parametrize("options, message", [
     (dict(schedule="Looped"), "unknown schedule 'Looped'"),
     (dict(schedule="ZBVZeroBubble", virtual=2), "ZBVZeroBubble.*compiled picofx stage"),
-    (dict(stages=4, microbatches=2), "2 micro-batches for 4 stages"),
+    (dict(stages=4, microbatches=2), "2 micro-batches are fewer than the 4 pipeline stages"),
+    (dict(schedule="Interleaved1F1B", virtual=2, microbatches=3), "3 micro-batches are fewer than the 4 pipeline"),
+    (dict(schedule="Interleaved1F1B", virtual=2, microbatches=5), "rounds of 2"),
     (dict(schedule="1F1B", virtual=2), "virtual=2"),
 ])
 def test_bad_options_are_refused_when_the_pass_is_made(options, message):

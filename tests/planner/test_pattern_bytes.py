@@ -32,11 +32,6 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB"
 
 
-# Known, and small: the rope op returns contiguous q and k where the model's were transposed views,
-# so a later view needs a contiguous copy (picofx.rewrite.rewriter), about 4% of rope's bytes.
-KNOWN_WORSE = {"rope"}
-
-
 def _worse(counted) -> dict[str, str]:
     return {r["pattern"]: f"{r['pattern']}: {_gb(r['fused_bytes'])} fused against {_gb(r['unfused_bytes'])} unfused "
                           f"(+{_gb(r['fused_bytes'] - r['unfused_bytes'])})"
@@ -44,13 +39,8 @@ def _worse(counted) -> dict[str, str]:
 
 
 def test_no_fused_pattern_moves_more_bytes_than_the_ops_it_replaces(counted):
-    worse = {p: line for p, line in _worse(counted).items() if p not in KNOWN_WORSE}
+    worse = _worse(counted)
     assert not worse, f"{counted['shape']}: " + "; ".join(worse.values())
-
-
-def test_the_known_worse_patterns_still_are_so_the_list_stays_true(counted):
-    """When a fix lands, this fails: take the pattern out of KNOWN_WORSE."""
-    assert set(_worse(counted)) >= KNOWN_WORSE, f"{counted['shape']}: no longer worse: {KNOWN_WORSE - set(_worse(counted))}"
 
 
 def test_the_fused_step_moves_no_more_bytes_than_the_unfused_step(counted):

@@ -37,7 +37,8 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from picofx.capture.vocabulary import SIGNATURE_META, input_kind, input_slot
-from picofx.cost.balance import INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, balanced_cuts, plan_for
+from picofx.cost.balance import (INTERLEAVED_SCHEDULES, SINGLE_STAGE_SCHEDULES, balanced_cuts, microbatch_refusal,
+                                 plan_for)
 from picofx.cost.chain import chain_units, layer_bounds, path_bounds, state_per_parameter_byte
 from picofx.cost.model import CostModel
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
@@ -82,9 +83,9 @@ class Pipeline:
                              f"{'several stages' if self.schedule in INTERLEAVED_SCHEDULES else 'one stage'} per "
                              f"rank, but virtual={self.virtual}; use virtual=1 with GPipe/1F1B, virtual>=2 with "
                              f"{INTERLEAVED_SCHEDULES}.")
-        if self.microbatches < self.stages:
-            raise ValueError(f"Pipeline: {self.microbatches} micro-batches for {self.stages} stages: the schedule "
-                             "needs at least one micro-batch per stage (fewer can deadlock); raise microbatches.")
+        refusal = microbatch_refusal(self.stages, self.microbatches, self.schedule, self.virtual)
+        if refusal:
+            raise ValueError(f"Pipeline: {refusal}; raise microbatches.")
         if isinstance(self.balance, str) and self.balance not in ("cost", "layers"):
             raise ValueError(f"Pipeline: balance is 'cost', 'layers' or a list of module paths, got {self.balance!r}.")
         if not isinstance(self.balance, str) and len(self.balance) != self.stages * self.virtual - 1:

@@ -77,9 +77,9 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
-    *(refusal(f"{stage} {other}", f"Shard's stages 1 and 2 shard over dp_shard (x cp) alone, beside pp; beside "
-              f"{other} they are not built: use stage 3 (shard)")
-      for stage in SHARD_STAGES for other in ("tensor_parallel", "hsdp")),
+    *(refusal(f"{stage} hsdp", "Shard's stages 1 and 2 reduce-scatter outside the graph over dp_shard, with no "
+              "all-reduce across dp_replicate's replicas: shard without replicas, or use stage 3 (shard)")
+      for stage in SHARD_STAGES),
     *(refusal(f"{stage} {kind}", "stages 1 and 2 reduce-scatter whole fp32 gradients outside the graph, "
               "uncompressed: drop the compressor or use stage 3", raised="is not supported")
       for stage in SHARD_STAGES for kind in COMPRESSION),
@@ -179,9 +179,11 @@ def layered() -> list[Cell]:
 
 
 def stage_cells() -> list[Cell]:
-    """Shard's stages 1 and 2 alone and beside each other parallelism: tp, pp, cp."""
+    """Shard's stages 1 and 2 alone and beside each other parallelism: tp (with and without sequence
+    parallelism), pp, cp; with HSDP (refused)."""
     return [Cell(closed({stage, *other})) for stage in SHARD_STAGES
-            for other in ((), ("tensor_parallel",), ("pipeline",), ("context_parallel",))]
+            for other in ((), ("tensor_parallel",), ("sequence_parallel",), ("pipeline",), ("context_parallel",),
+                          ("hsdp",))]
 
 
 def cells() -> list[Cell]:

@@ -19,10 +19,15 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
 - stage 2 reduce-scatters after every backward, into the sharded fp32 `.grad` (DeepSpeed's
   ZeRO-2): the accumulated gradient occupies a shard, not the whole model, at the price of one
   reduce-scatter per micro-batch.
+
+Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
+piece, gathered over dp_shard. Stage 1's accumulated whole gradients are dropped when the
+parameter's `.grad` is zeroed or dropped (`Whole.mark`), so zero_grad reaches them.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -48,8 +53,11 @@ class Accumulation:
     def wholes(self) -> list["Whole"]:
         return [w for ref in self.held if (w := ref()) is not None]
 
-    def arrived(self, _tensor: torch.Tensor) -> None:
-        """A whole gradient was accumulated: reduce at the end of this backward (once per backward)."""
+    def arrived(self, whole: weakref.ref, _tensor: torch.Tensor) -> None:
+        """A whole gradient was accumulated: reduce at the end of this backward (once per backward);
+        stage 1 marks its parameter's `.grad`, which zero_grad then reaches (`Whole.mark`)."""
+        if (held := whole()) is not None and held.stage == 1:
+            held.mark()
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
@@ -72,10 +80,28 @@ class Whole:
     averaged: int  # the ranks the gradient is averaged over: of `world`, those holding other sequences
     tensor: torch.Tensor
     version: int | None = None
+    marker: tuple | None = None  # (weakly) the parameter's `.grad` and its version when the whole gradient grew
 
     @property
     def param(self) -> nn.Parameter:
         return self.held()
+
+    def mark(self) -> None:
+        """Stage 1's whole gradient lives outside the DTensor `.grad` that `optimizer.zero_grad()`
+        clears: give the parameter a `.grad` (zeros, until the reduce-scatter adds to it) and note it,
+        so that a zero_grad in between (set to None, or zeroed in place) is seen (`cleared`)."""
+        param = self.param
+        if param.grad is None:
+            param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+                                            run_check=False, shape=param.shape, stride=param.stride())
+        self.marker = (weakref.ref(param.grad), param.grad._version)
+
+    def cleared(self) -> bool:
+        """Whether the parameter's gradient was zeroed or dropped since the whole gradient last grew."""
+        if self.marker is None or self.tensor.grad is None:
+            return False
+        grad = self.param.grad
+        return grad is None or self.marker[0]() is not grad or grad._version != self.marker[1]
 
 
 OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Accumulation
@@ -105,7 +131,7 @@ def hold_whole(layout: ShardLayout, model: nn.Module) -> None:
         whole = Whole(weakref.ref(param), entry, layout.stage, layout.dim.group, layout.dim.size,
                       layout.dim.size // layout.summed, tensor)
         if param.requires_grad:
-            tensor.register_post_accumulate_grad_hook(owner.arrived)
+            tensor.register_post_accumulate_grad_hook(functools.partial(owner.arrived, weakref.ref(whole)))
         WHOLES[param] = whole
         owner.held.append(weakref.ref(whole))
 
@@ -115,6 +141,8 @@ def whole_inputs(layout: ShardLayout, names: list, values: list) -> list:
     ones all-gathered first (one collective)."""
     sharded = {e.name for e in layout.entries}
     wholes = [WHOLES.get(v) if n in sharded and isinstance(v, DTensor) else None for n, v in zip(names, values)]
+    for w in (w for w in wholes if w is not None and w.cleared()):  # zero_grad since: drop what accumulated
+        w.tensor.grad, w.marker = None, None
     gather([w for w in dict.fromkeys(w for w in wholes if w is not None) if w.version != w.param._version])
     return [w.tensor if w is not None else v for w, v in zip(wholes, values)]
 
@@ -161,7 +189,7 @@ def reduce_scatter(wholes: list) -> None:
             shard = mine[offset:offset + block.shape[1]].view(w.entry.padded_rows, *w.entry.shape[1:])
             offset += block.shape[1]
             add_to_grad(w.param, shard[:w.param.to_local().shape[0]])
-            w.tensor.grad = None
+            w.tensor.grad, w.marker = None, None
 
 
 def add_to_grad(param: nn.Parameter, rows: torch.Tensor) -> None:

@@ -31,8 +31,11 @@ GROUPS: dict = {}
 
 def group(world: int, tmp_path_factory) -> dict:
     if world not in GROUPS:
-        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp")))] if world == 2 else
-                 [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,)])
+        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp"))), (ranks.stage1_discarded,)]
+                 if world == 2 else
+                 [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
+                  (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                  (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp")))])
         GROUPS[world] = run_scenarios(calls, world, timeout=600, collective_timeout=120)
     return GROUPS[world]
 
@@ -60,14 +63,14 @@ def expected() -> dict:
     return reference()
 
 
-def replica_of(rank: int, world: int, pp: int) -> int:
-    return rank % (world // pp)  # ParallelMesh's order: pp outer, dp_shard inner
+def replica_of(rank: int, world: int, pp: int, tp: int) -> int:
+    return rank // tp % (world // (pp * tp))  # ParallelMesh's order: pp outer, dp_shard, tp inner
 
 
-def assert_trains_like_one_process(results: list, expected: dict, pp: int) -> None:
+def assert_trains_like_one_process(results: list, expected: dict, pp: int, tp: int = 1) -> None:
     world = len(results)
     for step, want in enumerate(expected["losses"]):
-        by_replica = {replica_of(r, world, pp): results[r]["losses"][step] for r in range(world)}
+        by_replica = {replica_of(r, world, pp, tp): results[r]["losses"][step] for r in range(world)}
         torch.testing.assert_close(torch.stack(list(by_replica.values())).mean(), want, rtol=1e-5, atol=1e-7)
         held = set()
         for r in results:
@@ -75,8 +78,9 @@ def assert_trains_like_one_process(results: list, expected: dict, pp: int) -> No
                 torch.testing.assert_close(g, expected["grads"][step][name], rtol=1e-4, atol=1e-6, msg=name)
             held |= set(r["grads"][step])
         assert held == set(expected["grads"][step])
-    for r in results:
-        assert r["state"] == ["(Shard(dim=0),)"]  # AdamW's moments are shards
+    for r in results:  # AdamW's moments are shards over dp_shard (beside tp: of its pieces, 2-D)
+        assert r["state"] == ["(Shard(dim=0),)"] if tp == 1 else \
+            r["state"] and all(s.startswith(("(Shard(dim=0), ", "(_StridedShard(dim=0")) for s in r["state"]), r["state"]
         for name, value in r["params"].items():
             torch.testing.assert_close(value, expected["params"][name], rtol=0, atol=5e-5, msg=name)
 
@@ -86,10 +90,11 @@ def shard_elements(shapes: dict, ranks_: int) -> int:
     return sum(math.ceil(s[0] / ranks_) * math.prod(s[1:]) for s in shapes.values())
 
 
-def assert_collectives(result: dict, stage: int, dp: int) -> None:
+def assert_collectives(result: dict, stage: int, dp: int, tp: int = 1) -> None:
     """Per step: one gather of every parameter's shard (the first step's ran at optimize), and every
-    gradient reduce-scattered once (stage 1) or once per micro-batch (stage 2)."""
-    shard = shard_elements(result["shapes"], dp)
+    gradient reduce-scattered once (stage 1) or once per micro-batch (stage 2). Beside tp, a shard
+    is of this rank's tp piece (every piece divides by dp here)."""
+    shard = shard_elements(result["shapes"], dp) if tp == 1 else result["local_elements"]
     scatters = 1 if stage == 1 else ranks.MICRO
     for step, calls in enumerate(result["collectives"]):
         assert calls.count(("all_gather_single", shard)) == (step > 0), calls
@@ -120,6 +125,28 @@ def test_stage_beside_a_pipeline_trains_like_one_process(scenario, stage, expect
     assert_trains_like_one_process(results, expected, pp=2)
     for r in results:
         assert_collectives(r, stage, dp=2)
+
+
+def test_zero_grad_drops_stage1_gradients_accumulated_before_it(expected, tmp_path_factory):
+    """A micro-batch accumulated unsynced, then optimizer.zero_grad() (to None, then in place): the
+    step trains as if it never ran, as FSDP2 users expect; stage 1's whole gradients live outside
+    the DTensor `.grad` that zero_grad clears, so the runtime watches that `.grad`."""
+    results = group(2, tmp_path_factory)["stage1_discarded"]
+    assert_trains_like_one_process(results, expected, pp=1)
+    for r in results:
+        assert_collectives(r, 1, dp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage", [("stage1_tensor_parallel", 1), ("stage2_sequence_parallel", 2)])
+def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
+    """dp_shard 2 x tp 2 (stage 2 with sequence parallelism): parameters 2-D DTensors as FSDP2 over TP
+    places them, the graph reading each tp piece whole; clipped AdamW steps, DCP round trip."""
+    results = group(4, tmp_path_factory)[scenario]
+    assert_trains_like_one_process(results, expected, pp=1, tp=2)
+    for r in results:
+        assert_collectives(r, stage, dp=2, tp=2)
+        assert r["restored"]
 
 
 def test_stage_is_checked_and_refuses_what_it_does_not_build():

@@ -45,10 +45,10 @@ def record_whole(shard, gm: fx.GraphModule, ctx: Context, shard_dims, shard_entr
     """The forward stage of stages 1 and 2: the graph unchanged, its parameters recorded as a
     ShardLayout over the shard dimension (shard_dims and shard_entry: shard.py's, as stage 3's)."""
     mesh = ctx.mesh
-    beside = [name for name in ("tp", "dp_replicate") if mesh is not None and mesh.size(name) > 1]
-    if beside:
-        raise NotImplementedError(f"Shard(stage={shard.stage}) beside {' and '.join(beside)} is not built: stages "
-                                  "1 and 2 shard over dp_shard (x cp) alone, beside pp; use stage=3 there.")
+    if mesh is not None and mesh.size("dp_replicate") > 1:
+        raise NotImplementedError(f"Shard(stage={shard.stage}) beside dp_replicate (HSDP) is not built: its "
+                                  "reduce-scatter outside the graph has no all-reduce across the replicas; "
+                                  "shard without replicas (dp_shard, beside tp, pp or cp) or use stage=3.")
     dim, replicas, _ = shard_dims(shard, mesh)
     if replicas is not None:
         raise DistributedError(f"Shard(stage={shard.stage}): HSDP is not supported; use stage=3.")

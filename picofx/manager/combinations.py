@@ -77,9 +77,6 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
-    *(refusal(f"{stage} hsdp", "Shard's stages 1 and 2 reduce-scatter outside the graph over dp_shard, with no "
-              "all-reduce across dp_replicate's replicas: shard without replicas, or use stage 3 (shard)")
-      for stage in SHARD_STAGES),
     *(refusal(f"{stage} {kind}", "stages 1 and 2 reduce-scatter whole fp32 gradients outside the graph, "
               "uncompressed: drop the compressor or use stage 3", raised="is not supported")
       for stage in SHARD_STAGES for kind in COMPRESSION),
@@ -180,7 +177,7 @@ def layered() -> list[Cell]:
 
 def stage_cells() -> list[Cell]:
     """Shard's stages 1 and 2 alone and beside each other parallelism: tp (with and without sequence
-    parallelism), pp, cp; with HSDP (refused)."""
+    parallelism), pp, cp; and with HSDP."""
     return [Cell(closed({stage, *other})) for stage in SHARD_STAGES
             for other in ((), ("tensor_parallel",), ("sequence_parallel",), ("pipeline",), ("context_parallel",),
                           ("hsdp",))]

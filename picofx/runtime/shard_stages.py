@@ -79,6 +79,7 @@ class Whole:
     world: int
     averaged: int  # the ranks the gradient is averaged over: of `world`, those holding other sequences
     tensor: torch.Tensor
+    replicas: object = None  # HSDP: the MeshDim whose ranks hold the same shard (all-reduced, averaged)
     version: int | None = None
     marker: tuple | None = None  # (weakly) the parameter's `.grad` and its version when the whole gradient grew
 
@@ -129,7 +130,7 @@ def hold_whole(layout: ShardLayout, model: nn.Module) -> None:
             continue
         tensor = torch.empty(entry.shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad)
         whole = Whole(weakref.ref(param), entry, layout.stage, layout.dim.group, layout.dim.size,
-                      layout.dim.size // layout.summed, tensor)
+                      layout.dim.size // layout.summed, tensor, layout.replicas)
         if param.requires_grad:
             tensor.register_post_accumulate_grad_hook(functools.partial(owner.arrived, weakref.ref(whole)))
         WHOLES[param] = whole
@@ -175,15 +176,18 @@ def gather(wholes: list) -> None:
 
 @torch.no_grad()
 def reduce_scatter(wholes: list) -> None:
-    """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one), average them
-    over the group and add each rank's rows to its DTensor parameter's `.grad`; the whole ones freed."""
+    """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one; HSDP: then
+    all-reduce across the replicas), average them over the ranks and add each rank's rows to its DTensor parameter's `.grad`; the whole ones freed."""
     for group in by_group([w for w in wholes if w.tensor.grad is not None]).values():
         world = group[0].world
         blocks = [padded(w.tensor.grad, world * w.entry.padded_rows).reshape(world, -1) for w in group]
         flat = torch.cat(blocks, dim=1).reshape(-1)  # rank-major: rank r's rows of every parameter together
         mine = flat.new_empty(flat.numel() // world)
         dist.reduce_scatter_single(mine, flat, group=group[0].group)
-        mine /= group[0].averaged
+        replicas = group[0].replicas
+        if replicas is not None:  # HSDP: the other replicas' sums of the same shard
+            dist.all_reduce(mine, group=replicas.group)
+        mine /= group[0].averaged * (replicas.size if replicas is not None else 1)
         offset = 0
         for w, block in zip(group, blocks):
             shard = mine[offset:offset + block.shape[1]].view(w.entry.padded_rows, *w.entry.shape[1:])

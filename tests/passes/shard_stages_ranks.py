@@ -99,17 +99,20 @@ def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
 
 
 def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None, tp: int = 1,
-              sequence_parallel: bool = False, discarded: bool = False):
-    mesh = ParallelMesh.build(pp=pp, dp_shard=world // (pp * tp), tp=tp)
-    dp = mesh.dim("dp_shard")
+              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1):
+    """`replicas`: HSDP's dp_replicate (the sharded groups, each a replica of the shards)."""
+    mesh = ParallelMesh.build(pp=pp, dp_replicate=replicas, dp_shard=world // (pp * tp * replicas), tp=tp)
+    dp, rep = mesh.dim("dp_shard"), mesh.dim("dp_replicate")
+    index, count = rep.rank * dp.size + dp.rank, rep.size * dp.size  # this rank's data-parallel replica
     z = zoo.build("llama-tiny", batch=BATCH, seq=SEQ)
     passes = [Shard(stage=stage)] + ([Pipeline(stages=pp, microbatches=MICRO)] if pp > 1 else [])
     passes += [TensorParallel(sequence_parallel=sequence_parallel)] if tp > 1 else []
-    example = batch_of(0, dp.rank, dp.size)
+    example = batch_of(0, index, count)
     if pp == 1:
         example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
     opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    out = train(opt, z.model, 2, dp.rank, dp.size, pp > 1, discarded)
+    out = train(opt, z.model, 2, index, count, pp > 1, discarded)
+    out["replica"] = index
     out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
     if checkpoint is not None:
         out["restored"] = dcp_round_trip(opt, checkpoint)
@@ -158,3 +161,11 @@ def stage1_tensor_parallel(rank, world, checkpoint):
 
 def stage2_sequence_parallel(rank, world, checkpoint):
     return run_stage(rank, world, 2, pp=1, checkpoint=checkpoint, tp=2, sequence_parallel=True)
+
+
+def stage1_hsdp(rank, world):
+    return run_stage(rank, world, 1, pp=1, replicas=2)
+
+
+def stage2_hsdp(rank, world):
+    return run_stage(rank, world, 2, pp=1, replicas=2)

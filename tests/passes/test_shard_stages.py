@@ -10,8 +10,9 @@ more than 5e-5 and the second step's gradients past rtol 1e-4; at 16 both hold. 
 are counted per step: stage 1 reduce-scatters every gradient once per step, stage 2 once per
 micro-batch; both gather every parameter once per step (after the optimizer changed the shards),
 not per micro-batch.
-One spawned group per world: 2 ranks (stage 1's accumulation, in CI) and 4 (stage 2's accumulation
-over dp_shard 4; both stages on pp 2 x dp_shard 2: slow)."""
+One spawned group per world: 2 ranks (stage 1's accumulation, and a zero_grad mid-step, in CI) and
+4 (slow: stage 2's accumulation over dp_shard 4; both stages on pp 2 x dp_shard 2, beside tp on
+dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2)."""
 from __future__ import annotations
 
 import math
@@ -35,7 +36,8 @@ def group(world: int, tmp_path_factory) -> dict:
                  if world == 2 else
                  [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
                   (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
-                  (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp")))])
+                  (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                  (ranks.stage1_hsdp,), (ranks.stage2_hsdp,)])
         GROUPS[world] = run_scenarios(calls, world, timeout=600, collective_timeout=120)
     return GROUPS[world]
 
@@ -63,14 +65,16 @@ def expected() -> dict:
     return reference()
 
 
-def replica_of(rank: int, world: int, pp: int, tp: int) -> int:
-    return rank // tp % (world // (pp * tp))  # ParallelMesh's order: pp outer, dp_shard, tp inner
+SHARDED = ("(Shard(dim=0),)",)  # AdamW's moments: shards over dp_shard
+BESIDE_TP = ("(Shard(dim=0), ", "(_StridedShard(dim=0")  # shards over dp_shard of tp's pieces (2-D)
+HSDP = ("(Replicate(), Shard(dim=0))",)  # shards over dp_shard, replicated over dp_replicate
 
 
-def assert_trains_like_one_process(results: list, expected: dict, pp: int, tp: int = 1) -> None:
-    world = len(results)
+def assert_trains_like_one_process(results: list, expected: dict, state: tuple = SHARDED) -> None:
+    """Loss and gradients each step, the parameters after, and the optimizer state's placements (each
+    starts with one of `state`)."""
     for step, want in enumerate(expected["losses"]):
-        by_replica = {replica_of(r, world, pp, tp): results[r]["losses"][step] for r in range(world)}
+        by_replica = {r["replica"]: r["losses"][step] for r in results}
         torch.testing.assert_close(torch.stack(list(by_replica.values())).mean(), want, rtol=1e-5, atol=1e-7)
         held = set()
         for r in results:
@@ -78,9 +82,8 @@ def assert_trains_like_one_process(results: list, expected: dict, pp: int, tp: i
                 torch.testing.assert_close(g, expected["grads"][step][name], rtol=1e-4, atol=1e-6, msg=name)
             held |= set(r["grads"][step])
         assert held == set(expected["grads"][step])
-    for r in results:  # AdamW's moments are shards over dp_shard (beside tp: of its pieces, 2-D)
-        assert r["state"] == ["(Shard(dim=0),)"] if tp == 1 else \
-            r["state"] and all(s.startswith(("(Shard(dim=0), ", "(_StridedShard(dim=0")) for s in r["state"]), r["state"]
+    for r in results:
+        assert r["state"] and all(s.startswith(state) for s in r["state"]), r["state"]
         for name, value in r["params"].items():
             torch.testing.assert_close(value, expected["params"][name], rtol=0, atol=5e-5, msg=name)
 
@@ -107,7 +110,7 @@ def assert_collectives(result: dict, stage: int, dp: int, tp: int = 1) -> None:
 def test_stage_accumulates_like_one_process(scenario, stage, world, expected, tmp_path_factory):
     """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync."""
     results = group(world, tmp_path_factory)[scenario]
-    assert_trains_like_one_process(results, expected, pp=1)
+    assert_trains_like_one_process(results, expected)
     for r in results:
         assert_collectives(r, stage, dp=world)
         assert r["notes"][0]["stage"] == stage
@@ -122,7 +125,7 @@ def test_stage1_checkpoint_round_trips_with_dcp(tmp_path_factory):
 def test_stage_beside_a_pipeline_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
     """pp 2 x dp_shard 2: each pipeline rank's parameters gathered once a step, not per micro-batch."""
     results = group(4, tmp_path_factory)[scenario]
-    assert_trains_like_one_process(results, expected, pp=2)
+    assert_trains_like_one_process(results, expected)
     for r in results:
         assert_collectives(r, stage, dp=2)
 
@@ -132,7 +135,7 @@ def test_zero_grad_drops_stage1_gradients_accumulated_before_it(expected, tmp_pa
     step trains as if it never ran, as FSDP2 users expect; stage 1's whole gradients live outside
     the DTensor `.grad` that zero_grad clears, so the runtime watches that `.grad`."""
     results = group(2, tmp_path_factory)["stage1_discarded"]
-    assert_trains_like_one_process(results, expected, pp=1)
+    assert_trains_like_one_process(results, expected)
     for r in results:
         assert_collectives(r, 1, dp=2)
 
@@ -143,10 +146,22 @@ def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage
     """dp_shard 2 x tp 2 (stage 2 with sequence parallelism): parameters 2-D DTensors as FSDP2 over TP
     places them, the graph reading each tp piece whole; clipped AdamW steps, DCP round trip."""
     results = group(4, tmp_path_factory)[scenario]
-    assert_trains_like_one_process(results, expected, pp=1, tp=2)
+    assert_trains_like_one_process(results, expected, BESIDE_TP)
     for r in results:
         assert_collectives(r, stage, dp=2, tp=2)
         assert r["restored"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage", [("stage1_hsdp", 1), ("stage2_hsdp", 2)])
+def test_stage_with_hsdp_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
+    """dp_replicate 2 x dp_shard 2: the shards replicated, each reduce-scatter's shard all-reduced
+    across the replicas."""
+    results = group(4, tmp_path_factory)[scenario]
+    assert_trains_like_one_process(results, expected, HSDP)
+    for r in results:
+        assert_collectives(r, stage, dp=2)
+        assert r["notes"][0]["replicas"] == 2
 
 
 def test_stage_is_checked_and_refuses_what_it_does_not_build():

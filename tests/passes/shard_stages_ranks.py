@@ -136,7 +136,7 @@ def dcp_round_trip(opt, root: str) -> bool:
 
 
 def stage1_accumulation(rank, world, checkpoint):
-    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint)
+    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, discarded=True)
 
 
 def stage2_accumulation(rank, world):
@@ -151,12 +151,8 @@ def stage2_pipeline(rank, world):
     return run_stage(rank, world, 2, pp=2)
 
 
-def stage1_discarded(rank, world):
-    return run_stage(rank, world, 1, pp=1, discarded=True)
-
-
 def stage1_tensor_parallel(rank, world, checkpoint):
-    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, tp=2)
+    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, tp=2, discarded=True)
 
 
 def stage2_sequence_parallel(rank, world, checkpoint):
@@ -164,7 +160,7 @@ def stage2_sequence_parallel(rank, world, checkpoint):
 
 
 def stage1_hsdp(rank, world):
-    return run_stage(rank, world, 1, pp=1, replicas=2)
+    return run_stage(rank, world, 1, pp=1, replicas=2, discarded=True)
 
 
 def stage2_hsdp(rank, world):

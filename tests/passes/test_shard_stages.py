@@ -10,7 +10,7 @@ more than 5e-5 and the second step's gradients past rtol 1e-4; at 16 both hold. 
 are counted per step: stage 1 reduce-scatters every gradient once per step, stage 2 once per
 micro-batch; both gather every parameter once per step (after the optimizer changed the shards),
 not per micro-batch.
-One spawned group per world: 2 ranks (stage 1's accumulation, and a zero_grad mid-step, in CI) and
+One spawned group per world: 2 ranks (stage 1's accumulation with a zero_grad mid-step, in CI) and
 4 (slow: stage 2's accumulation over dp_shard 4; both stages on pp 2 x dp_shard 2, beside tp on
 dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2)."""
 from __future__ import annotations
@@ -32,8 +32,7 @@ GROUPS: dict = {}
 
 def group(world: int, tmp_path_factory) -> dict:
     if world not in GROUPS:
-        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp"))), (ranks.stage1_discarded,)]
-                 if world == 2 else
+        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp")))] if world == 2 else
                  [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
                   (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
                   (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
@@ -108,7 +107,10 @@ def assert_collectives(result: dict, stage: int, dp: int, tp: int = 1) -> None:
 @pytest.mark.parametrize("scenario,stage,world", [
     ("stage1_accumulation", 1, 2), pytest.param("stage2_accumulation", 2, 4, marks=pytest.mark.slow)])
 def test_stage_accumulates_like_one_process(scenario, stage, world, expected, tmp_path_factory):
-    """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync."""
+    """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync. Stage 1's
+    steps first accumulate a micro-batch of other tokens and zero the gradients (optimizer.zero_grad,
+    to None, then in place), as a loop that skips a step does: its whole gradients live outside the
+    DTensor `.grad` that zero_grad clears, yet none of them may reach the step (as with FSDP2)."""
     results = group(world, tmp_path_factory)[scenario]
     assert_trains_like_one_process(results, expected)
     for r in results:
@@ -130,21 +132,12 @@ def test_stage_beside_a_pipeline_trains_like_one_process(scenario, stage, expect
         assert_collectives(r, stage, dp=2)
 
 
-def test_zero_grad_drops_stage1_gradients_accumulated_before_it(expected, tmp_path_factory):
-    """A micro-batch accumulated unsynced, then optimizer.zero_grad() (to None, then in place): the
-    step trains as if it never ran, as FSDP2 users expect; stage 1's whole gradients live outside
-    the DTensor `.grad` that zero_grad clears, so the runtime watches that `.grad`."""
-    results = group(2, tmp_path_factory)["stage1_discarded"]
-    assert_trains_like_one_process(results, expected)
-    for r in results:
-        assert_collectives(r, 1, dp=2)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,stage", [("stage1_tensor_parallel", 1), ("stage2_sequence_parallel", 2)])
 def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
     """dp_shard 2 x tp 2 (stage 2 with sequence parallelism): parameters 2-D DTensors as FSDP2 over TP
-    places them, the graph reading each tp piece whole; clipped AdamW steps, DCP round trip."""
+    places them, the graph reading each tp piece whole; clipped AdamW steps (stage 1's with a zero_grad
+    mid-step), DCP round trip."""
     results = group(4, tmp_path_factory)[scenario]
     assert_trains_like_one_process(results, expected, BESIDE_TP)
     for r in results:
@@ -156,7 +149,7 @@ def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage
 @pytest.mark.parametrize("scenario,stage", [("stage1_hsdp", 1), ("stage2_hsdp", 2)])
 def test_stage_with_hsdp_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
     """dp_replicate 2 x dp_shard 2: the shards replicated, each reduce-scatter's shard all-reduced
-    across the replicas."""
+    across the replicas (stage 1's steps with a zero_grad mid-step)."""
     results = group(4, tmp_path_factory)[scenario]
     assert_trains_like_one_process(results, expected, HSDP)
     for r in results:

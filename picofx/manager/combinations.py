@@ -9,7 +9,8 @@ and async TP a sequence-parallel one, the ring a context_parallel method; a comp
 a data-parallel exchange (overlap's, when the cell names no other); HSDP is the shard pass on a
 mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by the shard pass
 itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, shard_stage2) are
-shard, in rows of their own beside tp, pp and cp; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
+shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, and
+with HSDP; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
 so a cell's world is the product of its dimensions' sizes.
 """
 from __future__ import annotations

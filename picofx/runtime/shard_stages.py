@@ -21,7 +21,8 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
   reduce-scatter per micro-batch.
 
 Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
-piece, gathered over dp_shard. Stage 1's accumulated whole gradients are dropped when the
+piece, gathered over dp_shard; with HSDP they are replicated over dp_replicate and each
+reduce-scattered shard is all-reduced across the replicas. Stage 1's accumulated whole gradients are dropped when the
 parameter's `.grad` is zeroed or dropped (`Whole.mark`), so zero_grad reaches them.
 """
 from __future__ import annotations
@@ -177,7 +178,8 @@ def gather(wholes: list) -> None:
 @torch.no_grad()
 def reduce_scatter(wholes: list) -> None:
     """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one; HSDP: then
-    all-reduce across the replicas), average them over the ranks and add each rank's rows to its DTensor parameter's `.grad`; the whole ones freed."""
+    all-reduce across the replicas), average them over the ranks and add each rank's rows to its
+    DTensor parameter's `.grad`; the whole ones freed."""
     for group in by_group([w for w in wholes if w.tensor.grad is not None]).values():
         world = group[0].world
         blocks = [padded(w.tensor.grad, world * w.entry.padded_rows).reshape(world, -1) for w in group]

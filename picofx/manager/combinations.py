@@ -9,7 +9,8 @@ and async TP a sequence-parallel one, the ring a context_parallel method; a comp
 a data-parallel exchange (overlap's, when the cell names no other); HSDP is the shard pass on a
 mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by the shard pass
 itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, shard_stage2) are
-shard, in rows of their own beside tp, pp and cp; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
+shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, and
+with HSDP; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
 so a cell's world is the product of its dimensions' sizes.
 """
 from __future__ import annotations
@@ -77,9 +78,6 @@ REFUSALS = (
             "or powersgd beside tensor_parallel"),
     refusal("hsdp tensor_parallel", "the shard pass runs HSDP without tp: shard without replicas (dp_shard x tp)"),
     refusal("hsdp pipeline", "the shard pass runs HSDP without pp: shard without replicas (pp x dp_shard)"),
-    *(refusal(f"{stage} {other}", f"Shard's stages 1 and 2 shard over dp_shard (x cp) alone, beside pp; beside "
-              f"{other} they are not built: use stage 3 (shard)")
-      for stage in SHARD_STAGES for other in ("tensor_parallel", "hsdp")),
     *(refusal(f"{stage} {kind}", "stages 1 and 2 reduce-scatter whole fp32 gradients outside the graph, "
               "uncompressed: drop the compressor or use stage 3", raised="is not supported")
       for stage in SHARD_STAGES for kind in COMPRESSION),
@@ -179,9 +177,11 @@ def layered() -> list[Cell]:
 
 
 def stage_cells() -> list[Cell]:
-    """Shard's stages 1 and 2 alone and beside each other parallelism: tp, pp, cp."""
+    """Shard's stages 1 and 2 alone and beside each other parallelism: tp (with and without sequence
+    parallelism), pp, cp; and with HSDP."""
     return [Cell(closed({stage, *other})) for stage in SHARD_STAGES
-            for other in ((), ("tensor_parallel",), ("pipeline",), ("context_parallel",))]
+            for other in ((), ("tensor_parallel",), ("sequence_parallel",), ("pipeline",), ("context_parallel",),
+                          ("hsdp",))]
 
 
 def cells() -> list[Cell]:

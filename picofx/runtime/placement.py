@@ -14,6 +14,7 @@ from torch import fx, nn
 from picofx.parallel.layouts import GraphLayouts, Placement, ShardLayout, TensorParallelLayout, recorded
 from picofx.runtime.distributed import check_layout
 from picofx.runtime.shard import apply_shard_layout, local_inputs
+from picofx.runtime.shard_stages import hold_whole
 from picofx.runtime.tensor_parallel import (apply_sharded_tensor_parallel_layout, apply_tensor_parallel_layout,
                                              padded_pieces, sharded_tensor_parallel_mesh)
 
@@ -35,6 +36,8 @@ class ShardPlacement:
             return
         mesh_2d = sharded_tensor_parallel_mesh(mesh, self.layout, self.tensor_parallel)
         apply_sharded_tensor_parallel_layout(self.layout, self.tensor_parallel, model, mesh_2d)
+        if self.layout.stage < 3:  # stages 1 and 2: the graph reads each tp piece whole over dp_shard
+            hold_whole(self.layout, model)
 
     def local_inputs(self, names: list, values: list) -> list:
         return local_inputs(self.layout, names, values)

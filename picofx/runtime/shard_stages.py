@@ -19,10 +19,16 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
 - stage 2 reduce-scatters after every backward, into the sharded fp32 `.grad` (DeepSpeed's
   ZeRO-2): the accumulated gradient occupies a shard, not the whole model, at the price of one
   reduce-scatter per micro-batch.
+
+Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
+piece, gathered over dp_shard; with HSDP they are replicated over dp_replicate and each
+reduce-scattered shard is all-reduced across the replicas. Stage 1's accumulated whole gradients are dropped when the
+parameter's `.grad` is zeroed or dropped (`Whole.mark`), so zero_grad reaches them.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -48,8 +54,11 @@ class Accumulation:
     def wholes(self) -> list["Whole"]:
         return [w for ref in self.held if (w := ref()) is not None]
 
-    def arrived(self, _tensor: torch.Tensor) -> None:
-        """A whole gradient was accumulated: reduce at the end of this backward (once per backward)."""
+    def arrived(self, whole: weakref.ref, _tensor: torch.Tensor) -> None:
+        """A whole gradient was accumulated: reduce at the end of this backward (once per backward);
+        stage 1 marks its parameter's `.grad`, which zero_grad then reaches (`Whole.mark`)."""
+        if (held := whole()) is not None and held.stage == 1:
+            held.mark()
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
@@ -71,11 +80,30 @@ class Whole:
     world: int
     averaged: int  # the ranks the gradient is averaged over: of `world`, those holding other sequences
     tensor: torch.Tensor
+    replicas: object = None  # HSDP: the MeshDim whose ranks hold the same shard (all-reduced, averaged)
     version: int | None = None
+    marker: tuple | None = None  # (weakly) the parameter's `.grad` and its version when the whole gradient grew
 
     @property
     def param(self) -> nn.Parameter:
         return self.held()
+
+    def mark(self) -> None:
+        """Stage 1's whole gradient lives outside the DTensor `.grad` that `optimizer.zero_grad()`
+        clears: give the parameter a `.grad` (zeros, until the reduce-scatter adds to it) and note it,
+        so that a zero_grad in between (set to None, or zeroed in place) is seen (`cleared`)."""
+        param = self.param
+        if param.grad is None:
+            param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+                                            run_check=False, shape=param.shape, stride=param.stride())
+        self.marker = (weakref.ref(param.grad), param.grad._version)
+
+    def cleared(self) -> bool:
+        """Whether the parameter's gradient was zeroed or dropped since the whole gradient last grew."""
+        if self.marker is None or self.tensor.grad is None:
+            return False
+        grad = self.param.grad
+        return grad is None or self.marker[0]() is not grad or grad._version != self.marker[1]
 
 
 OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Accumulation
@@ -103,9 +131,9 @@ def hold_whole(layout: ShardLayout, model: nn.Module) -> None:
             continue
         tensor = torch.empty(entry.shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad)
         whole = Whole(weakref.ref(param), entry, layout.stage, layout.dim.group, layout.dim.size,
-                      layout.dim.size // layout.summed, tensor)
+                      layout.dim.size // layout.summed, tensor, layout.replicas)
         if param.requires_grad:
-            tensor.register_post_accumulate_grad_hook(owner.arrived)
+            tensor.register_post_accumulate_grad_hook(functools.partial(owner.arrived, weakref.ref(whole)))
         WHOLES[param] = whole
         owner.held.append(weakref.ref(whole))
 
@@ -115,6 +143,8 @@ def whole_inputs(layout: ShardLayout, names: list, values: list) -> list:
     ones all-gathered first (one collective)."""
     sharded = {e.name for e in layout.entries}
     wholes = [WHOLES.get(v) if n in sharded and isinstance(v, DTensor) else None for n, v in zip(names, values)]
+    for w in (w for w in wholes if w is not None and w.cleared()):  # zero_grad since: drop what accumulated
+        w.tensor.grad, w.marker = None, None
     gather([w for w in dict.fromkeys(w for w in wholes if w is not None) if w.version != w.param._version])
     return [w.tensor if w is not None else v for w, v in zip(wholes, values)]
 
@@ -147,21 +177,25 @@ def gather(wholes: list) -> None:
 
 @torch.no_grad()
 def reduce_scatter(wholes: list) -> None:
-    """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one), average them
-    over the group and add each rank's rows to its DTensor parameter's `.grad`; the whole ones freed."""
+    """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one; HSDP: then
+    all-reduce across the replicas), average them over the ranks and add each rank's rows to its
+    DTensor parameter's `.grad`; the whole ones freed."""
     for group in by_group([w for w in wholes if w.tensor.grad is not None]).values():
         world = group[0].world
         blocks = [padded(w.tensor.grad, world * w.entry.padded_rows).reshape(world, -1) for w in group]
         flat = torch.cat(blocks, dim=1).reshape(-1)  # rank-major: rank r's rows of every parameter together
         mine = flat.new_empty(flat.numel() // world)
         dist.reduce_scatter_single(mine, flat, group=group[0].group)
-        mine /= group[0].averaged
+        replicas = group[0].replicas
+        if replicas is not None:  # HSDP: the other replicas' sums of the same shard
+            dist.all_reduce(mine, group=replicas.group)
+        mine /= group[0].averaged * (replicas.size if replicas is not None else 1)
         offset = 0
         for w, block in zip(group, blocks):
             shard = mine[offset:offset + block.shape[1]].view(w.entry.padded_rows, *w.entry.shape[1:])
             offset += block.shape[1]
             add_to_grad(w.param, shard[:w.param.to_local().shape[0]])
-            w.tensor.grad = None
+            w.tensor.grad, w.marker = None, None
 
 
 def add_to_grad(param: nn.Parameter, rows: torch.Tensor) -> None:

@@ -88,7 +88,6 @@ def test_one_process_is_one_replica():
     (["--compress", "int9"], "'int9' is not a compressor"),
     (["--compress-warmup", "5"], "--compress-warmup counts steps before --compress's compressor starts"),
     (["--shard-stage", "1"], "--shard-stage 1 says what --shard shards: add --shard"),
-    (["--shard", "--shard-stage", "2", "--tp", "2"], "Shard's stages 1 and 2 shard over dp_shard (x cp) alone"),
     (["--pp", "4", "--microbatches", "2"], "--pp 4 --microbatches 2 --passes fuse --schedule 1F1B: 2 micro-batches are fewer than the 4 pipeline stages"),
     (["--pp", "2", "--batch", "6"], "--batch 6 does not split into --microbatches 4"),
     (["--pp", "2", "--schedule", "Interleaved1F1B", "--microbatches", "5", "--batch", "10"],

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 import picofx
 from picofx.models import zoo
 from picofx.parallel import ParallelMesh
-from picofx.passes import Pipeline, Shard
+from picofx.passes import Pipeline, Shard, TensorParallel
 
 BATCH, SEQ, MICRO = 16, 16, 4  # 4 micro-batches on each of 4 dp_shard ranks
 
@@ -49,14 +49,22 @@ def counted(calls: list):
             setattr(dist, name, fn)
 
 
-def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool) -> dict:
+def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, discarded: bool = False) -> dict:
     """`steps` AdamW steps (gradient norm clipped to 1), each of MICRO micro-batches: accumulated
-    under no_sync in even steps, by set_requires_gradient_sync (FSDP2's spelling) in odd ones."""
+    under no_sync in even steps, by set_requires_gradient_sync (FSDP2's spelling) in odd ones.
+    `discarded`: each step first accumulates a micro-batch of other tokens unsynced, then zeroes
+    the gradients (`optimizer.zero_grad()`, set_to_none in even steps, in place in odd ones), as a
+    loop that skips a step does: none of it may reach the step's gradients."""
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
     out = {"losses": [], "grads": [], "collectives": [], "norms": []}
     for step in range(steps):
         batch, calls = batch_of(step, index, replicas), []
         with counted(calls):
+            if discarded:
+                other = batch_of(step + 5, index, replicas)
+                with opt.no_sync():
+                    micro_loss(opt, other, tuple(v.chunk(MICRO)[0] for v in other.values()))
+                optimizer.zero_grad(set_to_none=step % 2 == 0)
             if pipelined:
                 loss = opt.forward_backward(**batch)
             else:
@@ -79,6 +87,7 @@ def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool) ->
     out["state"] = sorted({str(v.placements) for s in optimizer.state.values() for v in s.values()
                            if isinstance(v, DTensor)})
     out["shapes"] = {n: tuple(p.shape) for n, p in opt.named_parameters()}
+    out["local_elements"] = sum(p.to_local().numel() for p in opt.parameters())
     return out
 
 
@@ -89,16 +98,21 @@ def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
     return loss.detach()
 
 
-def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None):
-    mesh = ParallelMesh.build(pp=pp, dp_shard=world // pp)
-    dp = mesh.dim("dp_shard")
+def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None, tp: int = 1,
+              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1):
+    """`replicas`: HSDP's dp_replicate (the sharded groups, each a replica of the shards)."""
+    mesh = ParallelMesh.build(pp=pp, dp_replicate=replicas, dp_shard=world // (pp * tp * replicas), tp=tp)
+    dp, rep = mesh.dim("dp_shard"), mesh.dim("dp_replicate")
+    index, count = rep.rank * dp.size + dp.rank, rep.size * dp.size  # this rank's data-parallel replica
     z = zoo.build("llama-tiny", batch=BATCH, seq=SEQ)
     passes = [Shard(stage=stage)] + ([Pipeline(stages=pp, microbatches=MICRO)] if pp > 1 else [])
-    example = batch_of(0, dp.rank, dp.size)
+    passes += [TensorParallel(sequence_parallel=sequence_parallel)] if tp > 1 else []
+    example = batch_of(0, index, count)
     if pp == 1:
         example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
     opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    out = train(opt, z.model, 2, dp.rank, dp.size, pp > 1)
+    out = train(opt, z.model, 2, index, count, pp > 1, discarded)
+    out["replica"] = index
     out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
     if checkpoint is not None:
         out["restored"] = dcp_round_trip(opt, checkpoint)
@@ -122,7 +136,7 @@ def dcp_round_trip(opt, root: str) -> bool:
 
 
 def stage1_accumulation(rank, world, checkpoint):
-    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint)
+    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, discarded=True)
 
 
 def stage2_accumulation(rank, world):
@@ -135,3 +149,19 @@ def stage1_pipeline(rank, world):
 
 def stage2_pipeline(rank, world):
     return run_stage(rank, world, 2, pp=2)
+
+
+def stage1_tensor_parallel(rank, world, checkpoint):
+    return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, tp=2, discarded=True)
+
+
+def stage2_sequence_parallel(rank, world, checkpoint):
+    return run_stage(rank, world, 2, pp=1, checkpoint=checkpoint, tp=2, sequence_parallel=True)
+
+
+def stage1_hsdp(rank, world):
+    return run_stage(rank, world, 1, pp=1, replicas=2, discarded=True)
+
+
+def stage2_hsdp(rank, world):
+    return run_stage(rank, world, 2, pp=1, replicas=2)

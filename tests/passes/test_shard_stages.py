@@ -10,8 +10,9 @@ more than 5e-5 and the second step's gradients past rtol 1e-4; at 16 both hold. 
 are counted per step: stage 1 reduce-scatters every gradient once per step, stage 2 once per
 micro-batch; both gather every parameter once per step (after the optimizer changed the shards),
 not per micro-batch.
-One spawned group per world: 2 ranks (stage 1's accumulation, in CI) and 4 (stage 2's accumulation
-over dp_shard 4; both stages on pp 2 x dp_shard 2: slow)."""
+One spawned group per world: 2 ranks (stage 1's accumulation with a zero_grad mid-step, in CI) and
+4 (slow: stage 2's accumulation over dp_shard 4; both stages on pp 2 x dp_shard 2, beside tp on
+dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2)."""
 from __future__ import annotations
 
 import math
@@ -32,7 +33,10 @@ GROUPS: dict = {}
 def group(world: int, tmp_path_factory) -> dict:
     if world not in GROUPS:
         calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp")))] if world == 2 else
-                 [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,)])
+                 [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
+                  (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                  (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                  (ranks.stage1_hsdp,), (ranks.stage2_hsdp,)])
         GROUPS[world] = run_scenarios(calls, world, timeout=600, collective_timeout=120)
     return GROUPS[world]
 
@@ -60,14 +64,16 @@ def expected() -> dict:
     return reference()
 
 
-def replica_of(rank: int, world: int, pp: int) -> int:
-    return rank % (world // pp)  # ParallelMesh's order: pp outer, dp_shard inner
+SHARDED = ("(Shard(dim=0),)",)  # AdamW's moments: shards over dp_shard
+BESIDE_TP = ("(Shard(dim=0), ", "(_StridedShard(dim=0")  # shards over dp_shard of tp's pieces (2-D)
+HSDP = ("(Replicate(), Shard(dim=0))",)  # shards over dp_shard, replicated over dp_replicate
 
 
-def assert_trains_like_one_process(results: list, expected: dict, pp: int) -> None:
-    world = len(results)
+def assert_trains_like_one_process(results: list, expected: dict, state: tuple = SHARDED) -> None:
+    """Loss and gradients each step, the parameters after, and the optimizer state's placements (each
+    starts with one of `state`)."""
     for step, want in enumerate(expected["losses"]):
-        by_replica = {replica_of(r, world, pp): results[r]["losses"][step] for r in range(world)}
+        by_replica = {r["replica"]: r["losses"][step] for r in results}
         torch.testing.assert_close(torch.stack(list(by_replica.values())).mean(), want, rtol=1e-5, atol=1e-7)
         held = set()
         for r in results:
@@ -76,7 +82,7 @@ def assert_trains_like_one_process(results: list, expected: dict, pp: int) -> No
             held |= set(r["grads"][step])
         assert held == set(expected["grads"][step])
     for r in results:
-        assert r["state"] == ["(Shard(dim=0),)"]  # AdamW's moments are shards
+        assert r["state"] and all(s.startswith(state) for s in r["state"]), r["state"]
         for name, value in r["params"].items():
             torch.testing.assert_close(value, expected["params"][name], rtol=0, atol=5e-5, msg=name)
 
@@ -86,10 +92,11 @@ def shard_elements(shapes: dict, ranks_: int) -> int:
     return sum(math.ceil(s[0] / ranks_) * math.prod(s[1:]) for s in shapes.values())
 
 
-def assert_collectives(result: dict, stage: int, dp: int) -> None:
+def assert_collectives(result: dict, stage: int, dp: int, tp: int = 1) -> None:
     """Per step: one gather of every parameter's shard (the first step's ran at optimize), and every
-    gradient reduce-scattered once (stage 1) or once per micro-batch (stage 2)."""
-    shard = shard_elements(result["shapes"], dp)
+    gradient reduce-scattered once (stage 1) or once per micro-batch (stage 2). Beside tp, a shard
+    is of this rank's tp piece (every piece divides by dp here)."""
+    shard = shard_elements(result["shapes"], dp) if tp == 1 else result["local_elements"]
     scatters = 1 if stage == 1 else ranks.MICRO
     for step, calls in enumerate(result["collectives"]):
         assert calls.count(("all_gather_single", shard)) == (step > 0), calls
@@ -100,9 +107,12 @@ def assert_collectives(result: dict, stage: int, dp: int) -> None:
 @pytest.mark.parametrize("scenario,stage,world", [
     ("stage1_accumulation", 1, 2), pytest.param("stage2_accumulation", 2, 4, marks=pytest.mark.slow)])
 def test_stage_accumulates_like_one_process(scenario, stage, world, expected, tmp_path_factory):
-    """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync."""
+    """4 micro-batches a step, accumulated by no_sync, then by set_requires_gradient_sync. Stage 1's
+    steps first accumulate a micro-batch of other tokens and zero the gradients (optimizer.zero_grad,
+    to None, then in place), as a loop that skips a step does: its whole gradients live outside the
+    DTensor `.grad` that zero_grad clears, yet none of them may reach the step (as with FSDP2)."""
     results = group(world, tmp_path_factory)[scenario]
-    assert_trains_like_one_process(results, expected, pp=1)
+    assert_trains_like_one_process(results, expected)
     for r in results:
         assert_collectives(r, stage, dp=world)
         assert r["notes"][0]["stage"] == stage
@@ -117,9 +127,34 @@ def test_stage1_checkpoint_round_trips_with_dcp(tmp_path_factory):
 def test_stage_beside_a_pipeline_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
     """pp 2 x dp_shard 2: each pipeline rank's parameters gathered once a step, not per micro-batch."""
     results = group(4, tmp_path_factory)[scenario]
-    assert_trains_like_one_process(results, expected, pp=2)
+    assert_trains_like_one_process(results, expected)
     for r in results:
         assert_collectives(r, stage, dp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage", [("stage1_tensor_parallel", 1), ("stage2_sequence_parallel", 2)])
+def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
+    """dp_shard 2 x tp 2 (stage 2 with sequence parallelism): parameters 2-D DTensors as FSDP2 over TP
+    places them, the graph reading each tp piece whole; clipped AdamW steps (stage 1's with a zero_grad
+    mid-step), DCP round trip."""
+    results = group(4, tmp_path_factory)[scenario]
+    assert_trains_like_one_process(results, expected, BESIDE_TP)
+    for r in results:
+        assert_collectives(r, stage, dp=2, tp=2)
+        assert r["restored"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage", [("stage1_hsdp", 1), ("stage2_hsdp", 2)])
+def test_stage_with_hsdp_trains_like_one_process(scenario, stage, expected, tmp_path_factory):
+    """dp_replicate 2 x dp_shard 2: the shards replicated, each reduce-scatter's shard all-reduced
+    across the replicas (stage 1's steps with a zero_grad mid-step)."""
+    results = group(4, tmp_path_factory)[scenario]
+    assert_trains_like_one_process(results, expected, HSDP)
+    for r in results:
+        assert_collectives(r, stage, dp=2)
+        assert r["notes"][0]["replicas"] == 2
 
 
 def test_stage_is_checked_and_refuses_what_it_does_not_build():

@@ -59,11 +59,16 @@ def mt_nlg(gpus: int, seconds: float) -> dict:
 
 def llama3(gpus: int, cp: int, per_replica: int, mfu: float) -> dict:
     """Table 4: TP 8 x CP x PP 16 x DP, FSDP sharding the optimizer state and gradients but keeping the
-    parameters gathered across micro-batches (shard stage 2), on RoCE. Not in the table, assumed:
-    micro-batches of one sequence, the interleaved schedule with 2 stages per rank, selective checkpointing."""
+    parameters gathered across micro-batches (shard stage 2), on RoCE; section 3.3.2: the interleaved
+    schedule, the first and last stages a layer fewer, so that the first chunk of the first stage holds
+    the embedding alone: a chunk is one layer's place, 126 layers + embedding + head = 16 ranks x 8
+    chunks (8 stages per rank). Micro-batches of one sequence: at 16,384 GPUs each replica's 16
+    sequences must fill the 16 ranks (the 8,192-GPU run assumed alike). Assumed, not in the paper:
+    selective checkpointing (the paper ran 8K sequences without any; picofx's layer, keeping fp32 norms
+    and residual stream, would not fit without it)."""
     dp = gpus // (8 * 16 * cp)
     layout = Layout(dp, 8, 16, shard=True, shard_stage=2, microbatches=per_replica, checkpoint="selective",
-                    sequence_parallel=True, cp=cp, virtual_stages=2)
+                    sequence_parallel=True, cp=cp, virtual_stages=8)
     return {"layout": layout, "mfu": mfu, "network": "roce-400", "compiled": False, "sends_scattered": True}
 
 
@@ -87,6 +92,7 @@ class Published:
     unfused_attention: bool = False  # attention as two batched matmuls around a softmax and dropout kernel
     network: str | None = None  # picofx.cost.gpus.NETWORKS key: the cluster's network, where not the profile's
     sends_scattered: bool = False  # Megatron's pipeline sends: each tp rank 1/tp of the activations
+    even_stages: bool = False  # Megatron's cut: L / pp layers a stage, the head beside the last stage's
     fused_norm_layer: bool = False  # torchtitan's eager layer with its fused RMSNorm keeps that layer's activations
 
 
@@ -113,7 +119,7 @@ def megatron(tp: int, pp: int, gpus: int, batch: int, micro: int, selective: boo
     layout = Layout(gpus // (tp * pp), tp, pp, microbatches=batch // (gpus // (tp * pp) * micro),
                     checkpoint="selective" if selective else "full", sequence_parallel=selective)
     # the paper's runs predate FlashAttention in Megatron; its pipeline scatters each send over tp
-    return {"layout": layout, "unfused_attention": True, "sends_scattered": True}
+    return {"layout": layout, "unfused_attention": True, "sends_scattered": True, "even_stages": True}
 
 
 RUNS = [

@@ -23,9 +23,9 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   ranks it has in each node (beside tp 8, one of eight);
 - sharded, by `shard_stage` (`picofx.planner.sharding`): stage 3 per micro-batch each layer's (and
   the embedding's and head's) bf16 gather (twice: forward, backward) and fp32 reduce-scatter; stage 2
-  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch;
-  stage 1 one reduce-scatter and one gather a step; overlapped layer by layer (not at all on CPU
-  ranks sharing cores);
+  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch
+  running on behind the next micro-batches; stage 1 one reduce-scatter and one gather a step;
+  overlapped layer by layer (not at all on CPU ranks sharing cores);
 - memory: 16 bytes per parameter of the stage (sharded: as its stage keeps them); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;

@@ -24,7 +24,7 @@ TITAN_405B = "torchtitan docs/performance.md, Llama 3.1 405B, 128 H100 (2024)"
 MEGATRON_SP = "Korthikanti et al. 2022, Reducing Activation Recomputation, Tables 3 and 5 (A100 80GB)"
 MEGATRON_2021 = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters, Table 1"
 MT_NLG = "Smith et al. 2022, Megatron-Turing NLG 530B, section 2.4 (global batch 1920, iteration 60.1/50.2/44.4 s)"
-LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (BF16 MFU, 16M tokens a step)"
+LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (BF16 MFU, 16M tokens a step) and section 3.3.2 (layouts)"
 
 
 def gpt(hidden: int, layers: int, heads: int) -> LlamaConfig:

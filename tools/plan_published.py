@@ -113,7 +113,7 @@ def row(run: Published, profiles: dict) -> dict:
         costs = loss_on_fp32_logits(costs)
     if run.unfused_attention:
         costs = unfused_attention(costs, device, cost_model, passes(run))
-    p = predict(Run(costs, device, run.gpus, 8, run.global_batch, run.sends_scattered), run.layout)
+    p = predict(Run(costs, device, run.gpus, 8, run.global_batch, run.sends_scattered, run.even_stages), run.layout)
     tokens = p.tokens_per_s / run.gpus
     published = run.tokens_per_gpu or run.mfu * device.flops_per_second(torch.bfloat16) / costs.flops_per_token
     # torch's reserved peak: the allocated peak the planner predicts and the caching allocator's share

@@ -4,8 +4,8 @@ what limits it (what to change: picofx.planner.suggest).
 
 Ranks are laid out as picofx's mesh lays them out (pp outermost, then data parallel, tp
 innermost), so a tp group stays within a node. Formulas, per micro-batch of b sequences of T tokens:
-- compute: the captured layer's and the rest's predicted seconds x b / tp, the last pipeline stage
-  holding the head; checkpointing adds one more forward of the layers;
+- compute: the captured layer's and the rest's predicted seconds x b / tp on the slowest pipeline
+  rank, the head on the last (`picofx.planner.pipeline`); checkpointing adds one more forward of the layers;
 - tensor parallel: 4 ring all-reduces per layer of b x T x hidden bf16 activations (the same bytes
   as all-gather + reduce-scatter under sequence parallelism), one more for the head's input gradient
   and one for the embedding's output, and the vocabulary-parallel loss's three of b x T fp32 numbers;
@@ -23,9 +23,9 @@ innermost), so a tp group stays within a node. Formulas, per micro-batch of b se
   ranks it has in each node (beside tp 8, one of eight);
 - sharded, by `shard_stage` (`picofx.planner.sharding`): stage 3 per micro-batch each layer's (and
   the embedding's and head's) bf16 gather (twice: forward, backward) and fp32 reduce-scatter; stage 2
-  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch;
-  stage 1 one reduce-scatter and one gather a step; overlapped layer by layer (not at all on CPU
-  ranks sharing cores);
+  one gather a step, the parameters kept across micro-batches, a reduce-scatter per micro-batch
+  running on behind the next micro-batches; stage 1 one reduce-scatter and one gather a step;
+  overlapped layer by layer (not at all on CPU ranks sharing cores);
 - memory: 16 bytes per parameter of the stage (sharded: as its stage keeps them); activations of the micro-batches
   in flight (1F1B: pp on the first stage), divided by tp as Megatron's formula does (all of them
   with sequence parallelism; 24 of each layer's 34 units without); the gathered layers when sharded;
@@ -51,6 +51,7 @@ from picofx.cost.shard import ADAMW_STATE_BYTES, Layer
 from picofx.planner.context import cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
+from picofx.planner.pipeline import busiest_rank, pipeline_slots  # noqa: F401 (pipeline_slots: its old home)
 from picofx.planner.float8 import at_precision, gather_bytes_per_parameter, refusal as float8_refusal
 from picofx.planner.recipe import refusal
 from picofx.planner.sharding import sharded_step
@@ -225,6 +226,7 @@ class Run:
     # each tp rank sends 1/tp of a stage's output and the next stage gathers it (Megatron's scatter and
     # gather); picofx's ranks send it whole unless sequence parallelism has split it already
     sends_scattered: bool = False
+    even_stages: bool = False  # Megatron's cut: L / pp layers a stage, the head beside the last's (picofx.planner.pipeline)
 
     def link(self, ranks_spanned: int, stride: int = 1):
         """What a group of every `stride`-th rank over `ranks_spanned` consecutive ones is bound by:
@@ -241,18 +243,20 @@ def predict(run: Run, layout: Layout) -> Prediction:
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     share = b / cp  # the sequences' worth of tokens a rank computes: its 1/cp of each
     c, matmuls = at_precision(c, run.device, layout, int(share * c.seq))  # float8: picofx.planner.float8
-    stage_layers = -(-L // pp)
-    overhead = run.device.op_overhead * (stage_layers * c.layer_ops + c.rest_ops)  # per call, whatever b is
-    fw = (share * (stage_layers * c.layer_forward_s + c.rest_forward_s)  # per call too: the weights' casts
-          + stage_layers * c.layer_call_forward_s + c.rest_call_forward_s) / tp + overhead / 3
-    bw = (share * (stage_layers * c.layer_backward_s + c.rest_backward_s)
-          + stage_layers * c.layer_call_backward_s + c.rest_call_backward_s) / tp + 2 * overhead / 3
+    layer_s = c.layer_forward_s + c.layer_backward_s + c.recompute_s(layout.checkpoint)
+    rank = busiest_rank(L, pp, (c.rest_forward_s + c.rest_backward_s) / (layer_s or 1.0), run.even_stages)
+    stage_layers, busy, rest = rank.most_layers, rank.layers, float(rank.with_rest)  # most: memory; busy: time
+    overhead = run.device.op_overhead * (busy * c.layer_ops + rest * c.rest_ops)  # per call, whatever b is
+    fw = (share * (busy * c.layer_forward_s + rest * c.rest_forward_s)  # per call too: the weights' casts
+          + busy * c.layer_call_forward_s + rest * c.rest_call_forward_s) / tp + overhead / 3
+    bw = (share * (busy * c.layer_backward_s + rest * c.rest_backward_s)
+          + busy * c.layer_call_backward_s + rest * c.rest_call_backward_s) / tp + 2 * overhead / 3
     full = layout.checkpoint is Checkpointing.FULL
-    recompute = share * stage_layers * c.recompute_s(layout.checkpoint) / tp + (overhead / 3 if full else 0.0)
+    recompute = share * busy * c.recompute_s(layout.checkpoint) / tp + (overhead / 3 if full else 0.0)
     activation_bytes = share * c.seq * c.config.hidden_size * 2
     tp_comm = 0.0
     if tp > 1:  # 4 per layer; the head's hidden-state gradient (and, with pp 1, the embedding's output)
-        activations_all_reduced = (4 + (RECOMPUTED_ALL_REDUCES if full else 0)) * stage_layers + (2 if pp == 1 else 1)
+        activations_all_reduced = (4 + (RECOMPUTED_ALL_REDUCES if full else 0)) * busy + (2 if pp == 1 else 1)
         link = run.link(tp)
         # sequence parallelism: each of them an all-gather and a reduce-scatter (the same bytes, twice the calls)
         activation_s = (all_gather_seconds(activation_bytes, tp, link)
@@ -264,7 +268,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
     sent = activation_bytes / tp if layout.sequence_parallel or run.sends_scattered else activation_bytes
     v = layout.virtual_stages  # interleaved: each micro-batch passes every rank v times
     sends = 2 * v * send_seconds(sent, neighbours) if pp > 1 else 0.0
-    cp_comm = kv_exchange_seconds(c.config, c.seq, b, stage_layers, tp, cp, run.link(cp * tp, tp), full)
+    cp_comm = kv_exchange_seconds(c.config, c.seq, b, busy, tp, cp, run.link(cp * tp, tp), full)
     micro = fw + bw + recompute + tp_comm + sends + cp_comm
     slots = pipeline_slots(layout.microbatches, pp, v)
     compute_step = slots * micro
@@ -286,7 +290,8 @@ def predict(run: Run, layout: Layout) -> Prediction:
         # ranks sharing cores: as for the all-reduce below, nothing hides
         sharded = sharded_step(layout.shard_stage, layers, data, dp_link, layout.microbatches,
                                hidden=run.device.cpu_share >= 1, reshard_after_forward=RESHARD_AFTER_FORWARD,
-                               reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4)
+                               reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4,
+                               step_compute_s=compute_step)
         compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         dp_exposed, dp_what = sharded.exposed_s, sharded.what
     else:
@@ -337,13 +342,6 @@ def predict(run: Run, layout: Layout) -> Prediction:
 
 def runs_float8(p: Prediction) -> bool:
     return any(choice.startswith("float8") for choice in p.matmuls.values())
-
-
-def pipeline_slots(microbatches: int, pp: int, virtual: int = 1) -> float:
-    """A pipelined step's length in micro-batches of one rank's work (all its stages' forward and
-    backward): the m micro-batches, and the fill and drain of (pp - 1) / virtual (1F1B: one stage per
-    rank; interleaved 1F1B: each of the rank's `virtual` stages holds 1/virtual of its layers)."""
-    return microbatches + (pp - 1) / virtual
 
 
 def bottleneck(p: Prediction, dp_what: str) -> str:

@@ -10,8 +10,10 @@ rank and what it sends per step, over a shard group of `world` ranks, per pipeli
 - stage 2 (and the gradients; the variant priced is DeepSpeed's: each micro-batch's gradients
   reduce-scattered into a sharded fp32 accumulator, so no whole gradient buffer is kept): the
   parameters all-gathered once per step (bf16) and kept across the micro-batches, as Llama 3's
-  FSDP without resharding after the forward; m reduce-scatters a step, each behind its micro-batch's
-  backward. Memory: 16 P / world, the stage's bf16 parameters (2 P) and two units' fp32 gradients.
+  FSDP without resharding after the forward; m reduce-scatters a step. Nothing reads a gradient
+  shard before the optimizer, so a micro-batch's reduce-scatters run on while the rank computes the
+  next micro-batches (its forwards and backwards, a pipeline's other micro-batches): exposed is what
+  the link cannot finish of all m by the step's end, at least the last micro-batch's tail. Memory: 16 P / world, the stage's bf16 parameters (2 P) and two units' fp32 gradients.
 - stage 3 (and the parameters; picofx's Shard, FSDP): per micro-batch each unit gathered for the
   forward and, with `reshard_after_forward`, again for the backward, and its gradient
   reduce-scattered (`picofx.cost.shard`); memory 16 P / world and the units gathered at once.
@@ -45,8 +47,10 @@ class Sharded:
 
 
 def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches: int, *, hidden: bool = True,
-                 reshard_after_forward: bool = True, reduce_bytes_per_parameter: float = REDUCED_BYTES) -> Sharded:
-    """`layers` (forward order, one micro-batch's compute each) sharded at ZeRO `stage` over `world` ranks."""
+                 reshard_after_forward: bool = True, reduce_bytes_per_parameter: float = REDUCED_BYTES,
+                 step_compute_s: float | None = None) -> Sharded:
+    """`layers` (forward order, one micro-batch's compute each) sharded at ZeRO `stage` over `world` ranks;
+    `step_compute_s`: the rank's compute time a step (a pipeline's with its bubble; default: m micro-batches')."""
     parameters = sum(layer.parameters for layer in layers)
     largest = sorted((layer.parameters for layer in layers), reverse=True)
     if stage == 3:
@@ -66,7 +70,10 @@ def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches
     reduce_exposed = overlapped(backward, [0.0] * len(layers), reduces[::-1], 1) - sum(backward)
     reduce_times = 1 if stage == 1 else microbatches
     communication = sum(gathers) + reduce_times * sum(reduces)
-    exposed = gather_exposed + reduce_times * reduce_exposed if hidden else communication
+    if stage == 2:  # from the first backward to the step's end the link may run every micro-batch's reduce-scatters
+        compute = microbatches * sum(forward + backward) if step_compute_s is None else step_compute_s
+        reduce_exposed = max(reduce_exposed, microbatches * sum(reduces) - (compute - sum(forward)))
+    exposed = gather_exposed + (1 if stage == 2 else reduce_times) * reduce_exposed if hidden else communication
     if stage == 1:
         state = WHOLE_BYTES_STAGE_1 * parameters + (ADAMW_STATE_BYTES - WHOLE_BYTES_STAGE_1) * parameters / world
         return Sharded(exposed, communication, state, 0.0,

@@ -34,6 +34,9 @@ RECORDED = {
     'GPT 310B, TP 8 x PP 16, interleaved, 1,920 GPUs': (0.110, None),
     'GPT 530B, TP 8 x PP 35, interleaved, 2,520 GPUs': (0.084, None),
     'GPT 1T, TP 8 x PP 64, interleaved, 3,072 GPUs': (0.107, None),
+    'Llama 3 405B, 8,192 GPUs': (0.099, None),
+    'Llama 3 405B, 16,384 GPUs': (0.114, None),
+    'Llama 3 405B, 16,384 GPUs, CP 16, 131,072 tokens': (0.120, None),
 }
 
 
@@ -48,7 +51,7 @@ def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart
     runs = tool.RUNS
     assert len({r.name for r in runs}) == len(runs) >= 12
     for r in runs:
-        assert r.layout.dp * r.layout.tp * r.layout.pp == r.gpus, r.name
+        assert r.layout.gpus == r.gpus, r.name  # dp x tp x pp x cp
         assert r.gpu in GPUS and (r.tokens_per_gpu or r.mfu), r.name
         assert r.network is None or r.network in NETWORKS, r.name
     fitted = [r.name for r in runs if r.fit]
@@ -58,6 +61,7 @@ def test_the_runs_are_laid_out_on_their_gpus_and_the_fitted_ones_are_named_apart
     apart = import_tool("published_runs").LARGE_RUNS  # runs of 1,000 GPUs and more not yet within 15%
     large = [r for r in [*runs, *apart] if r.gpus >= 1000]
     assert len(large) >= 6 and all(r.source for r in large)
+    assert len([r for r in runs if r.gpus >= 1000]) >= 6  # within 15%, in RUNS
     assert all(r.layout.gpus == r.gpus for r in apart)
 
 

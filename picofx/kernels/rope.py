@@ -94,7 +94,7 @@ def _out_like(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) ->
     torch._check(tuple(torch.broadcast_shapes(rotated, cos.shape, sin.shape)) == rotated,
                  lambda: f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must broadcast to {rotated}")
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-    return layout_like(x, x.new_empty(x.shape, dtype=dtype))
+    return torch.empty_permuted(x.shape, dim_order(x), dtype=dtype, device=x.device)  # x's dimension order
 
 
 def rope_in_place_order(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False):

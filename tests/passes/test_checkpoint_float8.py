@@ -62,3 +62,25 @@ def test_the_loss_and_gradients_equal_the_step_without_checkpointing(steps, plan
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for got, expected in zip(grads, plain_grads):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_under_inductor_the_float8_weights_are_offered_too_and_numerics_hold():
+    """Inductor's joint graph casts with prims.convert_element_type: the casts are offered all the same."""
+    z = zoo.build("llama-tiny")
+    results = []
+    for extra in ([], [Checkpoint()]):
+        model = copy.deepcopy(z.model)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Precision\(float8=...\) on the CPU")
+            opt = picofx.optimize(model, z.example_inputs, [Precision(float8="tensorwise", float8_layers="all"),
+                                                           *extra], backend="inductor", loss_fn=z.loss_fn)
+        loss = opt(**z.example_inputs)
+        loss.backward()
+        notes = next((r.notes for r in opt.report.records if r.name == "checkpoint"), {})
+        results.append((loss.detach(), [p.grad for p in model.parameters()], notes))
+    (plain_loss, plain_grads, _), (loss, grads, notes) = results
+    assert len(notes["float8_weights"]["saved"]) == FLOAT8_LINEARS
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)

@@ -31,10 +31,10 @@ def _is_float8(node: fx.Node) -> bool:
 
 
 def _plain_aten(node: fx.Node) -> bool:
-    """A pure ATen op: no collective (a weight gathered again for the backward stays there), nothing
-    mutated, nothing random."""
+    """A pure ATen or prims op (Inductor's graphs cast with prims.convert_element_type): no collective
+    (a weight gathered again for the backward stays there), nothing mutated, nothing random."""
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
             and not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags)
 
 

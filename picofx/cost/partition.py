@@ -6,6 +6,10 @@ backward, just before their first use. One difference: torch treats every op tag
 between the graphs (which fails outside a fake mode and costs a state save per op). The
 attention ops carry that tag for their dropout; with `dropout_p == 0` they are deterministic,
 so here they are recomputed like any other op.
+
+A pass may offer the partition backward nodes that read only parameters (the float8 casts of a
+weight the backward makes again) by marking them IN_FORWARD: they then run in the forward and are
+saved for the backward like any forward value, or recomputed in the backward where tagged so.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from torch import fx
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition, must_recompute
 
 from picofx.cost.liveness import Schedule
+
+IN_FORWARD = "picofx_in_forward"  # node.meta key: a backward node the partition runs in the forward (module doc)
 
 
 def is_dropout_free(node: fx.Node) -> bool:
@@ -44,6 +50,7 @@ class _Deterministic:
 
 def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
     """`default_partition(joint, joint_inputs, num_fwd_outputs=..., **kwargs)` (see module doc)."""
+    move_into_forward(joint)
     swapped = [n for n in joint.graph.nodes if must_recompute(n) and is_dropout_free(n)]
     for node in swapped:
         node.target = _Deterministic(node.target)
@@ -90,17 +97,37 @@ def inductor_recomputes(joint: fx.GraphModule, num_fwd_outputs: int) -> frozense
 
 def forward_region(joint: fx.GraphModule) -> set:
     """Nodes the partitioner puts in the forward: all but tangents up to the last node AOT
-    tagged forward (or, in a graph without tags, all that do not depend on a tangent)."""
+    tagged forward (or, in a graph without tags, all that do not depend on a tangent), and the
+    backward's nodes a pass marked IN_FORWARD."""
     nodes = list(joint.graph.nodes)
+    marked = {n for n in nodes if n.meta.get(IN_FORWARD)}
     if any("partitioner_tag" in n.meta for n in nodes):
-        last = max(i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"
+        last = max(i for i, n in enumerate(nodes) if (n.meta.get("partitioner_tag") == "is_forward" and n not in marked)
                    or (n.op == "placeholder" and n.name.startswith("primals")))
-        return {n for n in nodes[:last + 1] if not _is_tangent(n)}
+        return {n for n in nodes[:last + 1] if not _is_tangent(n)} | marked
     backward: set = set()
     for n in nodes:
         if _is_tangent(n) or n.op == "output" or any(a in backward for a in n.all_input_nodes):
             backward.add(n)
     return set(nodes) - backward
+
+
+def move_into_forward(joint: fx.GraphModule) -> None:
+    """Place the nodes marked IN_FORWARD (they read parameters only) right after the forward's last
+    node, tagged forward, so that torch's partition runs them there (or recomputes them in the
+    backward where they are tagged for recompute)."""
+    marked = [n for n in joint.graph.nodes if n.meta.get(IN_FORWARD)]
+    if not marked:
+        return
+    region = forward_region(joint)
+    anchor = [n for n in joint.graph.nodes if n in region and n.meta.get("partitioner_tag") != "is_backward"
+              and not n.meta.get(IN_FORWARD)][-1]
+    for node in marked:
+        anchor.append(node)
+        anchor = node
+        node.meta["partitioner_tag"] = "is_forward"
+        node.meta.pop("autograd_backward", None)
+    joint.recompile()
 
 
 def _is_tangent(node: fx.Node) -> bool:

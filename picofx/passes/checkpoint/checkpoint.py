@@ -43,12 +43,13 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from picofx.cost.model import CostModel, StepMemory, is_alias, optimizer_state_bytes, resident_keys
 from picofx.cost.liveness import NodeFacts
-from picofx.cost.partition import forward_region, inductor_recomputes, num_forward_outputs, predict_partition
+from picofx.cost.partition import IN_FORWARD, forward_region, inductor_recomputes, num_forward_outputs, predict_partition
 from picofx.manager import Context, PassInfo, PassResult, Stage, register_pass
 from picofx.errors import BudgetError
 from picofx.runtime.heap import heap_frozen
 from picofx.cost.units import check_budget, format_bytes, parse_budget
 from picofx.capture.vocabulary import traced_module_path
+from picofx.passes.checkpoint.float8_weights import float8_weight_notes, offer_float8_weight_casts
 from picofx.passes.checkpoint.recompute import Segment, analyze, signature
 
 MARK = "picofx_checkpoint"
@@ -74,6 +75,7 @@ class Planner:
         # Under Inductor every plan starts from what its own partition recomputes: those ops run
         # fused into backward kernels, so they count as free.
         self.base = inductor_recomputes(joint, self.num_fwd_outputs) if cost_model.fuses_pointwise else frozenset()
+        self.base = frozenset(n for n in self.base if not n.meta.get(IN_FORWARD))  # priced, not free: module doc
         self.segments: list[Segment] = analyze(joint, lambda n: 0.0 if n in self.base else cost_model.node_time(n))
         self.segment_of = {n: i for i, seg in enumerate(self.segments) for n in seg.nodes}
         groups: dict[tuple, list[int]] = {}
@@ -244,6 +246,7 @@ class Checkpoint:
 
     def _plan(self, gm: fx.GraphModule, ctx: Context) -> PassResult:
         _clear_own_tags(gm)
+        offer_float8_weight_casts(gm)
         cost_model = ctx.cost_model or CostModel(ctx.device)
         params = list(ctx.model.parameters()) if ctx.model is not None else []
         planner = Planner(gm, cost_model, optimizer_state_bytes(self.optimizer, params))
@@ -284,7 +287,8 @@ class Checkpoint:
             "added_seconds": sum(cost_model.node_time(n) for n in recomputed),
             "recomputed": len(recomputed), "recomputed_as_inductor_does": len(planner.base),
             "simulations": len(planner.cache),
-            "memory": dataclasses.asdict(chosen.memory), "per_layer": per_layer(chosen, planner)})
+            "memory": dataclasses.asdict(chosen.memory), "per_layer": per_layer(chosen, planner),
+            **float8_weight_notes(gm, chosen.forward_outputs, chosen.recompute)})
 
     def after_measured_step(self, record, measured: int) -> Checkpoint | None:
         """With `measure`: the peak of a real step under this plan (without the optimizer, whose

@@ -9,13 +9,15 @@ compute dtype: it is no matmul node here, and the notes say so.
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 import warnings
 
 import torch
 from torch import fx
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import input_slot, module_path
+from picofx.capture.vocabulary import input_slot, is_view, module_path
 from picofx.passes.precision.casts import is_plain_cast
 from picofx.passes.precision.float8_choice import Choice, Linear, choose
 from picofx.passes.precision.float8_linear import RECIPES, float8_linear
@@ -109,11 +111,17 @@ def find_linears(gm: fx.GraphModule) -> list[tuple[fx.Node, tuple, Linear]]:
         if operands is not None:
             n, k = operands[1].meta["val"].shape
             found.append([node, operands, Linear(node.name, module_path(node), node.meta["val"].numel() // n, k, n,
-                                                 False)])
+                                                 False, _amax_fuses_with_producer(operands[0]))])
     if found and not _matmul_after(found[-1][0]):
-        last = found[-1][2]
-        found[-1][2] = Linear(last.name, last.path, last.m, last.k, last.n, True)
+        found[-1][2] = dataclasses.replace(found[-1][2], output_projection=True)
     return [tuple(f) for f in found]
+
+
+def _amax_fuses_with_producer(x: fx.Node) -> bool:
+    """Whether the kernel producing x (through views and casts) can also take its amax: not attention's."""
+    while isinstance(x, fx.Node) and (is_plain_cast(x) or is_view(x) or x.target is operator.getitem):
+        x = x.args[0]
+    return not (isinstance(x, fx.Node) and x.op == "call_function" and "attention" in (op_name(x.target) or ""))
 
 
 def _matmul_after(node: fx.Node) -> bool:

@@ -70,9 +70,6 @@ REFUSALS = (
     *(refusal(f"shard {model} {codec}", f"Shard's compressed reduce-scatter beside {model} is not checked yet "
               "(Overlap's all-reduce is): drop the compressor, or replicate the data-parallel ranks (Overlap)")
       for model in ("tensor_parallel", "pipeline") for codec in COMPRESSION),
-    refusal("shard sequence_parallel pipeline", "a pipeline stage's backward stops in a sequence-parallel "
-            "collective when the shard pass also runs there: run the stages' tensor_parallel without "
-            "sequence_parallel beside shard, or replicate the data-parallel ranks (Overlap)"),
     refusal("overlap tensor_parallel topk", "top-k picks different entries on each tensor-parallel rank, so the "
             "parameters every tp rank holds whole (the norms) drift apart between them: compress with bf16, int8 "
             "or powersgd beside tensor_parallel"),

@@ -25,6 +25,7 @@ from picofx.manager import Context, pass_info
 from picofx.parallel.layouts import recorded
 from picofx.parallel.mesh import PipelineDims, pipeline_dims, subgroups
 from picofx.runtime.compile import compile_graph
+from picofx.runtime.pipeline_order import check_same_order
 from picofx.runtime.placement import local_values, place, placements
 from picofx.runtime.shard_stages import reduce_after
 
@@ -117,6 +118,7 @@ class PipelineStep:
             stage_ctx = replace(ctx, example_inputs=inputs, input_names=names, mesh=self.dims.mesh or ctx.mesh)
             manager.announce(f"stage{module.stage.index}", gm, stage_ctx)
             run, compiled = compile_graph(gm, inputs, manager, stage_ctx)
+            check_same_order(module.stage.index, compiled, stage_ctx.mesh)  # else its peers wait for ever
             object.__setattr__(module, "run", run)
             outputs = [example_value(n.meta["val"], True) for n in pytree.tree_leaves(gm.graph.output_node().args[0])]
             self.stages.append(PipelineStage(module, module.stage.index, module.stage.num_stages, ctx.device,

@@ -16,7 +16,7 @@ import picofx
 from picofx.manager.combinations import Cell
 from picofx.models import zoo
 from picofx.parallel import ParallelMesh
-from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
+from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Precision, Shard, TensorParallel
 
 BATCH = 8  # 4 data-parallel replicas (HSDP) of 2 sequences, each 2 micro-batches under a pipeline
 SMALL_BUCKETS = dict(bucket="64KiB", first_bucket="16KiB")  # several buckets on the tiny model
@@ -29,7 +29,9 @@ def tiny():
 def cell_passes(cell: Cell) -> list:
     """The passes that run `cell`, listed in no particular order (the manager orders them)."""
     f = cell.features
-    passes = [name for name in ("fuse", "precision") if name in f]
+    passes = [name for name in ("fuse", "precision") if name in f and not (name == "precision" and "float8" in f)]
+    if "float8" in f:
+        passes.append(Precision(float8="tensorwise", float8_layers="all"))
     if "checkpoint" in f:
         passes.append(Checkpoint(budget=0.9))
     if "tensor_parallel" in f:

@@ -196,6 +196,15 @@ def test_check_combination_reads_pass_objects_and_the_mesh():
     combinations.check_combination([TensorParallel(sequence_parallel=True), Pipeline(stages=2), copy.copy(Overlap())])
 
 
+def test_float8_is_read_from_the_precision_pass_and_implies_it():
+    from picofx.passes import Precision, TensorParallel
+
+    assert combinations.features_of([Precision(float8="tensorwise"), TensorParallel()]) == {
+        "float8", "precision", "tensor_parallel"}
+    assert combinations.features_of([Precision()]) == {"precision"}
+    assert Cell(combinations.closed({"shard", "float8"})).describe() == "shard + float8"
+
+
 def test_a_layout_for_more_ranks_is_described_under_a_one_rank_group():
     """A one-process tool (dump, the report) leaves a one-rank group; a layout for 8 ranks is still a
     description there, not a DeviceMesh over ranks that do not exist."""

@@ -72,7 +72,8 @@ def run_cell(cell: Cell, backend: str) -> dict:
                                 if r.name == "context_parallel" and "tokens_per_rank" in r.notes],
             "shard_spans": spans(opt, "shard"), "overlap_spans": spans(opt, "overlap"),
             "local_fraction": local_fraction(opt),
-            "float8_linears": sum(r.notes.get("float8_linears", 0) for r in opt.report.records if r.name == "precision")}
+            "float8_linears": sum(r.notes.get("float8_linears", 0) for r in opt.report.records
+                                  if r.name == "precision")}
 
 
 def spans(opt, pass_name: str) -> list[str]:

@@ -91,3 +91,12 @@ def test_rowwise_recipes_reduce_the_amax_of_split_rows_and_equal_one_process():
         assert_equal_to_one_process(rank["sp rowwise"], "rowwise")
         assert rank["sp rowwise"]["float8_gathers"] == 0  # rowwise scales need the whole rows: gathered in fp32
         assert {dtype for dtype, _ in rank["sp rowwise"]["gathers"]["forward"]} == {"float32"}
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_float8_gathers_and_equals_one_process():
+    for rank in run_scenarios([(ranks.inductor,)], 2, timeout=1500, collective_timeout=600)["inductor"]:
+        expected = one_process("tensorwise")
+        torch.testing.assert_close(rank["sp"]["loss"], expected["loss"], **LOSS)
+        for name, grad in expected["grads"].items():
+            torch.testing.assert_close(rank["sp"]["grads"][name], grad, **GRAD, msg=lambda m, n=name: f"{n}: {m}")

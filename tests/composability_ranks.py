@@ -16,7 +16,7 @@ import picofx
 from picofx.manager.combinations import Cell
 from picofx.models import zoo
 from picofx.parallel import ParallelMesh
-from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Shard, TensorParallel
+from picofx.passes import Checkpoint, ContextParallel, Overlap, Pipeline, Precision, Shard, TensorParallel
 
 BATCH = 8  # 4 data-parallel replicas (HSDP) of 2 sequences, each 2 micro-batches under a pipeline
 SMALL_BUCKETS = dict(bucket="64KiB", first_bucket="16KiB")  # several buckets on the tiny model
@@ -29,7 +29,9 @@ def tiny():
 def cell_passes(cell: Cell) -> list:
     """The passes that run `cell`, listed in no particular order (the manager orders them)."""
     f = cell.features
-    passes = [name for name in ("fuse", "precision") if name in f]
+    passes = [name for name in ("fuse", "precision") if name in f and not (name == "precision" and "float8" in f)]
+    if "float8" in f:
+        passes.append(Precision(float8="tensorwise", float8_layers="all"))
     if "checkpoint" in f:
         passes.append(Checkpoint(budget=0.9))
     if "tensor_parallel" in f:
@@ -69,7 +71,9 @@ def run_cell(cell: Cell, backend: str) -> dict:
             "tokens_per_rank": [r.notes["tokens_per_rank"] for r in opt.report.records
                                 if r.name == "context_parallel" and "tokens_per_rank" in r.notes],
             "shard_spans": spans(opt, "shard"), "overlap_spans": spans(opt, "overlap"),
-            "local_fraction": local_fraction(opt)}
+            "local_fraction": local_fraction(opt),
+            "float8_linears": sum(r.notes.get("float8_linears", 0) for r in opt.report.records
+                                  if r.name == "precision")}
 
 
 def spans(opt, pass_name: str) -> list[str]:

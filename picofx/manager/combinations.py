@@ -11,7 +11,8 @@ mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by 
 itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, shard_stage2) are
 shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, and
 with HSDP; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
-so a cell's world is the product of its dimensions' sizes.
+so a cell's world is the product of its dimensions' sizes. float8 is the precision pass with
+float8 linear layers (tensorwise, every layer the kernels take): it implies precision.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ PARALLEL = ("overlap", "shard", "hsdp", "tensor_parallel", "sequence_parallel", 
             "context_parallel", "ring")
 CODECS = registry.codec_kinds()  # one per exchange; sparse_rows pairs with one of them
 COMPRESSION = (*CODECS, registry.ROWS)
-COMPUTE = ("fuse", "precision", "checkpoint")
+COMPUTE = ("fuse", "precision", "checkpoint", "float8")  # float8: Precision(float8="tensorwise"), bf16 elsewhere
 FEATURES = PARALLEL + COMPRESSION + COMPUTE
 SHARD_STAGES = ("shard_stage1", "shard_stage2")  # Shard(stage=1 | 2); not paired with every feature (stage_cells)
 NAMED_ORDER = PARALLEL[:2] + SHARD_STAGES + PARALLEL[2:] + COMPRESSION + COMPUTE
@@ -63,7 +64,7 @@ def refusal(features: str, reason: str, raised: str = "") -> Refusal:
 CI_CELLS = ("overlap fuse", "shard checkpoint", "tensor_parallel precision", "async_tp", "sequence_parallel",
             "pipeline checkpoint", "overlap int8", "shard sparse_rows", "overlap powersgd", "fuse precision",
             "hsdp", "tensor_parallel pipeline", "overlap pipeline", "sequence_parallel context_parallel",
-            "shard context_parallel")
+            "shard context_parallel", "tensor_parallel float8", "shard float8")
 REFUSALS = (
     *(refusal(f"hsdp {kind}", "HSDP's all-reduce across the replicas is not compressed: shard over one "
               "dimension (no dp_replicate) to compress") for kind in COMPRESSION),
@@ -89,6 +90,8 @@ def closed(features) -> frozenset:
     out = set(features)
     if out & set(SHARD_STAGES):
         out.add("shard")
+    if "float8" in out:  # an option of the precision pass
+        out.add("precision")
     if "async_tp" in out:
         out.add("sequence_parallel")
     if "sequence_parallel" in out:
@@ -115,6 +118,7 @@ class Cell:
         hidden |= {"tensor_parallel"} if "sequence_parallel" in self.features else set()
         hidden |= {"sequence_parallel"} if "async_tp" in self.features else set()
         hidden |= {"context_parallel"} if "ring" in self.features else set()
+        hidden |= {"precision"} if "float8" in self.features else set()
         return tuple(f for f in NAMED_ORDER if f in self.features and f not in hidden)
 
     @property
@@ -206,6 +210,8 @@ def features_of(passes, mesh=None) -> frozenset:
             out.add("async_tp" if getattr(p, "async_overlap", False) else "sequence_parallel")
         if name == "context_parallel" and getattr(p, "method", None) == "ring":
             out.add("ring")
+        if name == "precision" and getattr(p, "float8", None):
+            out.add("float8")
     if "shard" not in out:
         out.discard("hsdp")
     return closed(out)

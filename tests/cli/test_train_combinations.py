@@ -30,7 +30,8 @@ def flags(cell: Cell) -> list[str]:
     if "context_parallel" in f:
         out += ["--cp", "2"] + (["--cp-method", "ring"] if "ring" in f else [])
     out += ["--compress", cell.compress] if cell.compress else []
-    compute = [name for name in combinations.COMPUTE if name in f]
+    out += ["--float8", "tensorwise", "--float8-layers", "all"] if "float8" in f else []
+    compute = [name for name in combinations.COMPUTE if name in f and name != "float8"]
     return out + ["--passes", *compute]  # none: not even the default fuse
 
 

@@ -18,6 +18,7 @@ from torch import fx
 
 from picofx.capture.annotate import fake_mode_of
 from picofx.capture.vocabulary import input_slot, is_view, module_path
+from picofx.parallel.layouts import layouts_of
 from picofx.passes.precision.casts import is_plain_cast
 from picofx.passes.precision.float8_choice import Choice, Linear, choose
 from picofx.passes.precision.float8_linear import RECIPES, float8_linear
@@ -141,16 +142,19 @@ def rewrite_to_float8(gm: fx.GraphModule, recipe: str, layers, device_descriptio
     """Replace each chosen linear layer by float8_linear; returns "node (module path)" -> Choice."""
     mode = fake_mode_of(gm)
     choices = {}
+    splits, group = tensor_parallel_splits(gm)
     for node, (x, w, bias), linear in find_linears(gm):
         choice = choose(linear, layers, recipe, device_description)
         choices[f"{node.name} ({linear.path or 'top level'})"] = choice
         if not choice.float8:
             continue
+        split = splits.get(input_slot(w).target) if w.op == "placeholder" and input_slot(w) else None
+        args = (x, w, recipe) if split is None else (x, w, recipe, split, group)
         with gm.graph.inserting_before(node):
-            f8 = gm.graph.call_function(float8_linear, (x, w, recipe))
+            f8 = gm.graph.call_function(float8_linear, args)
             result = f8 if bias is None else gm.graph.call_function(aten.add.Tensor, (f8, bias))
         with mode:
-            f8.meta["val"] = float8_linear(x.meta["val"], w.meta["val"], recipe)
+            f8.meta["val"] = float8_linear(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
             if result is not f8:
                 result.meta["val"] = aten.add.Tensor(f8.meta["val"], bias.meta["val"])
         for new in {f8, result}:
@@ -165,6 +169,15 @@ def rewrite_to_float8(gm: fx.GraphModule, recipe: str, layers, device_descriptio
                 gm.graph.erase_node(value)
     gm.recompile()
     return choices
+
+
+def tensor_parallel_splits(gm: fx.GraphModule) -> tuple[dict, str | None]:
+    """Under pass tensor_parallel: {parameter name: "colwise" | "rowwise"} for the weights split over
+    the tp ranks, and their group, so that each float8 cast scales by the whole weight's amax."""
+    layout = layouts_of(gm).tensor_parallel
+    if layout is None or layout.world == 1:
+        return {}, None
+    return {e.name: e.style for e in layout.entries if e.style in ("colwise", "rowwise")}, layout.dim.group_name
 
 
 def fused_loss_note(gm: fx.GraphModule) -> str | None:

@@ -18,6 +18,11 @@ Recipes (torchao 0.18's names and numerics):
                         every operand in e4m3fn.
     rowwise_with_gw_hp  as rowwise for the output; the input gradient from a rowwise e4m3 output
                         gradient and a tensorwise e4m3 weight; the weight gradient in high precision.
+
+Under tensor parallelism (`split` "colwise" or "rowwise", the weight's piece on this rank) an
+operand's scale is the one of the whole tensor: where its amax spans a dimension split over the
+ranks, the amax is the maximum over `group` (an all-reduce of one value, or of one per row), so
+each rank casts its piece exactly as one process casts the whole (torchao's DTensor amax).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_max)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SMALLEST_AMAX = 1e-12  # an all-zero operand gets a finite scale
@@ -59,10 +66,24 @@ RECIPES = {r.name: r for r in (
 )}
 
 
-def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> Tensor:
+# Per tensor-parallel split: the dimension of each matmul's operands (a, b) split over the ranks.
+SPLIT_OPERANDS = {
+    None: {"output": (None, None), "grad_input": (None, None), "grad_weight": (None, None)},
+    # weight (N/tp, K): out (M, N/tp) = x (M, K) @ w.T; grad_x partial = grad (M, N/tp) @ w
+    "colwise": {"output": (None, 1), "grad_input": (1, 0), "grad_weight": (0, None)},
+    # weight (N, K/tp): out partial = x (M, K/tp) @ w.T (K/tp, N); grad_w = grad.T @ x (M, K/tp)
+    "rowwise": {"output": (1, 0), "grad_input": (None, 1), "grad_weight": (None, 1)},
+}
+
+
+def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool,
+                 split_dim: int | None = None, group: str | None = None) -> Tensor:
     """fp32 scale with t * scale spanning dtype's range: one value (dim None) or one per slice along
-    `dim` (kept as a size-1 dimension). Computed in fp64 so eager and compiled code agree."""
+    `dim` (kept as a size-1 dimension). Computed in fp64 so eager and compiled code agree. With t
+    a piece split along `split_dim` over `group`, the amax spanning it is the group's maximum."""
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    if group is not None and split_dim is not None and dim in (None, split_dim):
+        amax = torch.ops.picofx.tp_max(amax, group)
     scale = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=SMALLEST_AMAX)).to(torch.float32)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
@@ -73,13 +94,15 @@ def to_float8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (t.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(dtype)
 
 
-def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bool, fast_accum: bool) -> Tensor:
-    """a @ b (a: (M, C), b: (C, N)) in a's dtype, each operand cast as `casts` says."""
+def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bool, fast_accum: bool,
+                  splits: tuple = (None, None), group: str | None = None) -> Tensor:
+    """a @ b (a: (M, C), b: (C, N)) in a's dtype, each operand cast as `casts` says; `splits`: the
+    dimension of each operand split over `group` (None: whole)."""
     cast_a, cast_b = casts
     if cast_a.dtype is None:  # the recipes keep both operands of a matmul high-precision, or neither
         return torch.mm(a, b)
-    scale_a = float8_scale(a, cast_a.dtype, 1 if cast_a.rowwise else None, power_of_2)   # (M, 1) or ()
-    scale_b = float8_scale(b, cast_b.dtype, 0 if cast_b.rowwise else None, power_of_2)   # (1, N) or ()
+    scale_a = float8_scale(a, cast_a.dtype, 1 if cast_a.rowwise else None, power_of_2, splits[0], group)  # (M, 1)/()
+    scale_b = float8_scale(b, cast_b.dtype, 0 if cast_b.rowwise else None, power_of_2, splits[1], group)  # (1, N)/()
     a8 = to_float8(a, scale_a, cast_a.dtype).contiguous()              # row-major, as _scaled_mm takes it
     b8 = to_float8(b, scale_b, cast_b.dtype).t().contiguous().t()      # column-major
     rowwise = cast_a.rowwise or cast_b.rowwise
@@ -95,12 +118,12 @@ def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bo
 
 class Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: str) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: str, split: str | None, group: str | None) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.recipe = RECIPES[recipe]
+        ctx.recipe, ctx.splits, ctx.group = RECIPES[recipe], SPLIT_OPERANDS[split], group
         r = ctx.recipe
         x2 = x.reshape(-1, x.shape[-1])                                                          # (M, K)
-        out = scaled_matmul(x2, weight.t(), r.output, r.power_of_2_scales, fast_accum=True)     # (M, N)
+        out = scaled_matmul(x2, weight.t(), r.output, r.power_of_2_scales, True, ctx.splits["output"], group)  # (M, N)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -108,11 +131,13 @@ class Float8Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         r = ctx.recipe
         x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])               # (M, K), (M, N)
-        grad_x = scaled_matmul(grad2, weight, r.grad_input, r.power_of_2_scales, fast_accum=False)   # (M, K)
-        grad_w = scaled_matmul(grad2.t(), x2, r.grad_weight, r.power_of_2_scales, fast_accum=False)  # (N, K)
-        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None
+        splits, group = ctx.splits, ctx.group
+        grad_x = scaled_matmul(grad2, weight, r.grad_input, r.power_of_2_scales, False, splits["grad_input"], group)
+        grad_w = scaled_matmul(grad2.t(), x2, r.grad_weight, r.power_of_2_scales, False, splits["grad_weight"], group)
+        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None, None  # (M, K), (N, K)
 
 
-def float8_linear(x: Tensor, weight: Tensor, recipe: str) -> Tensor:
-    """x @ weight.T with the matmuls of the forward and of both gradients in float8 (`recipe`)."""
-    return Float8Linear.apply(x, weight, recipe)
+def float8_linear(x: Tensor, weight: Tensor, recipe: str, split: str | None = None, group: str | None = None) -> Tensor:
+    """x @ weight.T with the matmuls of the forward and of both gradients in float8 (`recipe`);
+    `split`: the weight is this rank's colwise or rowwise piece under tensor parallelism over `group`."""
+    return Float8Linear.apply(x, weight, recipe, split, group)

@@ -36,6 +36,7 @@ from picofx.cost.device import device_for
 from picofx.manager import PassInfo, PassResult, Stage, register_pass
 from picofx.passes.precision.casts import insert_casts
 from picofx.passes.precision.float8 import check_device, check_options, fused_loss_note, rewrite_to_float8
+from picofx.passes.precision.float8_gather import gather_in_float8
 from picofx.passes.precision.rules import (LOW_PRECISION, Rule, explicitly_fp32, is_float_tensor, op_name,
                                           parse_dtype, resolve_op_names, rule_table, weight_free_nodes)
 from picofx.runtime.peaks import low_precision_cost
@@ -133,6 +134,9 @@ class Precision:
         notes = {"float8": self.float8, "float8_linears": sum(c.float8 for c in choices.values()),
                  "float8_layers": {layer: f"{'float8' if c.float8 else 'high precision'}: {c.reason}"
                                    for layer, c in choices.items()}}
+        gathers = gather_in_float8(gm, self.float8)  # sequence parallelism's all-gathers, where they may
+        if gathers:
+            notes["float8_gathers"] = gathers
         fused = fused_loss_note(gm)
         if fused:
             notes["float8_fused_loss"] = fused

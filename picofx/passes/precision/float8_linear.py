@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 SMALLEST_AMAX = 1e-12  # an all-zero operand gets a finite scale
 
 
@@ -70,7 +71,14 @@ def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: boo
 def to_float8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """t * scale in fp32, saturated to dtype's finite range, in dtype."""
     largest = torch.finfo(dtype).max
-    return (t.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(dtype)
+    if t.device.type == "cpu" and t.dtype in LOW_PRECISION:
+        # Inductor's C++ code hands a fused consumer of a bf16/fp16 value its producer's unrounded fp32
+        # value (pytorch#115260), which moves the float8 roundings. Through fp64 the load is rounded, and
+        # the product is exact there, so rounding it to fp32 gives eager's fp32 product bit for bit.
+        scaled = (t.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)
+    else:
+        scaled = t.to(torch.float32) * scale
+    return scaled.clamp(min=-largest, max=largest).to(dtype)
 
 
 def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bool, fast_accum: bool) -> Tensor:

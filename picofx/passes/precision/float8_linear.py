@@ -60,9 +60,17 @@ RECIPES = {r.name: r for r in (
 )}
 
 
+def as_rounded(t: Tensor) -> Tensor:
+    """t itself, or on the CPU a bf16/fp16 t in fp64 (exact). Inductor's C++ code hands a fused
+    consumer of a bf16/fp16 value its producer's unrounded fp32 value (pytorch#115260); that moved
+    the amax and the float8 roundings of compiled code off eager's. Its fp64 loads are rounded."""
+    return t.to(torch.float64) if t.device.type == "cpu" and t.dtype in LOW_PRECISION else t
+
+
 def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> Tensor:
     """fp32 scale with t * scale spanning dtype's range: one value (dim None) or one per slice along
     `dim` (kept as a size-1 dimension). Computed in fp64 so eager and compiled code agree."""
+    t = as_rounded(t)
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     scale = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=SMALLEST_AMAX)).to(torch.float32)
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
@@ -71,13 +79,11 @@ def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: boo
 def to_float8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """t * scale in fp32, saturated to dtype's finite range, in dtype."""
     largest = torch.finfo(dtype).max
-    if t.device.type == "cpu" and t.dtype in LOW_PRECISION:
-        # Inductor's C++ code hands a fused consumer of a bf16/fp16 value its producer's unrounded fp32
-        # value (pytorch#115260), which moves the float8 roundings. Through fp64 the load is rounded, and
-        # the product is exact there, so rounding it to fp32 gives eager's fp32 product bit for bit.
-        scaled = (t.to(torch.float64) * scale.to(torch.float64)).to(torch.float32)
-    else:
+    rounded = as_rounded(t)
+    if rounded is t:
         scaled = t.to(torch.float32) * scale
+    else:  # exact in fp64: rounded to fp32 it is eager's fp32 product
+        scaled = (rounded * scale.to(torch.float64)).to(torch.float32)
     return scaled.clamp(min=-largest, max=largest).to(dtype)
 
 

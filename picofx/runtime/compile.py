@@ -223,6 +223,11 @@ def declare_fallbacks(decompositions: dict) -> None:
                 make_fallback(op, layout_constraint=constraint, warn=False)
 
 
+def runs_float8(gm: fx.GraphModule) -> bool:
+    """Whether the precision pass put float8 linears in `gm`."""
+    return any(getattr(n.target, "__name__", None) == "float8_linear" for n in gm.graph.nodes if n.op == "call_function")
+
+
 def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context, joint=None):
     """Compile `gm` (flat inputs, flat outputs) for training; returns `fn(inputs: list) -> list`.
     `joint` (picofx.runtime.cache.JointDecisions) records what the joint passes annotate, or
@@ -255,6 +260,8 @@ def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: C
             if communicating:
                 gathers = any({"dp_shard", "tp"} & set(pass_info(p).mesh_dims) for p in communicating)
                 hooks.update(GATHER_OVERLAP if gathers else COMM_OVERLAP)
+            if ctx.device.type == "cpu" and runs_float8(gm):  # float8 on a CPU is for numerics: eager's roundings
+                hooks["emulate_precision_casts"] = True
             with inductor_config.patch(hooks), triton_lowering(triton_lowered_ops(gm, ctx.device)):
                 try:
                     fn = compile_fx(gm, inputs, decompositions=decompositions)

@@ -34,6 +34,7 @@ from torch import Tensor
 import picofx.parallel.collectives  # noqa: F401  (registers torch.ops.picofx.tp_max)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 SMALLEST_AMAX = 1e-12  # an all-zero operand gets a finite scale
 
 
@@ -66,6 +67,13 @@ RECIPES = {r.name: r for r in (
 )}
 
 
+def as_rounded(t: Tensor) -> Tensor:
+    """t itself, or on the CPU a bf16/fp16 t in fp64 (exact). Inductor's C++ code hands a fused
+    consumer of a bf16/fp16 value its producer's unrounded fp32 value (pytorch#115260); that moved
+    the amax and the float8 roundings of compiled code off eager's. Its fp64 loads are rounded."""
+    return t.to(torch.float64) if t.device.type == "cpu" and t.dtype in LOW_PRECISION else t
+
+
 # Per tensor-parallel split: the dimension of each matmul's operands (a, b) split over the ranks.
 SPLIT_OPERANDS = {
     None: {"output": (None, None), "grad_input": (None, None), "grad_weight": (None, None)},
@@ -81,6 +89,7 @@ def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: boo
     """fp32 scale with t * scale spanning dtype's range: one value (dim None) or one per slice along
     `dim` (kept as a size-1 dimension). Computed in fp64 so eager and compiled code agree. With t
     a piece split along `split_dim` over `group`, the amax spanning it is the group's maximum."""
+    t = as_rounded(t)
     amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     if group is not None and split_dim is not None and dim in (None, split_dim):
         amax = torch.ops.picofx.tp_max(amax, group)
@@ -91,7 +100,12 @@ def float8_scale(t: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: boo
 def to_float8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """t * scale in fp32, saturated to dtype's finite range, in dtype."""
     largest = torch.finfo(dtype).max
-    return (t.to(torch.float32) * scale).clamp(min=-largest, max=largest).to(dtype)
+    rounded = as_rounded(t)
+    if rounded is t:
+        scaled = t.to(torch.float32) * scale
+    else:  # exact in fp64: rounded to fp32 it is eager's fp32 product
+        scaled = (rounded * scale.to(torch.float64)).to(torch.float32)
+    return scaled.clamp(min=-largest, max=largest).to(dtype)
 
 
 def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bool, fast_accum: bool,

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import input_slot, module_path
+from picofx.capture.vocabulary import FLOAT8_META, input_slot, module_path
 from picofx.passes.precision.casts import is_plain_cast
 from picofx.passes.precision.float8_choice import Choice, Linear, choose
 from picofx.passes.precision.float8_linear import RECIPES, float8_linear
@@ -147,6 +147,7 @@ def rewrite_to_float8(gm: fx.GraphModule, recipe: str, layers, device_descriptio
                 result.meta["val"] = aten.add.Tensor(f8.meta["val"], bias.meta["val"])
         for new in {f8, result}:
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        f8.meta[FLOAT8_META] = recipe  # what the shard pass reads to gather the weight in float8
         unused = list(node.all_input_nodes)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)

@@ -121,6 +121,20 @@ def issue_float8_gather(graph: fx.Graph, bucket: list, dim, before: fx.Node, sca
         return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
 
 
+def shard_casts(gather: fx.Node) -> list[fx.Node]:
+    """What a float8 gather reads back to the shards and the scales (not included: the scales' all-reduce
+    runs once a step), for the backward's re-gather to cast the shards again rather than keep their casts."""
+    if gather.args[0].meta["val"].dtype != torch.uint8:
+        return []
+    found, pending = [], list(gather.args[0].all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node.op == "call_function" and node.target is not aten.select.int and node not in found:
+            found.append(node)
+            pending += node.all_input_nodes
+    return found
+
+
 def wait_and_unpack_float8(graph: fx.Graph, bucket: list, gathered: fx.Node, dim, scales: dict,
                            users: dict, reduce_dtype) -> None:
     """Wait for the bucket's bytes before its first use, view each whole weight in e4m3, and hand it

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import picofx
-from picofx.models import zoo
+from picofx.models import real_models, zoo
 from picofx.passes import Precision, Shard
 
 from overlap_ranks import shard
@@ -20,8 +20,11 @@ from shard_ranks import gathered_grads
 BATCH = 4  # two ranks of 2
 
 
-def float8_model(batch: int = BATCH):
-    return zoo.reference_llama("tiny", batch=batch, seq=24)
+def float8_model(name: str = "llama"):
+    """The reference LLaMA, or HF Qwen2 (biased q, k, v) with its output projection tied to the embedding."""
+    if name == "llama":
+        return zoo.reference_llama("tiny", batch=BATCH, seq=24)
+    return real_models.hf_model("qwen2", batch=BATCH, seq=24, tie_word_embeddings=True)
 
 
 def optimize(z, inputs, passes):
@@ -30,8 +33,8 @@ def optimize(z, inputs, passes):
         return picofx.optimize(z.model, inputs, passes, backend="eager", loss_fn=z.loss_fn)
 
 
-def passes(**shard):
-    return [Precision(dtype="fp32", float8="tensorwise", float8_layers="all"), Shard(**shard)]
+def passes(recipe: str = "tensorwise", **shard):
+    return [Precision(dtype="fp32", float8=recipe, float8_layers="all"), Shard(**shard)]
 
 
 class ForwardWeights(TorchDispatchMode):
@@ -48,17 +51,18 @@ class ForwardWeights(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def one_step(rank: int, world: int, **shard_options) -> dict:
+def one_step(rank: int, world: int, model: str = "llama", recipe: str = "tensorwise", **shard_options) -> dict:
     """Loss and gathered gradients of one step, the float8 weights the forward's matmuls read, and
     the shard pass's notes."""
-    z = float8_model()
+    z = float8_model(model)
     inputs = shard(z.example_inputs, rank, world)
-    opt = optimize(z, inputs, passes(**shard_options))
+    opt = optimize(z, inputs, passes(recipe, **shard_options))
     with ForwardWeights() as weights:
         loss = opt.forward_backward(**inputs)
     notes = next(r.notes for r in opt.report.records if r.name == "shard" and "gathers" in r.notes)
     return {"loss": loss.detach(), "grads": gathered_grads(z.model), "weights": weights.seen,
-            "gathers": notes["gathers"], "float8_gathered": notes["float8_gathered"]}
+            "gathers": notes["gathers"], "float8_gathered": notes["float8_gathered"],
+            "float8_kept": notes["float8_kept"]}
 
 
 def one_step_kept(rank: int, world: int) -> dict:
@@ -68,3 +72,11 @@ def one_step_kept(rank: int, world: int) -> dict:
 def one_step_bf16(rank: int, world: int) -> dict:
     """Gradients reduce-scattered in bf16, one gather per parameter."""
     return one_step(rank, world, mixed_precision=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16), bucket=0)
+
+
+def one_step_qwen2_tied(rank: int, world: int) -> dict:
+    return one_step(rank, world, "qwen2")
+
+
+def one_step_rowwise(rank: int, world: int) -> dict:
+    return one_step(rank, world, recipe="rowwise")

@@ -35,18 +35,23 @@ E4M3 = torch.float8_e4m3fn
 SMALLEST_AMAX = 1e-12  # precision's float8_scale's floor: an all-zero weight gets a finite scale
 
 
-def float8_weights(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+def float8_weights(gm: fx.GraphModule) -> tuple[dict[fx.Node, list[fx.Node]], dict[str, str]]:
     """Each parameter placeholder read only as the weight of tensorwise float8 linears, with those
-    linears (a weight read otherwise, e.g. tied to the embedding, is gathered as it is)."""
-    found = {}
+    linears; and, by name, why each other weight a float8 linear reads is gathered in its own dtype."""
+    found, kept = {}, {}
     for node in gm.graph.nodes:
         if node.op != "placeholder" or (input_slot(node) is None or input_slot(node).kind != "parameter"):
             continue
-        users = list(node.users)
-        if users and all(u.meta.get(FLOAT8_META) == "tensorwise" and len(u.args) == 3 and u.args[1] is node
-                         and node not in (u.args[0], *u.kwargs.values()) for u in users):
-            found[node] = users
-    return found
+        linears = [u for u in node.users if u.meta.get(FLOAT8_META) and len(u.args) == 3 and u.args[1] is node
+                   and node not in (u.args[0], *u.kwargs.values())]
+        others = [u for u in node.users if u not in linears]
+        recipes = {u.meta[FLOAT8_META] for u in linears} - {"tensorwise"}
+        if linears and (recipes or others):
+            kept[input_slot(node).target] = (f"recipe {sorted(recipes)[0]}: scales per row of the whole weight"
+                                             if recipes else f"also read by {others[0].name}")
+        elif linears:
+            found[node] = linears
+    return found, kept
 
 
 def local_amaxes(*shards: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,7 @@ class Shard:
                 node.meta["val"] = torch.empty((padded_rows(val.shape[0], dim.size), *val.shape[1:]),
                                                dtype=val.dtype, device=val.device)
         params.sort(key=lambda p: order[p[0]] if p[0] is not None else len(order))
-        float8 = float8_weights(gm)  # weights only tensorwise float8 linears read: gathered in float8
+        float8, float8_kept = float8_weights(gm)  # weights only tensorwise float8 linears read: gathered in float8
         buckets = self.buckets([p for p in params if p[0] is not None], set(float8))
         unread = [p for p in params if p[0] is None]  # sharded all the same, in no bucket
         entries = [shard_entry(ctx, node, shape, k, dim) for k, bucket in [*enumerate(buckets), (-1, unread)]
@@ -202,6 +202,7 @@ class Shard:
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
                                  "replicas": replicas.size if replicas else 1, "spans": dim.name,
                                  "context_sums_absorbed": len(sums), "float8_gathered": len(float8),
+                                 "float8_kept": float8_kept,
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
                                  "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
                                  "reshard_after_forward": self.reshard_after_forward,

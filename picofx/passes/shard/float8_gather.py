@@ -26,12 +26,13 @@ import operator
 import torch
 from torch import fx
 
-from picofx.capture.vocabulary import FLOAT8_META, input_slot
+from picofx.capture.vocabulary import FLOAT8_META, input_slot, is_parameter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
 E4M3 = torch.float8_e4m3fn
+FLOAT8_VIEWS = (aten.view.dtype, aten.detach.default)  # what reads the gathered bytes as float8 weights
 SMALLEST_AMAX = 1e-12  # precision's float8_scale's floor: an all-zero weight gets a finite scale
 
 
@@ -40,7 +41,7 @@ def float8_weights(gm: fx.GraphModule) -> tuple[dict[fx.Node, list[fx.Node]], di
     linears; and, by name, why each other weight a float8 linear reads is gathered in its own dtype."""
     found, kept = {}, {}
     for node in gm.graph.nodes:
-        if node.op != "placeholder" or (input_slot(node) is None or input_slot(node).kind != "parameter"):
+        if not is_parameter(node):
             continue
         linears = [u for u in node.users if u.meta.get(FLOAT8_META) and len(u.args) == 3 and u.args[1] is node
                    and node not in (u.args[0], *u.kwargs.values())]
@@ -126,10 +127,15 @@ def issue_float8_gather(graph: fx.Graph, bucket: list, dim, before: fx.Node, sca
         return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
 
 
+def is_float8(gather: fx.Node) -> bool:
+    """Whether an all-gather carries float8 weights (as bytes)."""
+    return gather.args[0].meta["val"].dtype == torch.uint8
+
+
 def shard_casts(gather: fx.Node) -> list[fx.Node]:
     """What a float8 gather reads back to the shards and the scales (not included: the scales' all-reduce
     runs once a step), for the backward's re-gather to cast the shards again rather than keep their casts."""
-    if gather.args[0].meta["val"].dtype != torch.uint8:
+    if not is_float8(gather):
         return []
     found, pending = [], list(gather.args[0].all_input_nodes)
     while pending:
@@ -147,8 +153,8 @@ def wait_and_unpack_float8(graph: fx.Graph, bucket: list, gathered: fx.Node, dim
     shards = [node for _, node, _ in bucket]
     sizes = [s.meta["val"].numel() for s in shards]
     with graph.inserting_before(bucket[0][0]):
-        links = graph.call_function(scatter_gradients, (dim.size, dim.group_name, tuple(shape[0] for *_, shape in bucket),
-                                                        reduce_dtype, *shards))
+        rows_of = tuple(shape[0] for *_, shape in bucket)
+        links = graph.call_function(scatter_gradients, (dim.size, dim.group_name, rows_of, reduce_dtype, *shards))
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
         rows = graph.call_function(aten.view.default, (waited, [dim.size, sum(sizes)]))   # (N, M)
         offset = 0

@@ -45,8 +45,8 @@ from picofx.compression import CompressionState, Dense
 from picofx.parallel.gradient_sums import drop_gradient_sums, forward_gradient_sums
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
 from picofx.passes.shard.gather import describe_bucket, issue_gather, wait_and_unpack
-from picofx.passes.shard.float8_gather import E4M3, float8_weights, issue_float8_gather, scale_weights, \
-    shard_casts, wait_and_unpack_float8
+from picofx.passes.shard.float8_gather import E4M3, FLOAT8_VIEWS, float8_weights, is_float8, issue_float8_gather, \
+    scale_weights, shard_casts, wait_and_unpack_float8
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
 from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward
 from picofx.passes.shard.stages import check_stage, record_whole
@@ -56,7 +56,6 @@ c10d = torch.ops._c10d_functional
 GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
 CAST = aten._to_copy.default
 CASTS = (CAST, torch.ops.prims.convert_element_type.default)  # a dtype cast, before and after decomposition
-REGATHERED = (*CASTS, aten.view.dtype, aten.detach.default)  # and views, copies: float8 weights are bytes, detached
 WIRE_DTYPES = (torch.bfloat16, torch.float32)  # what parameters can be gathered and gradients reduced in
 
 
@@ -248,10 +247,11 @@ class Shard:
                 pending += [a for n in pending[1:] for a in n.all_input_nodes if a.op == "call_function"]
                 pending += [u for u in node.users if u.target is c10d.wait_tensor.default]
                 pending += shard_casts(node)  # float8 bytes: the backward casts the shards again
+                followed = (*CASTS, *FLOAT8_VIEWS) if is_float8(node) else CASTS
                 while pending:
                     n = pending.pop()
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in REGATHERED]
+                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in followed]
                 tagged += 1
         return PassResult(tagged > 0, {"regathered": tagged})
 

@@ -141,7 +141,8 @@ def test_two_ranks_match_one_process_and_gather_the_whole_weights_float8_cast():
             if recipe == "rowwise":  # scales per row of the whole weight: gathered in fp32, the notes say why
                 assert rank["float8_gathered"] == 0 and rank["float8_kept"].keys() == casts.keys()
                 continue
-            kept = list(rank["float8_kept"])  # the tied embedding: gathered in fp32, cast whole by its linear
-            assert kept == (["model.embed_tokens.weight"] if model == "qwen2" else [])
+            kept = rank["float8_kept"]  # the tied embedding (named as the head): gathered in fp32, cast whole
+            assert list(kept) == (["lm_head.weight"] if model == "qwen2" else [])
+            assert all(why.startswith("also read by") for why in kept.values())
             assert rank["float8_gathered"] == len(casts) - len(kept)
             assert_weights_bit_equal(rank["weights"], casts)

@@ -18,6 +18,8 @@ on the forward graph; the runtime (picofx.runtime.shard) turns the model's param
 shards and feeds the graph their padded local pieces.
 
 With `compress`, each bucket's reduce-scatter becomes a codec's exchange (compress.py, beside this file).
+With precision's tensorwise float8, the weights only float8 linears read are gathered as float8 bytes
+with the whole weights' scales, in buckets of their own (float8_gather.py, beside this file).
 
 Shard runs after the passes that rewrite the forward graph (fuse, precision; its PassInfo says
 so, and the manager orders the passes by it): they see the parameters whole.

@@ -14,6 +14,9 @@ aten = torch.ops.aten
 INPUT_META = "picofx_input"          # node.meta of a placeholder: its InputSlot (capture.export)
 MODULE_PATH_META = "module_path"     # node.meta: the module the node came from, "model.layers.3.mlp"
 SIGNATURE_META = "picofx_signature"  # gm.meta of a captured graph: its Signature
+# node.meta of a float8 linear (precision): its recipe; the node is float8_linear(x, weight, recipe
+# [, weight8, weight_scale]), the last two a tensorwise weight already cast (the shard pass's float8 gather)
+FLOAT8_META = "picofx_float8"
 
 # Input kinds of a placeholder's slot.
 USER, PARAMETER, BUFFER, CONSTANT = "user", "parameter", "buffer", "constant"

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from picofx.capture.annotate import fake_mode_of
-from picofx.capture.vocabulary import input_slot, is_view, module_path
+from picofx.capture.vocabulary import FLOAT8_META, input_slot, is_view, module_path
 from picofx.parallel.layouts import layouts_of
 from picofx.passes.precision.casts import is_plain_cast
 from picofx.passes.precision.float8_choice import Choice, Linear, choose
@@ -159,6 +159,7 @@ def rewrite_to_float8(gm: fx.GraphModule, recipe: str, layers, device_descriptio
                 result.meta["val"] = aten.add.Tensor(f8.meta["val"], bias.meta["val"])
         for new in {f8, result}:
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        f8.meta[FLOAT8_META] = recipe  # what the shard pass reads to gather the weight in float8
         unused = list(node.all_input_nodes)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)

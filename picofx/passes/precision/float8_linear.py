@@ -109,16 +109,22 @@ def to_float8(t: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bool, fast_accum: bool,
-                  splits: tuple = (None, None), group: str | None = None) -> Tensor:
+                  splits: tuple = (None, None), group: str | None = None,
+                  b_float8: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """a @ b (a: (M, C), b: (C, N)) in a's dtype, each operand cast as `casts` says; `splits`: the
-    dimension of each operand split over `group` (None: whole)."""
+    dimension of each operand split over `group` (None: whole); b_float8: b already cast tensorwise,
+    (b8, its scale) (b is then not read)."""
     cast_a, cast_b = casts
     if cast_a.dtype is None:  # the recipes keep both operands of a matmul high-precision, or neither
         return torch.mm(a, b)
     scale_a = float8_scale(a, cast_a.dtype, 1 if cast_a.rowwise else None, power_of_2, splits[0], group)  # (M, 1)/()
-    scale_b = float8_scale(b, cast_b.dtype, 0 if cast_b.rowwise else None, power_of_2, splits[1], group)  # (1, N)/()
+    if b_float8 is None:
+        scale_b = float8_scale(b, cast_b.dtype, 0 if cast_b.rowwise else None, power_of_2, splits[1], group)  # (1, N)/()
+        b8 = to_float8(b, scale_b, cast_b.dtype)
+    else:
+        b8, scale_b = b_float8
     a8 = to_float8(a, scale_a, cast_a.dtype).contiguous()              # row-major, as _scaled_mm takes it
-    b8 = to_float8(b, scale_b, cast_b.dtype).t().contiguous().t()      # column-major
+    b8 = b8.t().contiguous().t()                                       # column-major
     rowwise = cast_a.rowwise or cast_b.rowwise
     if rowwise:  # _scaled_mm's rowwise form wants both scales rowwise: spread a tensorwise one
         scale_a = scale_a.expand(a.shape[0], 1) if not cast_a.rowwise else scale_a
@@ -132,26 +138,40 @@ def scaled_matmul(a: Tensor, b: Tensor, casts: tuple[Cast, Cast], power_of_2: bo
 
 class Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: str, split: str | None, group: str | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x: Tensor, weight: Tensor, recipe: str, split: str | None, group: str | None,
+                weight8: Tensor | None = None, weight_scale: Tensor | None = None) -> Tensor:
         ctx.recipe, ctx.splits, ctx.group = RECIPES[recipe], SPLIT_OPERANDS[split], group
+        ctx.weight_dtype = weight.dtype
+        # given weight8 (the weight cast tensorwise to e4m3 with weight_scale), `weight` only takes its gradient
+        ctx.save_for_backward(x, weight if weight8 is None else weight8, weight_scale)
         r = ctx.recipe
         x2 = x.reshape(-1, x.shape[-1])                                                          # (M, K)
-        out = scaled_matmul(x2, weight.t(), r.output, r.power_of_2_scales, True, ctx.splits["output"], group)  # (M, N)
+        given = None if weight8 is None else (weight8.t(), weight_scale)
+        out = scaled_matmul(x2, weight.t(), r.output, r.power_of_2_scales, True, ctx.splits["output"], group,
+                            b_float8=given)                                                      # (M, N)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, weight_scale = ctx.saved_tensors
         r = ctx.recipe
+        given = None if weight_scale is None else (weight, weight_scale)  # tensorwise: the forward's cast again
         x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])               # (M, K), (M, N)
         splits, group = ctx.splits, ctx.group
-        grad_x = scaled_matmul(grad2, weight, r.grad_input, r.power_of_2_scales, False, splits["grad_input"], group)
+        grad_x = scaled_matmul(grad2, weight, r.grad_input, r.power_of_2_scales, False, splits["grad_input"], group,
+                               b_float8=given)                                                   # (M, K)
         grad_w = scaled_matmul(grad2.t(), x2, r.grad_weight, r.power_of_2_scales, False, splits["grad_weight"], group)
-        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None, None  # (M, K), (N, K)
+        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(ctx.weight_dtype), None, None, None, None, None
 
 
-def float8_linear(x: Tensor, weight: Tensor, recipe: str, split: str | None = None, group: str | None = None) -> Tensor:
+def float8_linear(x: Tensor, weight: Tensor, recipe: str, split: str | None = None, group: str | None = None,
+                  weight8: Tensor | None = None, weight_scale: Tensor | None = None) -> Tensor:
     """x @ weight.T with the matmuls of the forward and of both gradients in float8 (`recipe`);
-    `split`: the weight is this rank's colwise or rowwise piece under tensor parallelism over `group`."""
-    return Float8Linear.apply(x, weight, recipe, split, group)
+    `split`: the weight is this rank's colwise or rowwise piece under tensor parallelism over `group`.
+    With weight8 and weight_scale (tensorwise only: the weight's e4m3 cast and its scale, as the shard
+    pass gathers them), those are the weight the matmuls read, and `weight`, whose values are not
+    read, receives the weight's gradient."""
+    if weight8 is not None and recipe != "tensorwise":
+        raise ValueError(f"float8_linear: a weight cast ahead (weight8) needs the tensorwise recipe, not {recipe!r} "
+                         "(its scales are per tensor); pass the weight alone.")
+    return Float8Linear.apply(x, weight, recipe, split, group, weight8, weight_scale)

@@ -18,6 +18,8 @@ on the forward graph; the runtime (picofx.runtime.shard) turns the model's param
 shards and feeds the graph their padded local pieces.
 
 With `compress`, each bucket's reduce-scatter becomes a codec's exchange (compress.py, beside this file).
+With precision's tensorwise float8, the weights only float8 linears read are gathered as float8 bytes
+with the whole weights' scales, in buckets of their own (float8_gather.py, beside this file).
 
 Shard runs after the passes that rewrite the forward graph (fuse, precision; its PassInfo says
 so, and the manager orders the passes by it): they see the parameters whole.
@@ -44,6 +46,9 @@ from picofx.parallel.mesh import ALIASES, MeshDim, ParallelMesh, resolve_dim
 from picofx.compression import CompressionState, Dense
 from picofx.parallel.gradient_sums import drop_gradient_sums, forward_gradient_sums
 from picofx.passes.shard.compress import compress_scatters, parse_shard_compress
+from picofx.passes.shard.gather import describe_bucket, issue_gather, wait_and_unpack
+from picofx.passes.shard.float8_gather import E4M3, FLOAT8_VIEWS, float8_weights, is_float8, issue_float8_gather, \
+    scale_weights, shard_casts, wait_and_unpack_float8
 from picofx.passes.shard.reduce import all_reduce_across, average_gradients, describe_reductions, reduce_in
 from picofx.passes.shard.schedule import agreement, plain_collectives, schedule_backward
 from picofx.passes.shard.stages import check_stage, record_whole
@@ -170,15 +175,22 @@ class Shard:
                 node.meta["val"] = torch.empty((padded_rows(val.shape[0], dim.size), *val.shape[1:]),
                                                dtype=val.dtype, device=val.device)
         params.sort(key=lambda p: order[p[0]] if p[0] is not None else len(order))
-        buckets = self.buckets([p for p in params if p[0] is not None])
+        float8, float8_kept = float8_weights(gm)  # weights only tensorwise float8 linears read: gathered in float8
+        buckets = self.buckets([p for p in params if p[0] is not None], set(float8))
         unread = [p for p in params if p[0] is None]  # sharded all the same, in no bucket
         entries = [shard_entry(ctx, node, shape, k, dim) for k, bucket in [*enumerate(buckets), (-1, unread)]
                    for _, node, shape in bucket]
         issued = [buckets[max(0, k - self.prefetch)][0][0] for k in range(len(buckets))]
         wire, reduce = precision_policy(self.mixed_precision)
-        gathers = [issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
+        scales = scale_weights(gm.graph, [p[1] for b in buckets for p in b if p[1] in float8], dim,
+                               next(n for n in gm.graph.nodes if n.op != "placeholder")) if float8 else {}
+        gathers = [issue_float8_gather(gm.graph, bucket, dim, issued[k], scales) if bucket[0][1] in float8
+                   else issue_gather(gm.graph, bucket, dim, issued[k], wire) for k, bucket in enumerate(buckets)]
         for bucket, gathered in zip(buckets, gathers):  # waits after every gather issued at the same place
-            wait_and_unpack(gm.graph, bucket, gathered, dim)
+            if bucket[0][1] in float8:
+                wait_and_unpack_float8(gm.graph, bucket, gathered, dim, scales, float8, reduce or wire)
+            else:
+                wait_and_unpack(gm.graph, bucket, gathered, dim)
         gm.graph.eliminate_dead_code()
         wire_text = None if wire is None and reduce is None else (
             str(wire) if reduce in (None, wire) else f"{wire}, reduced in {reduce}")  # the ranks must agree on both
@@ -190,34 +202,38 @@ class Shard:
         self.layouts[ctx.model] = layouts_of(gm).shards
         return PassResult(True, {"parameters": len(entries), "ranks": dim.size, "buckets": len(buckets),
                                  "replicas": replicas.size if replicas else 1, "spans": dim.name,
-                                 "context_sums_absorbed": len(sums),
+                                 "context_sums_absorbed": len(sums), "float8_gathered": len(float8),
+                                 "float8_kept": float8_kept,
                                  "prefetch": self.prefetch, "gather_dtype": str(wire) if wire else None,
                                  "reduce_dtype": str(reduce or wire) if (reduce or wire) else None,
                                  "reshard_after_forward": self.reshard_after_forward,
-                                 "gathers": [describe_bucket(b, issued[k], dim.size, wire, reduce or wire,
+                                 "gathers": [describe_bucket(b, issued[k], dim.size, E4M3 if b[0][1] in float8
+                                                             else wire, reduce or wire,
                                                              {e.name for e in entries if e.requires_grad})
                                              for k, b in enumerate(buckets)]})
 
-    def buckets(self, params: list) -> list[list]:
+    def buckets(self, params: list, apart: set) -> list[list]:
         """Parameters in first-use order, cut into gathers: "auto": one per decoder layer, and one
         per run of parameters outside the layers (the embedding; the final norm and head); a size:
-        consecutive parameters up to that many bytes; 0: one per parameter. Never mixing dtypes."""
-        limit = None if self.bucket == "auto" else 0 if self.bucket == 0 else parse_budget(self.bucket)
+        consecutive parameters up to that many bytes; 0: one per parameter. Never mixing dtypes, nor
+        the weights gathered in float8 (`apart`) with others (a layer's then take two gathers)."""
+        kind = [(p[1].meta["val"].dtype, p[1] in apart) for p in params]
+        if self.bucket == "auto":
+            runs, out = 0, {}
+            for i, param in enumerate(params):
+                runs += i > 0 and layer_of_parameter(param[1]) != layer_of_parameter(params[i - 1][1])
+                out.setdefault((runs, kind[i]), []).append(param)
+            return list(out.values())
+        limit = parse_budget(self.bucket) if self.bucket != 0 else 0
         out: list[list] = []
         size = 0
-        for param in params:
-            node = param[1]
-            val = node.meta["val"]
+        for i, param in enumerate(params):
+            val = param[1].meta["val"]
             nbytes = val.numel() * val.element_size()
-            if out:
-                last = out[-1][-1]
-                same_dtype = last[1].meta["val"].dtype == val.dtype
-                fits = (layer_of_parameter(last[1]) == layer_of_parameter(node) if limit is None
-                        else size + nbytes <= limit)
-                if same_dtype and fits:
-                    out[-1].append(param)
-                    size += nbytes
-                    continue
+            if out and kind[i] == kind[i - 1] and size + nbytes <= limit:
+                out[-1].append(param)
+                size += nbytes
+                continue
             out.append([param])
             size = nbytes
         return out
@@ -232,10 +248,12 @@ class Shard:
                 pending = [node, *[a for a in node.all_input_nodes if a.op == "call_function"]]
                 pending += [a for n in pending[1:] for a in n.all_input_nodes if a.op == "call_function"]
                 pending += [u for u in node.users if u.target is c10d.wait_tensor.default]
+                pending += shard_casts(node)  # float8 bytes: the backward casts the shards again
+                followed = (*CASTS, *FLOAT8_VIEWS) if is_float8(node) else CASTS
                 while pending:
                     n = pending.pop()
                     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in CASTS]
+                    pending += [u for u in n.users if is_view(u) or is_copy(u) or u.target in followed]
                 tagged += 1
         return PassResult(tagged > 0, {"regathered": tagged})
 
@@ -336,65 +354,3 @@ def shard_entry(ctx: Context, node: fx.Node, shape: tuple, bucket: int, dim: Mes
     name = input_slot(node).target
     return ShardEntry(name, shape, padded_rows(shape[0], dim.size), str(node.meta["val"].dtype), bucket,
                       ctx.model.get_parameter(name).requires_grad, local_rows(shape[0], dim.size, dim.rank))
-
-
-def issue_gather(graph: fx.Graph, bucket: list, dim: MeshDim, before: fx.Node, wire) -> fx.Node:
-    """All-gather the bucket's padded shards as one flat tensor, issued before node `before`:
-
-        flat = cat([shard.reshape(-1) for shard in bucket])     # (M,), M = the shards' numel
-        flat = flat.to(wire)                                    # mixed precision only
-        gathered = all_gather(flat, N, group)                   # (N * M,): rank r's shards at r * M
-    """
-    shards = [node for _, node, _ in bucket]
-    with graph.inserting_before(before):
-        flat = shards[0] if len(shards) == 1 else graph.call_function(
-            aten.cat.default, ([graph.call_function(aten.reshape.default, (s, [-1])) for s in shards],))
-        if wire is not None and shards[0].meta["val"].dtype != wire and shards[0].meta["val"].is_floating_point():
-            flat = graph.call_function(CAST, (flat,), {"dtype": wire})
-        return graph.call_function(GATHER, (flat, dim.size, dim.group_name))
-
-
-def wait_and_unpack(graph: fx.Graph, bucket: list, gathered: fx.Node, dim: MeshDim) -> None:
-    """Wait for the bucket's gather before its first use and cut each whole parameter out of it,
-    `rows = gathered.view(N, M); whole_i = rows[:, off_i:off_i + m_i].reshape(N * P_i, ...)[:rows_i]`;
-    the parameters' readers read those instead."""
-    shards = [node for _, node, _ in bucket]
-    with graph.inserting_before(bucket[0][0]):
-        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        if gathered.args[0].target is CAST:  # gathered in the wire dtype: the whole bucket back to the parameters'
-            # one cast of the bucket: the backward's gradient buffer is cast down in one place, which
-            # reduce_in removes when gradients are reduced in the parameters' dtype
-            waited = graph.call_function(CAST, (waited,), {"dtype": shards[0].meta["val"].dtype})
-        if len(shards) > 1:
-            rows = graph.call_function(aten.view.default,
-                                       (waited, [dim.size, sum(s.meta["val"].numel() for s in shards)]))
-        offset, wholes = 0, []
-        for (_, node, shape), shard in zip(bucket, (s.meta["val"] for s in shards)):
-            whole = waited
-            if len(shards) > 1:
-                piece = graph.call_function(aten.slice.Tensor, (rows, 1, offset, offset + shard.numel()))
-                whole = graph.call_function(aten.reshape.default,
-                                            (piece, [dim.size * shard.shape[0], *shard.shape[1:]]))
-                offset += shard.numel()
-            if shard.shape[0] * dim.size != shape[0]:
-                whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
-            wholes.append(whole)
-    flat = gathered.args[0]
-    own = {gathered, flat, *flat.all_input_nodes}  # the nodes that read the shards themselves
-    own |= {a for n in flat.all_input_nodes for a in n.all_input_nodes} if flat.target is CAST else set()
-    for node, whole in zip(shards, wholes):
-        for user in [u for u in node.users if u not in own]:
-            user.replace_input_with(node, whole)
-
-
-def describe_bucket(bucket: list, issued: fx.Node, world: int, wire, reduce, trainable: set) -> dict:
-    """What one bucket moves: its parameters, the bytes gathered (and, if any requires a gradient,
-    reduce-scattered) over all ranks in the wire dtypes, where the gather is issued and awaited."""
-    names = [input_slot(node).target for _, node, _ in bucket]
-    numel = sum(node.meta["val"].numel() for _, node, _ in bucket) * world
-    own = bucket[0][1].meta["val"].element_size()
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return {"parameters": shown, "count": len(names),
-            "gathered_bytes": numel * (wire.itemsize if wire else own),
-            "reduced_bytes": numel * (reduce.itemsize if reduce else own) if trainable & set(names) else 0,
-            "issued_before": issued.name, "awaited_before": bucket[0][0].name}

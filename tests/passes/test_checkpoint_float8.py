@@ -23,18 +23,22 @@ def steps():
     """llama-tiny with every linear in float8 (tensorwise): without checkpointing, with it and no budget
     to meet, and at 85% of the peak without recomputation: (loss, gradients, backward graph, notes) each."""
     z = zoo.build("llama-tiny")
-    out = {}
-    for name, extra in (("plain", []), ("loose", [Checkpoint()]), ("tight", [Checkpoint(budget=0.85)])):
-        model = copy.deepcopy(z.model)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Precision\(float8=...\) on the CPU")
-            opt = picofx.optimize(model, z.example_inputs, [Precision(float8="tensorwise", float8_layers="all"),
-                                                           *extra], backend="eager", loss_fn=z.loss_fn)
-        loss = opt(**z.example_inputs)
-        loss.backward()
-        notes = next((r.notes for r in opt.report.records if r.name == "checkpoint"), {})
-        out[name] = (loss.detach(), [p.grad for p in model.parameters()], opt.graphs["backward"], notes)
-    return out
+    return {name: float8_step(z, extra, "eager")
+            for name, extra in (("plain", []), ("loose", [Checkpoint()]), ("tight", [Checkpoint(budget=0.85)]))}
+
+
+def float8_step(z, extra: list, backend: str):
+    """One step of `z` with every linear in float8 (tensorwise) and the passes `extra`: (loss,
+    gradients, backward graph, the checkpoint pass's notes)."""
+    model = copy.deepcopy(z.model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Precision\(float8=...\) on the CPU")
+        opt = picofx.optimize(model, z.example_inputs, [Precision(float8="tensorwise", float8_layers="all"), *extra],
+                              backend=backend, loss_fn=z.loss_fn)
+    loss = opt(**z.example_inputs)
+    loss.backward()
+    notes = next((r.notes for r in opt.report.records if r.name == "checkpoint"), {})
+    return loss.detach(), [p.grad for p in model.parameters()], opt.graphs["backward"], notes
 
 
 def test_with_room_the_float8_weights_are_saved_and_the_backward_casts_no_weight(steps):
@@ -68,18 +72,8 @@ def test_the_loss_and_gradients_equal_the_step_without_checkpointing(steps, plan
 def test_under_inductor_the_float8_weights_are_offered_too_and_numerics_hold():
     """Inductor's joint graph casts with prims.convert_element_type: the casts are offered all the same."""
     z = zoo.build("llama-tiny")
-    results = []
-    for extra in ([], [Checkpoint()]):
-        model = copy.deepcopy(z.model)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Precision\(float8=...\) on the CPU")
-            opt = picofx.optimize(model, z.example_inputs, [Precision(float8="tensorwise", float8_layers="all"),
-                                                           *extra], backend="inductor", loss_fn=z.loss_fn)
-        loss = opt(**z.example_inputs)
-        loss.backward()
-        notes = next((r.notes for r in opt.report.records if r.name == "checkpoint"), {})
-        results.append((loss.detach(), [p.grad for p in model.parameters()], notes))
-    (plain_loss, plain_grads, _), (loss, grads, notes) = results
+    (plain_loss, plain_grads, *_), (loss, grads, _, notes) = (float8_step(z, extra, "inductor")
+                                                              for extra in ([], [Checkpoint()]))
     assert len(notes["float8_weights"]["saved"]) == FLOAT8_LINEARS
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
     for got, expected in zip(grads, plain_grads):

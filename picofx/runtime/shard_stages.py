@@ -21,7 +21,8 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
   reduce-scatter per micro-batch. Under accumulation (no_sync, a pipeline's schedule) it is issued
   asynchronously and runs behind the next micro-batch (`InFlight`): completed at the end of the next
   backward, before that one's is issued, and always before a synced backward (or the schedule) ends,
-  so the `.grad` shards are complete when the optimizer or clip_grad_norm_ read them.
+  so the `.grad` shards are complete when the optimizer or clip_grad_norm_ read them (the step's last
+  backward must synchronise, as with FSDP2).
 
 Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
 piece, gathered over dp_shard; with HSDP they are replicated over dp_replicate and each

@@ -13,7 +13,9 @@ rank and what it sends per step, over a shard group of `world` ranks, per pipeli
   FSDP without resharding after the forward; m reduce-scatters a step. Nothing reads a gradient
   shard before the optimizer, so a micro-batch's reduce-scatters run on while the rank computes the
   next micro-batches (its forwards and backwards, a pipeline's other micro-batches): exposed is what
-  the link cannot finish of all m by the step's end, at least the last micro-batch's tail. Memory: 16 P / world, the stage's bf16 parameters (2 P) and two units' fp32 gradients.
+  the link cannot finish of all m by the step's end, at least the last micro-batch's tail (the
+  runtime, picofx.runtime.shard_stages, issues each asynchronously and waits for it at the end of the
+  next backward: one in flight, the same exposure when the micro-batches are alike). Memory: 16 P / world, the stage's bf16 parameters (2 P) and two units' fp32 gradients.
 - stage 3 (and the parameters; picofx's Shard, FSDP): per micro-batch each unit gathered for the
   forward and, with `reshard_after_forward`, again for the backward, and its gradient
   reduce-scattered (`picofx.cost.shard`); memory 16 P / world and the units gathered at once.

@@ -18,7 +18,11 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
   distributed optimizer);
 - stage 2 reduce-scatters after every backward, into the sharded fp32 `.grad` (DeepSpeed's
   ZeRO-2): the accumulated gradient occupies a shard, not the whole model, at the price of one
-  reduce-scatter per micro-batch.
+  reduce-scatter per micro-batch. Under accumulation (no_sync, a pipeline's schedule) it is issued
+  asynchronously and runs behind the next micro-batch (`InFlight`): completed at the end of the next
+  backward, before that one's is issued, and always before a synced backward (or the schedule) ends,
+  so the `.grad` shards are complete when the optimizer or clip_grad_norm_ read them (the step's last
+  backward must synchronise, as with FSDP2).
 
 Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
 piece, gathered over dp_shard; with HSDP they are replicated over dp_replicate and each
@@ -50,6 +54,7 @@ class Accumulation:
     deferred: bool = False
     queued: bool = False
     held: list = field(default_factory=list)  # weak references to the Whole records, in registration order
+    in_flight: list = field(default_factory=list)  # stage 2: the last backward's reduce-scatters, not waited yet
 
     def wholes(self) -> list["Whole"]:
         return [w for ref in self.held if (w := ref()) is not None]
@@ -64,8 +69,21 @@ class Accumulation:
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
 
     def after_backward(self) -> None:
+        """Stage 2: complete the previous backward's reduce-scatters, issue this one's (waited at once
+        when this backward synchronises). Stage 1: reduce-scatter when it synchronises."""
         self.queued = False
-        reduce_scatter([w for w in self.wholes() if w.stage == 2 or (self.sync and not self.deferred)])
+        self.finish()
+        synced = self.sync and not self.deferred
+        wholes = self.wholes()
+        reduce_scatter([w for w in wholes if w.stage == 1 and synced])
+        self.in_flight = issue([w for w in wholes if w.stage == 2])
+        if synced:
+            self.finish()
+
+    def finish(self) -> None:
+        flights, self.in_flight = self.in_flight, []
+        for flight in flights:
+            flight.complete()
 
 
 @dataclass(eq=False)
@@ -92,11 +110,7 @@ class Whole:
         """Stage 1's whole gradient lives outside the DTensor `.grad` that `optimizer.zero_grad()`
         clears: give the parameter a `.grad` (zeros, until the reduce-scatter adds to it) and note it,
         so that a zero_grad in between (set to None, or zeroed in place) is seen (`cleared`)."""
-        param = self.param
-        if param.grad is None:
-            param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
-                                            run_check=False, shape=param.shape, stride=param.stride())
-        self.marker = (weakref.ref(param.grad), param.grad._version)
+        self.marker = zero_grad_of(self.param)
 
     def cleared(self) -> bool:
         """Whether the parameter's gradient was zeroed or dropped since the whole gradient last grew."""
@@ -177,33 +191,70 @@ def gather(wholes: list) -> None:
 
 @torch.no_grad()
 def reduce_scatter(wholes: list) -> None:
-    """Reduce-scatter the accumulated whole gradients of `wholes` (those that hold one; HSDP: then
-    all-reduce across the replicas), average them over the ranks and add each rank's rows to its
-    DTensor parameter's `.grad`; the whole ones freed."""
+    """Reduce-scatter the accumulated whole gradients of `wholes` into their `.grad` shards, waiting."""
+    for flight in issue(wholes):
+        flight.complete()
+
+
+@torch.no_grad()
+def issue(wholes: list) -> list["InFlight"]:
+    """Start one asynchronous reduce-scatter per group of the whole gradients of `wholes` (those that
+    hold one) and free them: the flat buffer sent is a copy, so the next micro-batch accumulates into
+    fresh whole `.grad`s while it is in flight. Each parameter gets a `.grad` shard (zeros) now, noted,
+    so that a zero_grad before the completion drops what this backward accumulated (`InFlight`)."""
+    flights = []
     for group in by_group([w for w in wholes if w.tensor.grad is not None]).values():
         world = group[0].world
         blocks = [padded(w.tensor.grad, world * w.entry.padded_rows).reshape(world, -1) for w in group]
         flat = torch.cat(blocks, dim=1).reshape(-1)  # rank-major: rank r's rows of every parameter together
         mine = flat.new_empty(flat.numel() // world)
-        dist.reduce_scatter_single(mine, flat, group=group[0].group)
-        replicas = group[0].replicas
-        if replicas is not None:  # HSDP: the other replicas' sums of the same shard
-            dist.all_reduce(mine, group=replicas.group)
-        mine /= group[0].averaged * (replicas.size if replicas is not None else 1)
-        offset = 0
-        for w, block in zip(group, blocks):
-            shard = mine[offset:offset + block.shape[1]].view(w.entry.padded_rows, *w.entry.shape[1:])
-            offset += block.shape[1]
-            add_to_grad(w.param, shard[:w.param.to_local().shape[0]])
+        work = dist.reduce_scatter_single(mine, flat, group=group[0].group, async_op=True)
+        grads = []
+        for w in group:
             w.tensor.grad, w.marker = None, None
+            grads.append(zero_grad_of(w.param))
+        flights.append(InFlight(group, [b.shape[1] for b in blocks], flat, mine, work, grads))
+    return flights
 
 
-def add_to_grad(param: nn.Parameter, rows: torch.Tensor) -> None:
+@dataclass(eq=False)
+class InFlight:
+    """One group's reduce-scatter under way: the wholes, each one's width in the flat buffer, the
+    buffer sent (kept alive until the wait), this rank's reduced rows, the collective's Work, and
+    each parameter's `.grad` shard (weakly) with its version when issued."""
+
+    wholes: list
+    widths: list
+    flat: torch.Tensor
+    mine: torch.Tensor
+    work: object
+    grads: list
+
+    @torch.no_grad()
+    def complete(self) -> None:
+        """Wait, all-reduce across the replicas (HSDP), average and add each rank's rows to its
+        parameter's `.grad` shard, unless that was zeroed or dropped since the issue."""
+        self.work.wait()
+        self.flat = None
+        first, mine = self.wholes[0], self.mine
+        if first.replicas is not None:  # HSDP: the other replicas' sums of the same shard
+            dist.all_reduce(mine, group=first.replicas.group)
+        mine /= first.averaged * (first.replicas.size if first.replicas is not None else 1)
+        offset = 0
+        for w, width, (ref, version) in zip(self.wholes, self.widths, self.grads):
+            shard = mine[offset:offset + width].view(w.entry.padded_rows, *w.entry.shape[1:])
+            offset += width
+            grad = w.param.grad
+            if grad is not None and grad is ref() and grad._version == version:
+                grad.to_local().add_(shard[:w.param.to_local().shape[0]])
+
+
+def zero_grad_of(param: nn.Parameter) -> tuple:
+    """The parameter's DTensor `.grad` (zeros if it had none), weakly, and its version."""
     if param.grad is None:
-        param.grad = DTensor.from_local(rows.clone(), param.device_mesh, param.placements, run_check=False,
-                                        shape=param.shape, stride=param.stride())
-    else:
-        param.grad.to_local().add_(rows)
+        param.grad = DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh, param.placements,
+                                        run_check=False, shape=param.shape, stride=param.stride())
+    return weakref.ref(param.grad), param.grad._version
 
 
 def padded(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -220,5 +271,7 @@ def reduce_after(model: nn.Module):
         yield
     finally:
         owner.deferred = previous
-    if owner.sync and not owner.deferred:
-        reduce_scatter(owner.wholes())
+    if not owner.deferred:
+        owner.finish()  # stage 2: the last micro-batch's reduce-scatters
+        if owner.sync:
+            reduce_scatter(owner.wholes())

@@ -49,17 +49,46 @@ def counted(calls: list):
             setattr(dist, name, fn)
 
 
-def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, discarded: bool = False) -> dict:
+@contextlib.contextmanager
+def traced(events: list):
+    """Record each reduce-scatter's issue and its wait, ("issue" | "wait", its number), in order."""
+    original = dist.reduce_scatter_single
+
+    class Waited:
+        def __init__(self, work, number):
+            self.work, self.number = work, number
+
+        def wait(self, *args, **kwargs):
+            events.append(("wait", self.number))
+            return self.work.wait(*args, **kwargs)
+
+    def call(*args, **kwargs):
+        number = sum(kind == "issue" for kind, _ in events)
+        events.append(("issue", number))
+        work = original(*args, **kwargs)
+        return Waited(work, number) if work is not None else None
+
+    dist.reduce_scatter_single = call
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, discarded: bool = False,
+          trace: bool = False) -> dict:
     """`steps` AdamW steps (gradient norm clipped to 1), each of MICRO micro-batches: accumulated
     under no_sync in even steps, by set_requires_gradient_sync (FSDP2's spelling) in odd ones.
     `discarded`: each step first accumulates a micro-batch of other tokens unsynced, then zeroes
     the gradients (`optimizer.zero_grad()`, set_to_none in even steps, in place in odd ones), as a
-    loop that skips a step does: none of it may reach the step's gradients."""
+    loop that skips a step does: none of it may reach the step's gradients. `trace`: record each step's
+    reduce-scatters issued and waited (`traced`) among ("forward" | "returned", micro-batch)."""
     optimizer = torch.optim.AdamW(opt.parameters(), lr=1e-3)
-    out = {"losses": [], "grads": [], "collectives": [], "norms": []}
+    out = {"losses": [], "grads": [], "collectives": [], "norms": [], "events": []}
     for step in range(steps):
-        batch, calls = batch_of(step, index, replicas), []
-        with counted(calls):
+        batch, calls, events = batch_of(step, index, replicas), [], []
+        log = events.append if trace else (lambda event: None)
+        with counted(calls), traced(events) if trace else contextlib.nullcontext():
             if discarded:
                 other = batch_of(step + 5, index, replicas)
                 with opt.no_sync():
@@ -71,13 +100,16 @@ def train(opt, model, steps: int, index: int, replicas: int, pipelined: bool, di
                 loss = 0.0
                 for i, micro in enumerate(zip(*(v.chunk(MICRO) for v in batch.values()))):
                     last = i == MICRO - 1
+                    log(("forward", i))
                     if step % 2:
                         opt.set_requires_gradient_sync(last)
                         loss += micro_loss(opt, batch, micro)
                     else:
                         with contextlib.nullcontext() if last else opt.no_sync():
                             loss += micro_loss(opt, batch, micro)
+                    log(("returned", i))
         out["collectives"].append(calls)
+        out["events"].append(events)
         out["losses"].append(torch.as_tensor(loss).detach().clone())
         out["grads"].append({n: whole(p.grad) for n, p in opt.named_parameters() if p.grad is not None})
         out["norms"].append(whole(torch.nn.utils.clip_grad_norm_(opt.parameters(), max_norm=1.0)))
@@ -99,7 +131,7 @@ def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
 
 
 def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None, tp: int = 1,
-              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1):
+              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1, trace: bool = False):
     """`replicas`: HSDP's dp_replicate (the sharded groups, each a replica of the shards)."""
     mesh = ParallelMesh.build(pp=pp, dp_replicate=replicas, dp_shard=world // (pp * tp * replicas), tp=tp)
     dp, rep = mesh.dim("dp_shard"), mesh.dim("dp_replicate")
@@ -111,7 +143,7 @@ def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None
     if pp == 1:
         example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
     opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
-    out = train(opt, z.model, 2, index, count, pp > 1, discarded)
+    out = train(opt, z.model, 2, index, count, pp > 1, discarded, trace)
     out["replica"] = index
     out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
     if checkpoint is not None:
@@ -137,6 +169,11 @@ def dcp_round_trip(opt, root: str) -> bool:
 
 def stage1_accumulation(rank, world, checkpoint):
     return run_stage(rank, world, 1, pp=1, checkpoint=checkpoint, discarded=True)
+
+
+def stage2_in_flight(rank, world):
+    """Stage 2's accumulation with a discarded micro-batch each step, its reduce-scatters traced."""
+    return run_stage(rank, world, 2, pp=1, discarded=True, trace=True)
 
 
 def stage2_accumulation(rank, world):

@@ -10,7 +10,8 @@ more than 5e-5 and the second step's gradients past rtol 1e-4; at 16 both hold. 
 are counted per step: stage 1 reduce-scatters every gradient once per step, stage 2 once per
 micro-batch; both gather every parameter once per step (after the optimizer changed the shards),
 not per micro-batch.
-One spawned group per world: 2 ranks (stage 1's accumulation with a zero_grad mid-step, in CI) and
+One spawned group per world: 2 ranks (stage 1's accumulation with a zero_grad mid-step, stage 2's
+reduce-scatters traced behind the next micro-batch, in CI) and
 4 (slow: stage 2's accumulation over dp_shard 4; both stages on pp 2 x dp_shard 2, beside tp on
 dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2)."""
 from __future__ import annotations
@@ -32,7 +33,8 @@ GROUPS: dict = {}
 
 def group(world: int, tmp_path_factory) -> dict:
     if world not in GROUPS:
-        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp")))] if world == 2 else
+        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp"))), (ranks.stage2_in_flight,)]
+                 if world == 2 else
                  [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
                   (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
                   (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
@@ -116,6 +118,23 @@ def test_stage_accumulates_like_one_process(scenario, stage, world, expected, tm
     for r in results:
         assert_collectives(r, stage, dp=world)
         assert r["notes"][0]["stage"] == stage
+
+
+def test_stage2_reduce_scatter_runs_behind_the_next_micro_batch(expected, tmp_path_factory):
+    """dp_shard 2, 4 micro-batches after a discarded one (zero_grad between): each backward's
+    reduce-scatter is issued asynchronously and still in flight when the next forward starts, waited
+    at the end of the next backward before that one's is issued, and the synced backward returns only
+    after its own completed. The discarded micro-batch's completes after the zero_grad: dropped."""
+    results = group(2, tmp_path_factory)["stage2_in_flight"]
+    assert_trains_like_one_process(results, expected)
+    want = [("issue", 0)]  # the discarded micro-batch's
+    for i in range(ranks.MICRO):
+        want += [("forward", i), ("wait", i), ("issue", i + 1)]
+        want += [("wait", i + 1)] if i == ranks.MICRO - 1 else []
+        want += [("returned", i)]
+    for r in results:
+        for events in r["events"]:
+            assert events == want, events
 
 
 def test_stage1_checkpoint_round_trips_with_dcp(tmp_path_factory):

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.graph import _BoxedCodeGen
 
 from picofx.capture.annotate import annotate
+from picofx.capture.vocabulary import FLOAT8_META
 from picofx.cost.partition import partition
 from picofx.errors import PassError
 from picofx.kernels.lowering import has_triton_kernel, triton_lowering, with_backward_ops
@@ -224,8 +225,8 @@ def declare_fallbacks(decompositions: dict) -> None:
 
 
 def runs_float8(gm: fx.GraphModule) -> bool:
-    """Whether the precision pass put float8 linears in `gm`."""
-    return any(getattr(n.target, "__name__", None) == "float8_linear" for n in gm.graph.nodes if n.op == "call_function")
+    """Whether the precision pass put float8 linears in `gm` (it tags each one)."""
+    return any(FLOAT8_META in n.meta for n in gm.graph.nodes)
 
 
 def compile_graph(gm: fx.GraphModule, inputs: list, manager: PassManager, ctx: Context, joint=None):

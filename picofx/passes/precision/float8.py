@@ -159,7 +159,7 @@ def rewrite_to_float8(gm: fx.GraphModule, recipe: str, layers, device_descriptio
                 result.meta["val"] = aten.add.Tensor(f8.meta["val"], bias.meta["val"])
         for new in {f8, result}:
             new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        f8.meta[FLOAT8_META] = recipe  # what the shard pass reads to gather the weight in float8
+        f8.meta[FLOAT8_META] = recipe  # what the shard pass (gathers) and the compiler (CPU roundings) read
         unused = list(node.all_input_nodes)
         node.replace_all_uses_with(result)
         gm.graph.erase_node(node)

@@ -6,7 +6,8 @@ gradient, the weight gradient), 2 M K N FLOPs each, at `device.matmul_rate` for 
 rate, or the float8 rate (`peak_flops[torch.float8_e4m3fn]`) times the recipe's GEMM share for the
 GEMMs the recipe casts. The casts are memory-bound, priced as bytes at `device.pointwise_bandwidth()`
 (`RecipeCost.cast_bytes`: the amax read, the cast's read and float8 write, the transposed copy a
-backward GEMM takes), and each adds a kernel launch (`device.op_overhead`).
+backward GEMM takes), and each adds a kernel launch (`device.op_overhead`). A weight Shard gathers in
+float8 is cast on its shard instead, before each gather (`SHARD_GATHER_BYTES`, `SHARD_REGATHER_BYTES`).
 
 Fitted points (torchao's float8 microbenchmark on an H100, fwd + bwd of one linear against bf16,
 both under torch.compile; the README's text gives two of the tensorwise table's points):
@@ -29,14 +30,24 @@ TENSORWISE_GEMM_SHARE = 0.785
 # Llama3-8B rowwise tokens/s over tensorwise's, 6,768 / 7,689.5 = 0.88 (torchao's float8 README).
 ROWWISE_GEMM_SHARE = 0.84
 UNFUSED_AMAX_BYTES = 2  # an input whose producer cannot take its amax reduction (attention) is read once more
-SHARD_CAST_BYTES = 5    # a shard's amax read and cast (read, write), before each of the two gathers
+# A weight gathered in float8 (Shard's float8 gather), per element of its fp32 shard, as Inductor compiles it
+# (one CPU kernel each, read from the generated code): the amax reads the shard (4), apart from the cast
+# since the scales' all-reduce runs between them; the cast reads it again and writes a byte (5); the bucket's
+# concatenation copies the bytes into the gather's input (2: read, write). The backward's re-gather keeps
+# the scales: the cast and the copy again.
+SHARD_AMAX_BYTES = 4
+SHARD_CAST_BYTES = 5
+SHARD_PACK_BYTES = 2
+SHARD_GATHER_BYTES = SHARD_AMAX_BYTES + SHARD_CAST_BYTES + SHARD_PACK_BYTES  # 11, the forward's
+SHARD_REGATHER_BYTES = SHARD_CAST_BYTES + SHARD_PACK_BYTES                   # 7, the backward's
+SCALE_BYTES = 4  # an amax in the forward's one all-reduce of the scales (fp32), per weight gathered in float8
 
 
 @dataclass(frozen=True)
 class RecipeCost:
     """What a recipe costs beyond its GEMMs. `cast_bytes`, per element: the input, the output
     gradient, the weight per call, the weight per call when it is gathered in float8 (cast on the
-    shard before the gather, only its transposed copy made whole)."""
+    shard before the gather, only its transposed copy made whole, for the backward's input gradient)."""
 
     float8_gemms: tuple[bool, bool, bool]  # output, grad_input, grad_weight
     gemm_share: float
@@ -84,10 +95,11 @@ class LinearTimes:
 
 
 def linear_times(device, tokens: int, inputs: int, outputs: int, recipe: str, *, amax_fused: bool = True,
-                 gathered_over: int = 0) -> LinearTimes:
+                 gathered_over: int = 0, regathered: bool = True) -> LinearTimes:
     """A linear of `tokens` x `inputs` -> `outputs` in bf16 and in float8 under `recipe` (torchao's names).
     `amax_fused`: the input's amax is computed by the kernel that produces it (a norm, SwiGLU);
-    `gathered_over`: the shard group's size where the weight is gathered in float8 (0: not gathered)."""
+    `gathered_over`: the shard group's size where the weight is gathered in float8 (0: not gathered);
+    `regathered`: the backward gathers it again (reshard_after_forward), casting its shard again."""
     if recipe not in RECIPE_COSTS:
         raise ValueError(f"float8 cost: recipe {recipe!r} is unknown; use one of {', '.join(RECIPE_COSTS)}")
     r = RECIPE_COSTS[recipe]
@@ -102,10 +114,15 @@ def linear_times(device, tokens: int, inputs: int, outputs: int, recipe: str, *,
     # the forward casts the input (read, float8 write: 3 bytes, and its amax where not fused); the backward the rest
     x_forward = m * k * (3 + (0 if amax_fused else UNFUSED_AMAX_BYTES))
     x_backward, g_backward = m * k * (x - 3), m * n * g
-    weight = k * n * (w_gathered + 2 * SHARD_CAST_BYTES / gathered_over if gathered_over else w)
+    if gathered_over:  # the shard's casts (1 / gathered_over of the weight); the backward's transposed copy
+        weight_forward = k * n * SHARD_GATHER_BYTES / gathered_over
+        weight_backward = k * n * (w_gathered + (SHARD_REGATHER_BYTES / gathered_over if regathered else 0))
+    else:
+        weight_forward = weight_backward = k * n * w / 2
     return LinearTimes(bf16, 2 * bf16, output + x_forward / bandwidth,
                        grad_input + grad_weight + (x_backward + g_backward) / bandwidth,
-                       weight / 2 / bandwidth, weight / 2 / bandwidth, r.cast_kernels * device.op_overhead)
+                       weight_forward / bandwidth, weight_backward / bandwidth, r.cast_kernels * device.op_overhead)
+
 
 
 def speedup(device, m: int, k: int, n: int, recipe: str = "tensorwise") -> float:

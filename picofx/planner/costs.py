@@ -23,7 +23,7 @@ from picofx.capture.annotate import tensor_bytes
 from picofx.planner import predict as plan
 from picofx.cost.model import CostModel, is_alias, kernel_of, node_flops
 from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
-from picofx.planner.models import parameter_count, with_layers
+from picofx.planner.models import parameter_count, tied, with_layers
 from picofx.planner.store import CaptureStore
 
 PASSES = ("fuse", "precision")
@@ -58,6 +58,7 @@ class ModelCosts:
     layer_matmul_forward_s: float = 0.0  # of layer_forward_s, the matmuls'
     precision: str = "bf16"  # the layer's linears' (picofx.planner.float8.with_float8 makes the others)
     layer_float8_parameters: int = 0  # of layer_parameters, the weights of the linears that run in float8
+    layer_float8_weights: int = 0     # how many weights those are
 
     def recompute_s(self, checkpoint) -> float:
         """Seconds per sequence a layer's backward runs again of its forward under `checkpoint`
@@ -82,7 +83,8 @@ class ModelCosts:
 
     @property
     def embedding_parameters(self) -> int:
-        return 2 * self.config.vocab_size * self.config.hidden_size + self.config.hidden_size
+        return (1 if tied(self.config) else 2) * self.config.vocab_size * self.config.hidden_size + \
+            self.config.hidden_size  # the embedding, the head (unless tied to it), the final norm
 
 
 def _mode(checkpoint) -> str:
@@ -195,7 +197,8 @@ def model_costs(config: LlamaConfig, seq: int, cost_model: CostModel, passes=PAS
     h, layers = config.hidden_size, config.num_hidden_layers
     memory = one.memory
     transient = max(memory.forward_peak, memory.backward_peak - memory.gradients) - memory.saved_activations
-    matmul_params = params - config.vocab_size * h  # the embedding lookup does no matmul
+    # the embedding lookup does no matmul; the head does, tied to it or not
+    matmul_params = params - (0 if tied(config) else config.vocab_size * h)
     return ModelCosts(config, seq, layer["forward"] - layer["per_call"], layer["backward"] - layer["per_call"],
                       two.saved - one.saved, rest["forward"] - rest["per_call"],
                       max(0.0, rest["backward"] - rest["per_call"]),

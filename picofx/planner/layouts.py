@@ -54,7 +54,7 @@ from picofx.planner.costs import ModelCosts
 from picofx.planner.pipeline import busiest_rank, pipeline_slots  # noqa: F401 (pipeline_slots: its old home)
 from picofx.planner.float8 import at_precision, gather_bytes_per_parameter, refusal as float8_refusal
 from picofx.planner.recipe import refusal
-from picofx.planner.sharding import sharded_step
+from picofx.planner.sharding import RESHARD_AFTER_FORWARD, sharded_step
 from picofx.planner.tensor_parallel import RECOMPUTED_ALL_REDUCES, split_layer_costs
 
 TP_SPLIT_FRACTION = 24 / 34  # Megatron's count: of a layer's 34 activation units per token, 24 split by tp
@@ -97,7 +97,6 @@ CP_METHODS = ("allgather", "ring")
 INTERLEAVED = "Interleaved1F1B"
 SHARD_STAGES = (1, 2, 3)
 VIRTUAL = (1, 2)  # pipeline stages per rank the search tries (2: interleaved 1F1B)
-RESHARD_AFTER_FORWARD = True  # Shard()'s default, as the recipe builds it: stage 3 gathers again for the backward
 
 
 @dataclass(frozen=True, init=False)
@@ -291,7 +290,7 @@ def predict(run: Run, layout: Layout) -> Prediction:
         sharded = sharded_step(layout.shard_stage, layers, data, dp_link, layout.microbatches,
                                hidden=run.device.cpu_share >= 1, reshard_after_forward=RESHARD_AFTER_FORWARD,
                                reduce_bytes_per_parameter=sent.bytes_per_parameter if sent else 4,
-                               step_compute_s=compute_step)
+                               step_compute_s=compute_step, float8_weights=stage_layers * c.layer_float8_weights)
         compression = layout.microbatches * sent.compute_s if sent else 0.0  # each backward reduce-scatters
         dp_exposed, dp_what = sharded.exposed_s, sharded.what
     else:

@@ -1,15 +1,29 @@
 """The models `picofx plan` knows by name, and the shapes of the others it is given.
 
-Shapes only: a LlamaConfig (hidden size, layers, heads, key/value heads, MLP width, vocabulary).
+Shapes only: a LlamaConfig (hidden size, layers, heads, key/value heads, MLP width, vocabulary), and
+whether the output projection is the embedding (Hugging Face's `tie_word_embeddings`: a `TiedConfig`).
 Figures from each model's published config.json."""
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from picofx.models.llama import CONFIGS, LlamaConfig
+
+
+@dataclass(frozen=True)
+class TiedConfig(LlamaConfig):
+    """A model whose head reads the embedding's weight (Qwen2-0.5B, Llama-3.2-1B): one vocabulary x
+    hidden matrix, counted, kept and gathered once; its matmul runs all the same."""
+
+    tie_word_embeddings: bool = True
+
+
+def tied(config: LlamaConfig) -> bool:
+    return getattr(config, "tie_word_embeddings", False)
 
 MODELS = {
     "llama-tiny": CONFIGS["tiny"],
@@ -53,7 +67,7 @@ def model_config(spec: str) -> LlamaConfig:
         fields = json.loads(path.read_text())
         values = {ours: fields[theirs] for ours, theirs in HF_KEYS.items() if theirs in fields}
         values.setdefault("num_key_value_heads", values.get("num_attention_heads", 1))
-        return LlamaConfig(**values)
+        return TiedConfig(**values) if fields.get("tie_word_embeddings", False) else LlamaConfig(**values)
     if ":" in spec:
         module, function = spec.split(":", 1)
         made = getattr(importlib.import_module(module), function)()
@@ -72,4 +86,4 @@ def with_layers(config: LlamaConfig, layers: int, seq: int) -> LlamaConfig:
 def parameter_count(config: LlamaConfig) -> int:
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
     layer = h * (h + 2 * kv + h) + 3 * h * config.intermediate_size + 2 * h
-    return config.num_hidden_layers * layer + 2 * config.vocab_size * h + h
+    return config.num_hidden_layers * layer + (1 if tied(config) else 2) * config.vocab_size * h + h

@@ -18,7 +18,10 @@ rank and what it sends per step, over a shard group of `world` ranks, per pipeli
   next backward: one in flight, the same exposure when the micro-batches are alike). Memory: 16 P / world, the stage's bf16 parameters (2 P) and two units' fp32 gradients.
 - stage 3 (and the parameters; picofx's Shard, FSDP): per micro-batch each unit gathered for the
   forward and, with `reshard_after_forward`, again for the backward, and its gradient
-  reduce-scattered (`picofx.cost.shard`); memory 16 P / world and the units gathered at once.
+  reduce-scattered (`picofx.cost.shard`); memory 16 P / world and the units gathered at once. Weights
+  gathered in float8 (the tensorwise recipe, stage 3 only: stages 1 and 2 gather outside the graph, in
+  bf16) travel in a byte each, and each forward first all-reduces (max) their shards' amaxes, stacked:
+  one small collective, waited before any gather can cast, so nothing hides it.
 
 Communication overlaps compute unit by unit (`picofx.cost.shard.overlapped`), except on CPU ranks
 sharing cores (`hidden=False`): nothing hides there.
@@ -27,12 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from picofx.cost.comm import all_gather_seconds, reduce_scatter_seconds
+from picofx.cost.comm import all_gather_seconds, all_reduce_seconds, reduce_scatter_seconds
+from picofx.cost.float8 import SCALE_BYTES
 from picofx.cost.shard import ADAMW_STATE_BYTES, Layer, overlapped, predict_sharded
 
 GATHERED_BYTES = 2   # bf16 parameters gathered
 REDUCED_BYTES = 4    # fp32 gradients reduce-scattered
 WHOLE_BYTES_STAGE_1 = 8  # fp32 parameter and gradient, whole on each rank; the two moments sharded
+RESHARD_AFTER_FORWARD = True  # Shard()'s default, as the recipe builds it: stage 3 gathers again for the backward
 STAGE_NAMES = {1: "optimizer state", 2: "optimizer state and gradients", 3: "optimizer state, gradients and parameters"}
 
 
@@ -50,9 +55,10 @@ class Sharded:
 
 def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches: int, *, hidden: bool = True,
                  reshard_after_forward: bool = True, reduce_bytes_per_parameter: float = REDUCED_BYTES,
-                 step_compute_s: float | None = None) -> Sharded:
+                 step_compute_s: float | None = None, float8_weights: int = 0) -> Sharded:
     """`layers` (forward order, one micro-batch's compute each) sharded at ZeRO `stage` over `world` ranks;
-    `step_compute_s`: the rank's compute time a step (a pipeline's with its bubble; default: m micro-batches')."""
+    `step_compute_s`: the rank's compute time a step (a pipeline's with its bubble; default: m micro-batches');
+    `float8_weights`: how many weights stage 3 gathers in float8 (their scales: one all-reduce a forward)."""
     parameters = sum(layer.parameters for layer in layers)
     largest = sorted((layer.parameters for layer in layers), reverse=True)
     if stage == 3:
@@ -60,10 +66,11 @@ def sharded_step(stage: int, layers: list[Layer], world: int, link, microbatches
                               reduce_bytes_per_parameter=reduce_bytes_per_parameter,
                               reshard_after_forward=reshard_after_forward)
         exposed = one.exposed_s if hidden else one.communication_s
-        return Sharded(microbatches * exposed, microbatches * one.communication_s,
+        scales = all_reduce_seconds(SCALE_BYTES * float8_weights, world, link) if float8_weights else 0.0
+        return Sharded(microbatches * (exposed + scales), microbatches * (one.communication_s + scales),
                        ADAMW_STATE_BYTES * parameters / world, one.gathered_bytes,
                        "parameter all-gathers and gradient reduce-scatters per micro-batch")
-    sent = [layer.parameters * (layer.gather_bytes_per_parameter or GATHERED_BYTES) for layer in layers]
+    sent = [layer.parameters * GATHERED_BYTES for layer in layers]  # whole parameters, gathered outside the graph
     gathers = [all_gather_seconds(size, world, link) for size in sent]
     reduces = [reduce_scatter_seconds(layer.parameters * reduce_bytes_per_parameter, world, link) for layer in layers]
     forward = [layer.forward_s for layer in layers]

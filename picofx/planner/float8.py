@@ -117,4 +117,4 @@ def at_precision(costs: ModelCosts, device, layout, tokens: int) -> tuple[ModelC
     # Shard gathers float8 weights at stage 3 only (1 and 2 gather whole parameters outside the graph)
     float8_gathered = layout.shard and layout.shard_stage == 3 and RECIPES[layout.precision] == "tensorwise"
     return with_float8(costs, device, precision=layout.precision, tp=layout.tp, tokens=tokens,
-                       gathered_over=layout.dp * layout.cp if float8_gathered else 0)
+                       gathered_over=layout.dp_shard * layout.cp if float8_gathered else 0)  # HSDP: a replica's shards

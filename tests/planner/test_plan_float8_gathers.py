@@ -120,3 +120,44 @@ def test_a_tied_head_is_counted_once_and_named_in_the_float8_choices(tmp_path):
     _, chosen = with_float8(costs, H100, precision="float8")
     assert chosen["head"].startswith("bf16") and "tied to the embedding" in chosen["head"]
     assert "tied" not in with_float8(llama3_8b().costs, H100, precision="float8")[1]["head"]
+
+
+@pytest.mark.slow  # two Inductor compiles: ~45 s on a shared 2-core CPU
+def test_inductor_reads_the_shard_apart_for_the_amax_and_the_cast(tmp_path, monkeypatch):
+    """What SHARD_GATHER_BYTES and SHARD_REGATHER_BYTES count, as Inductor compiles the float8 gather's shard
+    side on CPU (one rank): the amax in one kernel, the cast in another (the all-reduce between them), the
+    bucket's bytes concatenated by a copy; the re-gather casts with the kept scales and copies, no amax."""
+    import random
+
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    from picofx.passes.shard.float8_gather import float8_bytes, local_amaxes, scales_of
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(random.randint(30000, 60000)))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group, c10d = dist.group.WORLD.group_name, torch.ops._c10d_functional
+
+        def gather(a, b, scales):
+            flat = torch.cat([float8_bytes(a, scales[0]), float8_bytes(b, scales[1])])
+            return c10d.wait_tensor(c10d.all_gather_into_tensor(flat, 1, group))
+
+        def forward(a, b):
+            scales = scales_of(c10d.wait_tensor(c10d.all_reduce(local_amaxes(a, b), "max", group)))
+            return gather(a, b, scales), scales
+
+        a, b = torch.randn(64, 32), torch.randn(32, 32)
+        (_, scales), (first,) = run_and_get_code(torch.compile(forward, backend="inductor"), a, b)
+        _, (again,) = run_and_get_code(torch.compile(gather, backend="inductor"), a, b, scales)
+    finally:
+        dist.destroy_process_group()
+
+    def kernels(code: str) -> list[str]:
+        return [line.split(" = ")[0] for line in code.splitlines() if line.startswith("cpp_fused")]
+
+    assert [("amax" in k, "_to_copy" in k) for k in kernels(first)] == [(True, False), (False, True)]
+    assert [("amax" in k, "_to_copy" in k) for k in kernels(again)] == [(False, True)]
+    assert all(code.count("aten.cat.default(") == 1 for code in (first, again))  # the bucket's copy

@@ -26,7 +26,7 @@ from picofx.planner.costs import PASSES
 from picofx.planner.layouts import LAYOUT_NAMES, Checkpointing, Layout, Prediction, Run
 from picofx.planner.device_profile import read_device_profile
 from picofx.planner.measure import calibrated_device
-from picofx.planner.models import HF_KEYS, model_config
+from picofx.planner.models import HF_KEYS, hf_config, model_config
 from picofx.planner.recipe import Recipe, planned_recipe
 from picofx.planner.run import check_run, on_network, plan_run, table
 
@@ -43,10 +43,7 @@ def as_config(model) -> LlamaConfig:
     if isinstance(config, LlamaConfig):
         return config
     if all(hasattr(config, key) for key in ("hidden_size", "num_hidden_layers", "num_attention_heads")):
-        values = {ours: getattr(config, theirs) for ours, theirs in HF_KEYS.items()
-                  if getattr(config, theirs, None) is not None}
-        values.setdefault("num_key_value_heads", values["num_attention_heads"])
-        return LlamaConfig(**values)
+        return hf_config({key: getattr(config, key, None) for key in (*HF_KEYS.values(), "tie_word_embeddings")})
     raise TypeError(f"picofx.plan: {type(model).__name__} is not a LLaMA-shaped model the planner knows: pass a "
                     "zoo name, a LlamaConfig, a Hugging Face config, or a model with a .config of one")
 

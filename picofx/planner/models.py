@@ -64,10 +64,7 @@ def model_config(spec: str) -> LlamaConfig:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.exists():
-        fields = json.loads(path.read_text())
-        values = {ours: fields[theirs] for ours, theirs in HF_KEYS.items() if theirs in fields}
-        values.setdefault("num_key_value_heads", values.get("num_attention_heads", 1))
-        return TiedConfig(**values) if fields.get("tie_word_embeddings", False) else LlamaConfig(**values)
+        return hf_config(json.loads(path.read_text()))
     if ":" in spec:
         module, function = spec.split(":", 1)
         made = getattr(importlib.import_module(module), function)()
@@ -77,6 +74,13 @@ def model_config(spec: str) -> LlamaConfig:
         raise ValueError(f"picofx plan: {spec} returned {type(made).__name__}, not a LlamaConfig or a model with one")
     raise ValueError(f"picofx plan: unknown model {spec!r}; a name from {sorted(MODELS)}, a Hugging Face "
                      "config.json (or its directory), or module:function")
+
+
+def hf_config(fields: dict) -> LlamaConfig:
+    """The shape a Hugging Face config's fields give (a config.json's, or a config object's as a dict)."""
+    values = {ours: fields[theirs] for ours, theirs in HF_KEYS.items() if fields.get(theirs) is not None}
+    values.setdefault("num_key_value_heads", values.get("num_attention_heads", 1))
+    return TiedConfig(**values) if fields.get("tie_word_embeddings") else LlamaConfig(**values)
 
 
 def with_layers(config: LlamaConfig, layers: int, seq: int) -> LlamaConfig:

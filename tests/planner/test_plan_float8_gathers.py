@@ -114,6 +114,10 @@ def test_a_tied_head_is_counted_once_and_named_in_the_float8_choices(tmp_path):
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(hf)
     assert parameter_count(config) == sum(p.numel() for p in model.parameters())  # the tied matrix once
+    from picofx.planner.api import as_config
+    qwen2 = transformers.Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    assert models.tied(as_config(qwen2)) and as_config(qwen2).vocab_size == 512  # picofx.plan(a Qwen2 model)
     costs = ModelCosts(config, 64, 1e-4, 2e-4, 10**6, 1e-4, 2e-4, 10**6, 10**6, parameter_count(config), 1e6)
     assert costs.embedding_parameters == 512 * 64 + 64 and costs.layer_parameters == \
         (parameter_count(config) - costs.embedding_parameters) // 2

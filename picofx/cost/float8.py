@@ -124,7 +124,6 @@ def linear_times(device, tokens: int, inputs: int, outputs: int, recipe: str, *,
                        weight_forward / bandwidth, weight_backward / bandwidth, r.cast_kernels * device.op_overhead)
 
 
-
 def speedup(device, m: int, k: int, n: int, recipe: str = "tensorwise") -> float:
     """A linear's fwd + bwd bf16 seconds over float8's, as torchao's microbenchmark table gives them."""
     return linear_times(device, m, k, n, recipe).speedup()

@@ -76,12 +76,13 @@ def references() -> dict:
 GROUPS: dict = {}
 
 
-def group(world: int, slow: bool, backend: str = "eager") -> dict:
-    """The results of every working cell of this world (CI's or the slow ones), from one spawn."""
+def group(world: int, slow: bool, backend: str = "eager", selected=None) -> dict:
+    """The results of every working cell of this world (CI's or the slow ones), from one spawn;
+    `selected`: only these cells (those the session runs, e.g. under `-k shard_stage`)."""
     key = (world, slow, backend)
     if key not in GROUPS:
         cells = [c for c in WORKING if c.world == world and c.slow == slow
-                 and (backend == "eager" or c.features in INDUCTOR_CELLS)]
+                 and (backend == "eager" or c.features in INDUCTOR_CELLS) and (selected is None or c in selected)]
         results = run_ranks(composability_ranks.run_cells, world, cells, backend,
                             timeout=240 + max(60, 15 * world) * len(cells),
                             collective_timeout=90)
@@ -157,9 +158,15 @@ def test_one_process_cell_trains_like_the_model(cell, references):
     assert_matches_one_process(cell, [{**one_process(cell_passes(cell)), "replica": 0, "replicas": 1}], references)
 
 
+def selected_cells(request) -> set:
+    """The cells of the tests this session runs."""
+    return {item.callspec.params["cell"] for item in request.session.items
+            if "cell" in getattr(getattr(item, "callspec", None), "params", {})}
+
+
 @pytest.mark.parametrize("cell", marked([c for c in WORKING if c.world > 1]))
-def test_working_cell_trains_like_one_process(cell, references):
-    assert_matches_one_process(cell, group(cell.world, cell.slow)[cell], references)
+def test_working_cell_trains_like_one_process(cell, references, request):
+    assert_matches_one_process(cell, group(cell.world, cell.slow, selected=selected_cells(request))[cell], references)
 
 
 @pytest.mark.slow

@@ -9,8 +9,8 @@ and async TP a sequence-parallel one, the ring a context_parallel method; a comp
 a data-parallel exchange (overlap's, when the cell names no other); HSDP is the shard pass on a
 mesh with dp_replicate and dp_shard (replicas of the sharded group, averaged by the shard pass
 itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, shard_stage2) are
-shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, and
-with HSDP; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
+shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, with
+HSDP, and on the 3-D meshes tp + pp, sp + pp, tp + cp and pp + cp; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
 so a cell's world is the product of its dimensions' sizes. float8 is the precision pass with
 float8 linear layers (tensorwise, every layer the kernels take): it implies precision.
 """
@@ -177,12 +177,16 @@ def layered() -> list[Cell]:
     return out
 
 
+# beside Shard's stages 1 and 2: each other parallelism alone, then the 3-D layouts of the largest runs
+STAGE_NEIGHBOURS = ((), ("tensor_parallel",), ("sequence_parallel",), ("pipeline",), ("context_parallel",),
+                    ("hsdp",), ("tensor_parallel", "pipeline"), ("sequence_parallel", "pipeline"),
+                    ("tensor_parallel", "context_parallel"), ("pipeline", "context_parallel"))
+
+
 def stage_cells() -> list[Cell]:
-    """Shard's stages 1 and 2 alone and beside each other parallelism: tp (with and without sequence
-    parallelism), pp, cp; and with HSDP."""
-    return [Cell(closed({stage, *other})) for stage in SHARD_STAGES
-            for other in ((), ("tensor_parallel",), ("sequence_parallel",), ("pipeline",), ("context_parallel",),
-                          ("hsdp",))]
+    """Shard's stages 1 and 2 alone, beside each other parallelism (tp with and without sequence
+    parallelism, pp, cp), with HSDP, and on the 8-rank meshes of tp + pp, sp + pp, tp + cp, pp + cp."""
+    return [Cell(closed({stage, *other})) for stage in SHARD_STAGES for other in STAGE_NEIGHBOURS]
 
 
 def cells() -> list[Cell]:

@@ -21,8 +21,11 @@ DTensor parameter's `.grad` shard, the whole gradients freed:
   reduce-scatter per micro-batch. Under accumulation (no_sync, a pipeline's schedule) it is issued
   asynchronously and runs behind the next micro-batch (`InFlight`): completed at the end of the next
   backward, before that one's is issued, and always before a synced backward (or the schedule) ends,
-  so the `.grad` shards are complete when the optimizer or clip_grad_norm_ read them (the step's last
-  backward must synchronise, as with FSDP2).
+  so the `.grad` shards are complete when the optimizer or clip_grad_norm_ read them. A step whose
+  backwards all ran unsynced leaves the last one in flight: every optimizer's `step()` completes the
+  in-flight reduce-scatters of its parameters first (`complete_before_step`), so none leaks past the
+  step, which reads every micro-batch's gradient (FSDP2 too returns no collective in flight and
+  raises nothing there); a `clip_grad_norm_` before that step still misses the last micro-batch.
 
 Beside tensor parallelism the DTensors are 2-D (dp_shard, tp) and a whole leaf is this rank's tp
 piece, gathered over dp_shard; with HSDP they are replicated over dp_replicate and each
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from picofx.parallel.layouts import ShardEntry, ShardLayout
@@ -122,6 +126,19 @@ class Whole:
 
 OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Accumulation
 WHOLES = WeakIdKeyDictionary()  # DTensor parameter -> its Whole (a parameter lives as long as its record)
+STEP_HOOK: list = []  # the handle of complete_before_step, registered with the first stage-2 parameter
+
+
+def complete_before_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """Before any optimizer's step: complete stage 2's reduce-scatters still in flight for its
+    parameters (a step after unsynced backwards only), so the step reads whole `.grad` shards."""
+    pending = [owner for owner in OWNERS.values() if owner.in_flight]
+    if not pending:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for owner in pending:
+        if any(id(w.param) in stepped for flight in owner.in_flight for w in flight.wholes):
+            owner.finish()
 
 
 def accumulation_of(model: nn.Module) -> Accumulation:
@@ -139,6 +156,8 @@ def hold_whole(layout: ShardLayout, model: nn.Module) -> None:
     """After the layout's parameters became DTensors: a whole leaf for each (once), whose gradient
     arrivals the model's Accumulation reduces."""
     owner = accumulation_of(model)
+    if layout.stage == 2 and not STEP_HOOK:  # one hook for every optimizer of the process
+        STEP_HOOK.append(register_optimizer_step_pre_hook(complete_before_step))
     for entry in layout.entries:
         param = model.get_parameter(entry.name)
         if param in WHOLES:

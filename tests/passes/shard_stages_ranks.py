@@ -130,9 +130,30 @@ def micro_loss(opt, batch: dict, micro: tuple) -> torch.Tensor:
     return loss.detach()
 
 
+def unsynced_step(opt, index: int, replicas: int) -> dict:
+    """Step 0's micro-batches, every backward under no_sync, then an optimizer step (SGD at lr 0: the
+    parameters keep their values): the reduce-scatters issued and waited before and after the step,
+    and the gradients the step read."""
+    events, before = [], []
+    with traced(events):
+        batch = batch_of(0, index, replicas)
+        with opt.no_sync():
+            for micro in zip(*(v.chunk(MICRO) for v in batch.values())):
+                micro_loss(opt, batch, micro)
+        before = list(events)
+        optimizer = torch.optim.SGD(opt.parameters(), lr=0.0)
+        optimizer.step()
+    out = {"before_step": before, "after_step": events[len(before):],
+           "grads": {n: whole(p.grad) for n, p in opt.named_parameters() if p.grad is not None}}
+    optimizer.zero_grad(set_to_none=True)
+    return out
+
+
 def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None = None, tp: int = 1,
-              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1, trace: bool = False):
-    """`replicas`: HSDP's dp_replicate (the sharded groups, each a replica of the shards)."""
+              sequence_parallel: bool = False, discarded: bool = False, replicas: int = 1, trace: bool = False,
+              unsynced: bool = False):
+    """`replicas`: HSDP's dp_replicate (the sharded groups, each a replica of the shards); `unsynced`:
+    an unsynced step (`unsynced_step`) before the two steps."""
     mesh = ParallelMesh.build(pp=pp, dp_replicate=replicas, dp_shard=world // (pp * tp * replicas), tp=tp)
     dp, rep = mesh.dim("dp_shard"), mesh.dim("dp_replicate")
     index, count = rep.rank * dp.size + dp.rank, rep.size * dp.size  # this rank's data-parallel replica
@@ -143,7 +164,9 @@ def run_stage(rank: int, world: int, stage: int, pp: int, checkpoint: str | None
     if pp == 1:
         example = {k: v.chunk(MICRO)[0].contiguous() for k, v in example.items()}
     opt = picofx.optimize(z.model, example, passes, backend="eager", loss_fn=z.loss_fn, mesh=mesh)
+    first = unsynced_step(opt, index, count) if unsynced else None
     out = train(opt, z.model, 2, index, count, pp > 1, discarded, trace)
+    out["unsynced"] = first
     out["replica"] = index
     out["notes"] = [r.notes for r in opt.report.records if r.name == "shard" and r.changed]
     if checkpoint is not None:
@@ -173,7 +196,7 @@ def stage1_accumulation(rank, world, checkpoint):
 
 def stage2_in_flight(rank, world):
     """Stage 2's accumulation with a discarded micro-batch each step, its reduce-scatters traced."""
-    return run_stage(rank, world, 2, pp=1, discarded=True, trace=True)
+    return run_stage(rank, world, 2, pp=1, discarded=True, trace=True, unsynced=True)
 
 
 def stage2_accumulation(rank, world):
@@ -202,3 +225,11 @@ def stage1_hsdp(rank, world):
 
 def stage2_hsdp(rank, world):
     return run_stage(rank, world, 2, pp=1, replicas=2)
+
+
+def stage1_tensor_parallel_pipeline(rank, world):
+    return run_stage(rank, world, 1, pp=2, tp=2)
+
+
+def stage2_sequence_parallel_pipeline(rank, world):
+    return run_stage(rank, world, 2, pp=2, tp=2, sequence_parallel=True)

@@ -11,9 +11,11 @@ are counted per step: stage 1 reduce-scatters every gradient once per step, stag
 micro-batch; both gather every parameter once per step (after the optimizer changed the shards),
 not per micro-batch.
 One spawned group per world: 2 ranks (stage 1's accumulation with a zero_grad mid-step, stage 2's
-reduce-scatters traced behind the next micro-batch, in CI) and
+reduce-scatters traced behind the next micro-batch, and completed by the optimizer's step after
+unsynced backwards, in CI),
 4 (slow: stage 2's accumulation over dp_shard 4; both stages on pp 2 x dp_shard 2, beside tp on
-dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2)."""
+dp_shard 2 x tp 2, and HSDP on dp_replicate 2 x dp_shard 2) and 8 (slow: both stages on pp 2 x
+dp_shard 2 x tp 2, stage 2 with sequence parallelism)."""
 from __future__ import annotations
 
 import math
@@ -33,13 +35,13 @@ GROUPS: dict = {}
 
 def group(world: int, tmp_path_factory) -> dict:
     if world not in GROUPS:
-        calls = ([(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp"))), (ranks.stage2_in_flight,)]
-                 if world == 2 else
-                 [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
-                  (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
-                  (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
-                  (ranks.stage1_hsdp,), (ranks.stage2_hsdp,)])
-        GROUPS[world] = run_scenarios(calls, world, timeout=600, collective_timeout=120)
+        calls = {2: [(ranks.stage1_accumulation, str(tmp_path_factory.mktemp("dcp"))), (ranks.stage2_in_flight,)],
+                 4: [(ranks.stage2_accumulation,), (ranks.stage1_pipeline,), (ranks.stage2_pipeline,),
+                     (ranks.stage1_tensor_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                     (ranks.stage2_sequence_parallel, str(tmp_path_factory.mktemp("dcp"))),
+                     (ranks.stage1_hsdp,), (ranks.stage2_hsdp,)],
+                 8: [(ranks.stage1_tensor_parallel_pipeline,), (ranks.stage2_sequence_parallel_pipeline,)]}[world]
+        GROUPS[world] = run_scenarios(calls, world, timeout=600 if world < 8 else 900, collective_timeout=120)
     return GROUPS[world]
 
 
@@ -137,6 +139,20 @@ def test_stage2_reduce_scatter_runs_behind_the_next_micro_batch(expected, tmp_pa
             assert events == want, events
 
 
+def test_stage2_optimizer_step_completes_the_reduce_scatter_left_in_flight(expected, tmp_path_factory):
+    """dp_shard 2, a step whose 4 backwards all ran under no_sync: the last reduce-scatter is still in
+    flight when the backward returns; the optimizer's step waits for it first, and steps on the
+    gradients of all 4 micro-batches (equal to one process's on the full batch)."""
+    for r in group(2, tmp_path_factory)["stage2_in_flight"]:
+        unsynced = r["unsynced"]
+        last = ranks.MICRO - 1
+        assert unsynced["before_step"][-1] == ("issue", last) and ("wait", last) not in unsynced["before_step"]
+        assert unsynced["after_step"] == [("wait", last)], unsynced["after_step"]
+        for name, g in unsynced["grads"].items():
+            torch.testing.assert_close(g, expected["grads"][0][name], rtol=1e-4, atol=1e-6, msg=name)
+        assert set(unsynced["grads"]) == set(expected["grads"][0])
+
+
 def test_stage1_checkpoint_round_trips_with_dcp(tmp_path_factory):
     assert all(r["restored"] for r in group(2, tmp_path_factory)["stage1_accumulation"])
 
@@ -162,6 +178,20 @@ def test_stage_beside_tensor_parallelism_trains_like_one_process(scenario, stage
     for r in results:
         assert_collectives(r, stage, dp=2, tp=2)
         assert r["restored"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario,stage", [("stage1_tensor_parallel_pipeline", 1),
+                                            ("stage2_sequence_parallel_pipeline", 2)])
+def test_stage_beside_tensor_parallelism_and_a_pipeline_trains_like_one_process(scenario, stage, expected,
+                                                                                tmp_path_factory):
+    """pp 2 x dp_shard 2 x tp 2 (stage 2 with sequence parallelism), 4 micro-batches a schedule: each
+    pipeline rank's tp pieces gathered once a step, reduce-scattered once a step (stage 1) or once per
+    micro-batch (stage 2), over dp_shard only."""
+    results = group(8, tmp_path_factory)[scenario]
+    assert_trains_like_one_process(results, expected, BESIDE_TP)
+    for r in results:
+        assert_collectives(r, stage, dp=2, tp=2)
 
 
 @pytest.mark.slow

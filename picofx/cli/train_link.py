@@ -4,8 +4,8 @@ per mesh dimension. A run with one parallel dimension attributes every collectiv
 several names each collective's group by its gloo worker thread (picofx.diagnose.groups, a short
 probe after the traced steps), fits each dimension's link apart where it traced enough collectives,
 and maps each dimension to the link the planner prices it with (picofx.planner.layouts' Run.link: a
-group within one node rides the node's link, one spanning nodes the network): the dimensions on one
-level are fitted together into its link.
+group within one node rides the node's link, one spanning nodes the network); the dimensions on one
+level combine into its link (picofx.diagnose.collectives.combined).
 """
 from __future__ import annotations
 
@@ -83,10 +83,10 @@ def collectives_of(every: list[dict]) -> list[list]:
 
 
 def per_dimension(sizes: dict[str, int], per_rank: list[list], ranks_per_node: int) -> MeasuredLinks:
-    """Each dimension's link from its own collectives; each level's from its dimensions' together
-    (one node: its link is the network's too, the only link the ranks have)."""
-    from picofx.diagnose.collectives import link_rates
-    from picofx.diagnose.groups import dimension_links, dimension_samples, pooled_link
+    """Each dimension's link from its own collectives; each level's from its dimensions' links (one
+    node: its link is the network's too, the only link the ranks have)."""
+    from picofx.diagnose.collectives import combined, link_rates
+    from picofx.diagnose.groups import dimension_links, dimension_samples
 
     links = dimension_links(per_rank, sizes)
     dimensions, parts, fitted = {}, [], {"node": [], "network": []}
@@ -99,7 +99,7 @@ def per_dimension(sizes: dict[str, int], per_rank: list[list], ranks_per_node: i
             parts.append(f"{dim} {rates(link)}")
         else:
             parts.append(f"{dim} not fitted: {too_few(link)}")
-    levels = {level: {**pooled_link(per_rank, sizes, dims), "dims": dims} for level, dims in fitted.items() if dims}
+    levels = {level: {**combined([links[d] for d in dims]), "dims": dims} for level, dims in fitted.items() if dims}
     if "node" in levels and math.prod(sizes.values()) <= ranks_per_node:
         levels["network"] = levels["node"]
     said = [f"{LEVELS[level]} link from {' and '.join(link['dims'])}: {rates(link)}" for level, link in levels.items()

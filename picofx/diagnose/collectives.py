@@ -98,7 +98,19 @@ def ring_fit(samples: list[tuple[Collective, int]]) -> dict:
     wire = sum(wire_bytes(c, n) for c, n in large)
     moving = sum(max(c.seconds - RING_STEPS[c.kind](n) * latency, 1e-9) for c, n in large)
     return {"latency_s": latency, "bandwidth": wire / moving if len(large) >= MIN_LARGE else None,
-            "small": len(small), "large": len(large), "kinds": sorted({c.kind for c, _ in timed})}
+            "small": len(small), "large": len(large), "kinds": sorted({c.kind for c, _ in timed}),
+            "wire_bytes": wire, "ring_steps": sum(RING_STEPS[c.kind](n) for c, n in timed)}
+
+
+def combined(links: list[dict]) -> dict:
+    """One link standing for several fitted ones (mesh dimensions whose groups share a level): the
+    bandwidth that moves all their large collectives' bytes in the time their own links take, the
+    latency that gives all their collectives' ring steps the time their own do."""
+    wire, steps = sum(f["wire_bytes"] for f in links), sum(f["ring_steps"] for f in links)
+    return {"latency_s": sum(f["ring_steps"] * f["latency_s"] for f in links) / steps if steps else 0.0,
+            "bandwidth": wire / sum(f["wire_bytes"] / f["bandwidth"] for f in links),
+            "small": sum(f["small"] for f in links), "large": sum(f["large"] for f in links),
+            "kinds": sorted({k for f in links for k in f["kinds"]}), "wire_bytes": wire, "ring_steps": steps}
 
 
 def link_rates(collectives: list[Collective], ranks: int) -> dict[str, dict]:
@@ -107,5 +119,5 @@ def link_rates(collectives: list[Collective], ranks: int) -> dict[str, dict]:
     for kind in RING_STEPS:
         fit = ring_fit([(c, ranks) for c in collectives if c.kind == kind])
         if fit["small"] + fit["large"]:
-            rates[kind] = {**{k: v for k, v in fit.items() if k != "kinds"}, "ranks": ranks}
+            rates[kind] = {**{k: fit[k] for k in ("latency_s", "bandwidth", "small", "large")}, "ranks": ranks}
     return rates

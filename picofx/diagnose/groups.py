@@ -86,8 +86,3 @@ def dimension_samples(per_rank: list[list[Collective]], sizes: dict[str, int], d
 def dimension_links(per_rank: list[list[Collective]], sizes: dict[str, int]) -> dict[str, dict]:
     """Each dimension's link (ring_fit over its own collectives), by dimension of `sizes`."""
     return {dim: ring_fit(dimension_samples(per_rank, sizes, dim)) for dim in sizes}
-
-
-def pooled_link(per_rank: list[list[Collective]], sizes: dict[str, int], dims: list[str]) -> dict:
-    """One link fitted to the collectives of several dimensions (that share it)."""
-    return ring_fit([s for dim in dims for s in dimension_samples(per_rank, sizes, dim)])

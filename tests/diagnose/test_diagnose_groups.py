@@ -62,7 +62,11 @@ def test_each_dimension_gets_its_own_link_and_one_node_shares_them(monkeypatch):
     assert (tp["large"], tp["small"], dp["large"], dp["small"]) == (8, 4, 6, 4)  # both groups of each dimension
     node = links.levels["node"]
     assert node["dims"] == ["dp_shard", "tp"] and links.levels["network"] is node
-    assert DP["bandwidth"] < node["bandwidth"] < TP["bandwidth"]
+    # the bandwidth that moves both dimensions' large collectives in the time their own links take
+    tp_wire, dp_wire = 8 * MIB, 6 * 512 * KIB
+    assert node["bandwidth"] == pytest.approx((tp_wire + dp_wire) / (tp_wire / TP["bandwidth"] + dp_wire / DP["bandwidth"]))
+    # and the latency that gives their ring steps (tp: 12 x 2, dp_shard: 10 x 1) the time theirs do
+    assert node["latency_s"] == pytest.approx((24 * TP["latency"] + 10 * DP["latency"]) / 34)
     assert "tp 1 GB/s, 1000 us per ring step (from 12 traced all-reduces)" in links.said
     assert "dp_shard 0.25 GB/s, 3000 us per ring step (from 10 traced all-gathers)" in links.said
     assert "in-node link from dp_shard and tp" in links.said

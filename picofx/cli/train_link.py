@@ -109,7 +109,7 @@ def per_dimension(sizes: dict[str, int], per_rank: list[list], ranks_per_node: i
     if len(sizes) == 1:
         (dim, link), = links.items()
         return MeasuredLinks(dimensions, levels, f"{dim} link {rates(link)}" if link["bandwidth"] else
-                             f"link not calibrated: {too_few(link)} traced on {dim}")
+                             f"link not calibrated on {dim}: {too_few(link)}")
     return MeasuredLinks(dimensions, levels, "links per mesh dimension: " + "; ".join(parts + said))
 
 

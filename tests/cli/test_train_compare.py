@@ -81,6 +81,10 @@ def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
     device = with_link(device_for("cpu"), links.levels, "a test")
     assert device.link_bandwidth == fitted["bandwidth"] and device.link_latency == fitted["latency_s"]
     assert device.network_bandwidth == fitted["bandwidth"]  # one machine: gloo's loopback is its only link
+    one_large = [{"collectives": rank(0.003, 0.2)["collectives"][:2]}] * 4
+    links = measured_link(link_args("--dp", "4"), one_large)
+    assert links.levels == {} and links.said == ("link not calibrated on dp: 1 ring collective of 64 KiB or more, "
+                                                 "at least 2 needed")
     links = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
     assert links.levels == {} and "link not calibrated" in links.said and "dp x tp" in links.said
 

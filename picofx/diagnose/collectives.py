@@ -76,7 +76,8 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
               "broadcast": lambda n: n - 1, "all_to_all": lambda n: n - 1}
 # the bytes a ring's collective over n ranks sends per rank, from its traced input's: an all-gather's
 # input is one rank's piece (picofx.cost.comm times the gathered whole, n pieces); the others' the whole
-WIRE_BYTES = {"all_reduce": lambda nbytes, n: 2 * (n - 1) / n * nbytes, "all_gather": lambda nbytes, n: (n - 1) * nbytes}
+WIRE_BYTES = {"all_reduce": lambda nbytes, n: 2 * (n - 1) / n * nbytes,
+              "all_gather": lambda nbytes, n: (n - 1) * nbytes}
 MIN_LARGE = 2  # collectives of SMALL_BYTES or more a bandwidth is fitted from (one alone: no fit)
 
 

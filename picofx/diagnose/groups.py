@@ -73,7 +73,8 @@ def groups_of(sizes: dict[str, int], dim: str) -> list[list[int]]:
     return [[start + i * stride for i in range(sizes[dim])] for start in starts]
 
 
-def dimension_samples(per_rank: list[list[Collective]], sizes: dict[str, int], dim: str) -> list[tuple[Collective, int]]:
+def dimension_samples(per_rank: list[list[Collective]], sizes: dict[str, int],
+                      dim: str) -> list[tuple[Collective, int]]:
     """Dimension `dim`'s collectives, each at its fastest over the ranks of its group (the last to
     arrive timed the transfer alone), every group's, with the group's size."""
     samples = []

@@ -64,7 +64,8 @@ def test_each_dimension_gets_its_own_link_and_one_node_shares_them(monkeypatch):
     assert node["dims"] == ["dp_shard", "tp"] and links.levels["network"] is node
     # the bandwidth that moves both dimensions' large collectives in the time their own links take
     tp_wire, dp_wire = 8 * MIB, 6 * 512 * KIB
-    assert node["bandwidth"] == pytest.approx((tp_wire + dp_wire) / (tp_wire / TP["bandwidth"] + dp_wire / DP["bandwidth"]))
+    both = (tp_wire + dp_wire) / (tp_wire / TP["bandwidth"] + dp_wire / DP["bandwidth"])
+    assert node["bandwidth"] == pytest.approx(both)
     # and the latency that gives their ring steps (tp: 12 x 2, dp_shard: 10 x 1) the time theirs do
     assert node["latency_s"] == pytest.approx((24 * TP["latency"] + 10 * DP["latency"]) / 34)
     assert "tp 1 GB/s, 1000 us per ring step (from 12 traced all-reduces)" in links.said

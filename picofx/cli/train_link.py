@@ -60,20 +60,19 @@ def level_of(dim: str, sizes: dict[str, int], ranks_per_node: int) -> str:
 
 def measured_link(args, every: list[dict]) -> MeasuredLinks:
     """--calibrate's links from every rank's --profile figures (traced_collectives')."""
+    ranks_per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", args.world)), args.world)
+    per_rank, sizes = collectives_of(every), (every[0].get("mesh") if every else None)
+    if sizes:  # named by group (HSDP's dp_replicate x dp_shard too, one "dp" to the layout)
+        return per_dimension(sizes, per_rank, ranks_per_node)
     dims = parallel_dimensions(args)
     if not dims:
         return MeasuredLinks({}, {}, "one rank: no link to calibrate")
-    ranks_per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", args.world)), args.world)
-    per_rank = collectives_of(every)
-    if len(dims) == 1:  # every collective is the dimension's: the world's group has its ranks
-        (name, size), = dims.items()
-        per_rank = [[dataclasses.replace(c, group=name) for c in mine] for mine in per_rank]
-        return per_dimension({name: size}, per_rank, ranks_per_node)
-    sizes = every[0].get("mesh")
-    if not sizes:
+    if len(dims) > 1:
         return MeasuredLinks({}, {}, f"link not calibrated: the traced collectives of {' x '.join(dims)} were not "
                                      "told apart by group (their gloo worker threads were not named)")
-    return per_dimension(sizes, per_rank, ranks_per_node)
+    (name, size), = dims.items()  # every collective is the dimension's: the world's group has its ranks
+    per_rank = [[dataclasses.replace(c, group=name) for c in mine] for mine in per_rank]
+    return per_dimension({name: size}, per_rank, ranks_per_node)
 
 
 def collectives_of(every: list[dict]) -> list[list]:

@@ -117,3 +117,18 @@ def test_groups_of_a_mesh_are_laid_out_as_device_mesh_lays_them():
     assert groups_of(sizes, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups_of(sizes, "dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups_of(sizes, "pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_hsdp_fits_its_two_data_parallel_dimensions_apart(monkeypatch):
+    """--shard --dp-replicate 2: one "dp" of 4 to the layout, two groups of 2 on the mesh."""
+    from picofx.cli.train_args import parse_args
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    renamed = {"tp": "dp_shard", "dp_shard": "dp_replicate"}
+    every = [{"collectives": [{**c, "group": renamed.get(c["group"])} for c in figures["collectives"]],
+              "mesh": {"dp_replicate": 2, "dp_shard": 2}} for figures in named_figures()]
+    args = parse_args(["--shard", "--dp-replicate", "2"], environ={"RANK": "0", "WORLD_SIZE": "4"})
+    links = measured_link(args, every)
+    assert links.dimensions["dp_shard"]["size"] == 2 and links.dimensions["dp_replicate"]["size"] == 2
+    assert links.dimensions["dp_shard"]["link"]["bandwidth"] == pytest.approx(TP["bandwidth"])
+    assert links.dimensions["dp_replicate"]["link"]["bandwidth"] == pytest.approx(DP["bandwidth"])

@@ -30,7 +30,7 @@ def calibrated_on_two_dimensions(rank: int, world: int, folder: str) -> tuple:
     return printed.getvalue(), result["profile"]
 
 
-@pytest.mark.slow  # 4 spawned ranks: about 3.5 minutes on a loaded 2-core machine
+@pytest.mark.slow  # 4 spawned ranks: 2 to 4 minutes on a loaded 2-core machine
 def test_calibrate_fits_each_mesh_dimensions_link_on_four_ranks(tmp_path, monkeypatch):
     printed, figures = run_ranks(calibrated_on_two_dimensions, 4, str(tmp_path), timeout=900,
                                  collective_timeout=300)[0]

@@ -265,6 +265,11 @@ class OptimizedModule(nn.Module):
         return self._current.graphs
 
     @property
+    def parallel_mesh(self) -> ParallelMesh | None:
+        """The run's layout of ranks and its dimensions' process groups (None in one process)."""
+        return self._build_options["mesh"]
+
+    @property
     def pipeline(self) -> PipelineStep | None:
         """This rank's part of a pipelined step (its plan, stages, `measure_stages`), else None."""
         return self._current if isinstance(self._current, PipelineStep) else None

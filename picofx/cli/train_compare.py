@@ -99,11 +99,11 @@ def calibrate(args, device, prediction, predicted: dict, measured: dict, session
     again = components(predicted_layout(args, first))
     overhead = device.optimizer_tensor_overhead + (measured["optimizer"] - again["optimizer"]) / tensors
     how = f"picofx train --profile {args.profile} --calibrate on {args.world} rank(s)"
-    rates, link_said = measured_link(args, every)
-    calibrated = with_link(scaled(device, factor, overhead), next(iter(rates.values()), {}), how)
-    path = write_device_profile(calibrated, args.world, how, communication=rates)
+    links = measured_link(args, every)
+    calibrated = with_link(scaled(device, factor, overhead), links.levels, how)
+    path = write_device_profile(calibrated, args.world, how, communication=links.dimensions)
     return (f"calibrated: compute {factor:.3g}x the device's figures, AdamW {overhead * 1e6:.0f} us per tensor; "
-            f"{link_said}; written to {path}: picofx plan on this machine predicts {args.world}-rank layouts with it")
+            f"{links.said}; written to {path}: picofx plan on this machine predicts {args.world}-rank layouts with it")
 
 
 def stage_balance_lines(every: list[dict]) -> list[str]:

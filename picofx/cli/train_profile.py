@@ -11,11 +11,11 @@ picofx.cli.train_link) into this machine's device profile (picofx.planner.device
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
 
+from picofx.cli.train_link import traced_collectives
 from picofx.diagnose.profiler import crash_records, milliseconds as seconds, profile, where_the_time_went
 
 WAIT, WARMUP = 2, 1  # untraced steps before the window (capture, compilation, the workers' start), warm-up
@@ -93,7 +93,7 @@ class RunProfile:
         del self.prof.breakdowns[len(self.traced_steps):]  # stopped in the window: the step begun after the last
         mine = {"steps": [b.as_dict() for b in self.prof.breakdowns], "mean": self.prof.mean(),
                 "attribution": self.prof.attribution, "stages": stage_times(self.session, self.prof.mean()),
-                "collectives": [dataclasses.asdict(c) for c in self.prof.collectives]}
+                **traced_collectives(self.args, self.prof.collectives, self.session.opt_model)}  # --calibrate's
         every = gather(mine, ranks.world)
         if every is None:
             return []

@@ -1,9 +1,10 @@
 """This machine's CPU as a run measured it: `picofx train --profile N --calibrate` writes a Device whose
 compute and optimizer rates make the planner's prediction of the run's own layout equal to what the
-trace measured and whose link has the rates of the collectives it traced (`with_link`), and `picofx plan` (picofx.plan with gpu="cpu") on this machine predicts with it
-instead of measuring a step of its own. Stored in picofx's cache directory (`devices/`, beside the
-measured CPU peak's `peaks/` and the graph cache), keyed by the machine, its CPU, torch and the
-number of ranks; delete the file to measure again.
+trace measured and whose links have the rates of the collectives it traced (`with_link`: the in-node
+link and the network, each from the mesh dimensions whose groups ride it), and `picofx plan`
+(picofx.plan with gpu="cpu") on this machine predicts with it instead of measuring a step of its own.
+Stored in picofx's cache directory (`devices/`, beside the measured CPU peak's `peaks/` and the graph
+cache), keyed by the machine, its CPU, torch and the number of ranks; delete the file to measure again.
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ def profile_path(ranks: int) -> pathlib.Path:
 
 def write_device_profile(device: Device, ranks: int, how: str, communication: dict | None = None) -> pathlib.Path:
     """Stores `device` for plans of `ranks` ranks on this machine; returns the file. `communication`: the
-    measured collectives' rates per mesh dimension (picofx.diagnose.collectives.link_rates), kept
-    beside the device for the reader."""
+    measured links per mesh dimension (picofx.cli.train_link's), kept beside the device for the reader."""
     fields = dataclasses.asdict(device)
     fields["peak_flops"] = {str(dtype).removeprefix("torch."): flops for dtype, flops in device.peak_flops.items()}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -65,18 +65,22 @@ def scaled(device: Device, compute: float, optimizer_tensor_overhead: float) -> 
                                source="calibrated: picofx train --profile --calibrate")
 
 
-LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter")  # the first with a bandwidth prices the link
-
-
-def with_link(device: Device, rates: dict, how: str) -> Device:
-    """`device` whose link (in the node and across nodes: one machine's gloo) has the bandwidth and
-    ring-step latency of `rates` (link_rates' per kind), the per-collective latency folded into the
-    steps'; `device` itself where no kind was timed with a bandwidth."""
-    kind = next((k for k in LINK_KINDS if (rates.get(k) or {}).get("bandwidth")), None)
-    if kind is None:
+def with_link(device: Device, levels: dict, how: str) -> Device:
+    """`device` whose in-node link ("node") and network ("network") have the measured bandwidth and
+    ring-step latency of `levels` (picofx.cli.train_link's fits, each naming the mesh dimensions it
+    was fitted to), the per-collective latency folded into the steps'; a level not given keeps the
+    device's figures; `device` itself where none is given."""
+    node, network = levels.get("node"), levels.get("network")
+    if node is None and network is None:
         return device
-    bandwidth, latency = rates[kind]["bandwidth"], rates[kind]["latency_s"]
-    return dataclasses.replace(device, link_bandwidth=bandwidth, link_latency=latency, network_bandwidth=bandwidth,
-                               network_latency=latency, collective_latency=0.0,
-                               link_name=f"gloo, measured ({kind.replace('_', '-')}s)", network_name="gloo, measured",
-                               link_source=f"calibrated: {how}")
+
+    def name(link: dict) -> str:
+        kinds = ", ".join(k.replace("_", "-") + "s" for k in link.get("kinds", ()))
+        return f"gloo, measured on {' and '.join(link.get('dims', ()))} ({kinds})"
+    fields = {"collective_latency": 0.0, "link_source": f"calibrated: {how}"}
+    if node is not None:
+        fields.update(link_bandwidth=node["bandwidth"], link_latency=node["latency_s"], link_name=name(node))
+    if network is not None:
+        fields.update(network_bandwidth=network["bandwidth"], network_latency=network["latency_s"],
+                      network_name=name(network))
+    return dataclasses.replace(device, **fields)

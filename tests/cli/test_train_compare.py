@@ -68,22 +68,28 @@ def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
 
     def rank(small_s, large_s):
         return {"collectives": [{"kind": "all_reduce", "nbytes": 4, "seconds": small_s},
-                                {"kind": "all_reduce", "nbytes": mib, "seconds": large_s},
+                                *[{"kind": "all_reduce", "nbytes": mib, "seconds": large_s}] * 3,
                                 {"kind": "gather", "nbytes": 12, "seconds": 0.5}]}  # not a ring: not fitted
     # 4 ranks on dp: 6 ring steps; the rank that arrived last times each collective alone
-    rates, said = measured_link(link_args("--dp", "4"), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
-                                                         rank(0.012, 0.4)])
-    fitted = rates["dp"]["all_reduce"]
+    links = measured_link(link_args("--dp", "4"), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
+                                                   rank(0.012, 0.4)])
+    fitted = links.dimensions["dp"]["link"]
     assert fitted["latency_s"] == pytest.approx(0.003 / 6)
     assert fitted["bandwidth"] == pytest.approx(6 / 4 * mib / (0.2 - 0.003))
-    assert said.startswith("dp link ") and "from 2 traced all-reduces" in said
-    device = with_link_device(rates["dp"])
+    assert links.dimensions["dp"]["kinds"]["all_reduce"]["bandwidth"] == pytest.approx(fitted["bandwidth"])
+    assert links.said.startswith("dp link ") and "from 4 traced all-reduces" in links.said
+    device = with_link(device_for("cpu"), links.levels, "a test")
     assert device.link_bandwidth == fitted["bandwidth"] and device.link_latency == fitted["latency_s"]
-    rates, said = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
-    assert rates == {} and "link not calibrated" in said and "dp x tp" in said
+    assert device.network_bandwidth == fitted["bandwidth"]  # one machine: gloo's loopback is its only link
+    one_large = [{"collectives": rank(0.003, 0.2)["collectives"][:2]}] * 4
+    links = measured_link(link_args("--dp", "4"), one_large)
+    assert links.levels == {} and links.said == ("link not calibrated on dp: 1 ring collective of 64 KiB or more, "
+                                                 "at least 2 needed")
+    links = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
+    assert links.levels == {} and "link not calibrated" in links.said and "dp x tp" in links.said
 
 
-def with_link_device(rates):
+def with_link(device, levels, how):
     from picofx.planner.device_profile import with_link
 
-    return with_link(device_for("cpu"), rates, "a test")
+    return with_link(device, levels, how)

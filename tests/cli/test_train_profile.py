@@ -129,7 +129,7 @@ def test_every_rank_is_traced_with_its_communication_and_pipeline_stages_are_bal
     # --calibrate: the link from the traced all-reduces (the gradient buckets', the gradient norm's)
     assert re.search(r"dp link [0-9.e+-]+ GB/s, \d+ us per ring step \(from \d+ traced all-reduces\)", printed), printed
     stored = json.loads(next(pathlib.Path(dp, "cache", "devices").iterdir()).read_text())
-    assert stored["device"]["link_bandwidth"] == stored["communication"]["dp"]["all_reduce"]["bandwidth"]
+    assert stored["device"]["link_bandwidth"] == stored["communication"]["dp"]["link"]["bandwidth"]
     capsys.readouterr()
     assert picofx_main(["doctor", dp]) == 0
     report = capsys.readouterr().out

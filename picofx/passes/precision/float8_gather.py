@@ -48,13 +48,15 @@ class Float8GatheredLinears(torch.autograd.Function):
         scale = float8_scale(x_shard, E4M3, None, False, split_dim=dim, group=group)
         x8 = gather_bytes(to_float8(x_shard, scale, E4M3), dim, ranks, group)  # (B, T, K) in e4m3
         x2 = x8.reshape(-1, x8.shape[-1])                                     # (M, K)
-        outs = []
+        casts = []  # every weight cast before the first matmul: they run while the gather travels
         for w in weights:                                                     # (N/tp, K): colwise pieces
             w_scale = float8_scale(w, E4M3, None, False, split_dim=0, group=group)
-            w8 = to_float8(w, w_scale, E4M3)                                  # w8.t(): column-major
+            casts.append((to_float8(w, w_scale, E4M3), w_scale))             # w8.t(): column-major
+        outs = []
+        for w8, w_scale in casts:
             out = torch._scaled_mm(x2, w8.t(), scale_a=scale.reciprocal(), scale_b=w_scale.reciprocal(),
                                    out_dtype=dtype, use_fast_accum=True)
-            outs.append(out.reshape(*x8.shape[:-1], w.shape[0]))
+            outs.append(out.reshape(*x8.shape[:-1], w8.shape[0]))
         ctx.save_for_backward(x8, scale, *weights)
         ctx.layout = (shard.dtype, dim, ranks, group)
         return tuple(outs)

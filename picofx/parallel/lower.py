@@ -28,7 +28,7 @@ from torch import fx
 
 import picofx.parallel.collectives  # noqa: F401  (registers the picofx operators)
 from picofx.capture.vocabulary import COPY_PACKETS, MODULE_PATH_META, VIEW_OPS, viewed_source
-from picofx.parallel.maxima import batch_input_maxima, raise_maxima
+from picofx.parallel.maxima import batch_input_maxima, merge_equal_maxima, raise_maxima
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -60,6 +60,7 @@ def lower_collectives(gm: fx.GraphModule, group: str, backward: bool) -> dict:
         graph.erase_node(node)
         lowered[node.target.__name__.split(".")[0]] += 1
     batched = batch_input_maxima(graph, group)  # float8's amaxes (picofx.parallel.maxima)
+    merged = merge_equal_maxima(graph, group)
     raised = raise_maxima(graph, group)
     issues = [n for n in graph.nodes if n.target in ISSUES and n.args[-1] == group]  # async_overlap's too
     moved = sum(overlap_weight_gradients(graph, issue) for issue in issues) if backward else 0
@@ -68,7 +69,7 @@ def lower_collectives(gm: fx.GraphModule, group: str, backward: bool) -> dict:
     gm.recompile()
     return {"lowered": dict(lowered), "weight_gradients_moved": moved,
             "overlapped": sum(1 for issue in issues if matmul_before_wait(issue)),
-            "maxima_batched": batched, "maxima_raised": raised}
+            "maxima_batched": batched, "maxima_merged": merged, "maxima_raised": raised}
 
 
 def call(graph: fx.Graph, target, *args) -> fx.Node:

@@ -142,3 +142,61 @@ def place_after_inputs(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     last.append(node)
     return True
+
+
+# Views that only lay a tensor's elements out anew: the maximum over all of them is the same.
+RELAYOUTS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+                       aten.transpose.int, aten.permute.default, aten.alias.default})
+
+
+def whole_amax_of(issue: fx.Node) -> tuple | None:
+    """(tensor, dtype) when `issue` reduces the amax over every element of that tensor, seen
+    through re-layouts and casts (a gradient and its transpose give the same key), else None."""
+    amax = issue.args[0]
+    if amax.target is not aten.amax.default or (len(amax.args) > 1 and list(amax.args[1])) or amax.kwargs:
+        return None
+    node = amax.args[0]
+    if node.target is not aten.abs.default:
+        return None
+    node = node.args[0]
+    while node.op == "call_function" and (node.target in RELAYOUTS or widens(node)):
+        node = node.args[0]
+    return node, amax.meta["val"].dtype if "val" in amax.meta else None
+
+
+def widens(node: fx.Node) -> bool:
+    """A cast to a dtype that holds every value of its input's (the maximum is the same)."""
+    if node.target is not aten._to_copy.default or set(node.kwargs) - {"dtype"}:
+        return False
+    if "val" not in node.meta or "val" not in node.args[0].meta:
+        return False
+    before, after = node.args[0].meta["val"].dtype, node.meta["val"].dtype
+    return before.is_floating_point and torch.promote_types(before, after) == after
+
+
+def merge_equal_maxima(graph: fx.Graph, group: str) -> int:
+    """One all-reduce where several reduce the amax of the same tensor (a float8 gradient's, for
+    the input and the weight gradient); returns how many were dropped."""
+    first, dropped = {}, 0
+    for issue in max_reductions(graph, group):
+        key = whole_amax_of(issue)
+        if key is None or key[1] is None:
+            continue
+        if key not in first:
+            first[key] = issue
+            continue
+        kept = [u for u in first[key].users if u.target is c10d.wait_tensor.default]
+        waits = [u for u in issue.users if u.target is c10d.wait_tensor.default]
+        if len(kept) != 1 or len(waits) != len(issue.users):
+            continue
+        for wait in waits:
+            wait.replace_all_uses_with(kept[0])
+            graph.erase_node(wait)
+        dead = [issue]
+        while dead:
+            node = dead.pop()
+            if node.op == "call_function" and not node.users:
+                dead += node.all_input_nodes
+                graph.erase_node(node)
+        dropped += 1
+    return dropped

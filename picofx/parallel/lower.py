@@ -14,9 +14,11 @@ collective it runs, with the issue and the wait as separate nodes a scheduler ca
 Then, as Megatron schedules them: in the backward, a collective of the input gradient of linears
 (a column-parallel block's all-reduce, or sequence parallelism's reduce-scatter) is issued as
 soon as the input-gradient matmuls made it, and those linears' weight-gradient matmuls, which
-nothing before the collective needs, run after the issue; every wait sits just before the first
-node that reads its result, so the weight-gradient matmuls (and whatever else comes before that
-reader) run while the collective travels. Inductor keeps that order (the compiled step reorders
+nothing before the collective needs, run after the issue (float8's `_scaled_mm` too); every wait,
+with what is computed from its result alone (a float8 scale, gathered rows laid out), sits just
+before the first node that reads it with something else, so the weight-gradient matmuls (and
+whatever else comes before that reader) run while the collective travels. Float8's amax
+all-reduces are batched and raised first (picofx.parallel.maxima). Inductor keeps that order (the compiled step reorders
 only to sink waits and raise collectives without raising the peak: picofx.runtime.compile).
 """
 from __future__ import annotations

@@ -44,7 +44,8 @@ def max_reductions(graph: fx.Graph, group: str) -> list[fx.Node]:
 
 
 def amax_steps(issue: fx.Node) -> list[fx.Node] | None:
-    """The nodes computing `issue`'s input from graph inputs, when all are AMAX_STEPS (else None)."""
+    """The nodes computing `issue`'s input from graph inputs, when all are AMAX_STEPS and only views
+    among them are read by other nodes (else None)."""
     found, frontier = set(), [issue.args[0]]
     while frontier:
         node = frontier.pop()
@@ -55,7 +56,9 @@ def amax_steps(issue: fx.Node) -> list[fx.Node] | None:
             return None
         found.add(node)
         frontier += node.all_input_nodes
-    return list(found)
+    # a copy or cast another node reads too (a float8 cast's) would be held from the start to that node
+    shared = [n for n in found if n.target not in VIEW_OPS and any(u not in found and u is not issue for u in n.users)]
+    return None if shared else list(found)
 
 
 def first_computation(graph: fx.Graph) -> fx.Node:

@@ -18,8 +18,9 @@ nothing before the collective needs, run after the issue (float8's `_scaled_mm` 
 with what is computed from its result alone (a float8 scale, gathered rows laid out), sits just
 before the first node that reads it with something else, so the weight-gradient matmuls (and
 whatever else comes before that reader) run while the collective travels. Float8's amax
-all-reduces are batched and raised first (picofx.parallel.maxima). Inductor keeps that order (the compiled step reorders
-only to sink waits and raise collectives without raising the peak: picofx.runtime.compile).
+all-reduces are batched and raised first (picofx.parallel.maxima). Inductor keeps that order (the
+compiled step reorders only to sink waits and raise collectives without raising the peak:
+picofx.runtime.compile).
 """
 from __future__ import annotations
 

@@ -14,10 +14,13 @@ collective it runs, with the issue and the wait as separate nodes a scheduler ca
 Then, as Megatron schedules them: in the backward, a collective of the input gradient of linears
 (a column-parallel block's all-reduce, or sequence parallelism's reduce-scatter) is issued as
 soon as the input-gradient matmuls made it, and those linears' weight-gradient matmuls, which
-nothing before the collective needs, run after the issue; every wait sits just before the first
-node that reads its result, so the weight-gradient matmuls (and whatever else comes before that
-reader) run while the collective travels. Inductor keeps that order (the compiled step reorders
-only to sink waits and raise collectives without raising the peak: picofx.runtime.compile).
+nothing before the collective needs, run after the issue (float8's `_scaled_mm` too); every wait,
+with what is computed from its result alone (a float8 scale, gathered rows laid out), sits just
+before the first node that reads it with something else, so the weight-gradient matmuls (and
+whatever else comes before that reader) run while the collective travels. Float8's amax
+all-reduces are batched and raised first (picofx.parallel.maxima). Inductor keeps that order (the
+compiled step reorders only to sink waits and raise collectives without raising the peak:
+picofx.runtime.compile).
 """
 from __future__ import annotations
 
@@ -28,12 +31,15 @@ from torch import fx
 
 import picofx.parallel.collectives  # noqa: F401  (registers the picofx operators)
 from picofx.capture.vocabulary import COPY_PACKETS, MODULE_PATH_META, VIEW_OPS, viewed_source
+from picofx.parallel.maxima import batch_input_maxima, merge_equal_maxima, raise_maxima
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 picofx_ops = torch.ops.picofx
 ISSUES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
-MATMULS = (aten.mm.default, aten.addmm.default)
+MATMULS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
+# A float8 operand's cast (picofx.passes.precision.float8_linear.to_float8): scaled, saturated, converted.
+FLOAT8_CAST_STEPS = frozenset({aten.mul.Tensor, aten.clamp.default, aten._to_copy.default})
 INHERITED_META = ("nn_module_stack", "fwd_nn_module_stack", MODULE_PATH_META, "stack_trace")
 
 
@@ -56,13 +62,17 @@ def lower_collectives(gm: fx.GraphModule, group: str, backward: bool) -> dict:
             added = added.next
         graph.erase_node(node)
         lowered[node.target.__name__.split(".")[0]] += 1
+    batched = batch_input_maxima(graph, group)  # float8's amaxes (picofx.parallel.maxima)
+    merged = merge_equal_maxima(graph, group)
+    raised = raise_maxima(graph, group)
     issues = [n for n in graph.nodes if n.target in ISSUES and n.args[-1] == group]  # async_overlap's too
     moved = sum(overlap_weight_gradients(graph, issue) for issue in issues) if backward else 0
     for issue in issues:
         sink_waits(issue)
     gm.recompile()
     return {"lowered": dict(lowered), "weight_gradients_moved": moved,
-            "overlapped": sum(1 for issue in issues if matmul_before_wait(issue))}
+            "overlapped": sum(1 for issue in issues if matmul_before_wait(issue)),
+            "maxima_batched": batched, "maxima_merged": merged, "maxima_raised": raised}
 
 
 def call(graph: fx.Graph, target, *args) -> fx.Node:
@@ -108,12 +118,21 @@ def waits_of(issue: fx.Node) -> list[fx.Node]:
 
 
 def sink_waits(issue: fx.Node) -> None:
-    """Each wait of `issue` moved to just before the first node that reads it."""
-    order = {n: i for i, n in enumerate(issue.graph.nodes)}
+    """Each wait of `issue`, with the nodes computed from its result alone (a float8 scale, the
+    gathered rows' layout), moved down to just before the first node that reads them: a wait sits
+    just before the node that needs the collective's result with something else."""
     for wait in waits_of(issue):
-        first = min(wait.users, key=order.__getitem__)
-        if first is not wait.next:
-            first.prepend(wait)
+        derived, node = {wait}, wait.next
+        while node.op != "output":
+            if node.op == "call_function" and node.target not in ISSUES and node.all_input_nodes and \
+                    all(a in derived for a in node.all_input_nodes):
+                derived.add(node)
+            node = node.next
+        for node in reversed([n for n in issue.graph.nodes if n in derived]):
+            order = {n: i for i, n in enumerate(issue.graph.nodes)}
+            first = min(node.users, key=order.__getitem__, default=None)
+            if first is not None and first is not node.next:
+                first.prepend(node)
 
 
 def input_gradient_matmuls(issue: fx.Node) -> list[fx.Node]:
@@ -127,22 +146,37 @@ def input_gradient_matmuls(issue: fx.Node) -> list[fx.Node]:
         seen.add(node)
         if node.target in MATMULS:
             found.append(node)
-        elif node.target in VIEW_OPS or node.target is aten.add.Tensor or \
-                getattr(node.target, "overloadpacket", None) in COPY_PACKETS:
+        elif node.target in VIEW_OPS or node.target in (aten.add.Tensor, aten._to_copy.default) or is_copy(node):
             frontier += node.all_input_nodes
     return found
 
 
+def is_copy(node: fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) in COPY_PACKETS
+
+
+def gradient_operand(mm: fx.Node) -> fx.Node:
+    """The output gradient an input-gradient matmul reads, through views (and a float8 cast's steps)."""
+    if mm.target is not aten._scaled_mm.default:
+        return viewed_source(mm.args[-2])
+    node = mm.args[0]
+    while node.op == "call_function" and (node.target in FLOAT8_CAST_STEPS or node.target in VIEW_OPS or is_copy(node)):
+        node = node.args[0]
+    return node
+
+
 def weight_gradient_matmuls(inputs: list[fx.Node]) -> list[fx.Node]:
-    """The other matmuls that read (through views) the output gradient an input-gradient matmul
-    reads: the same linears' weight-gradient matmuls."""
+    """The other matmuls that read (through views, and in float8 through the casts of their operand)
+    the output gradient an input-gradient matmul reads: the same linears' weight-gradient matmuls."""
     out = []
-    for grad in {viewed_source(mm.args[-2]) for mm in inputs}:
+    float8 = any(mm.target is aten._scaled_mm.default for mm in inputs)
+    for grad in {gradient_operand(mm) for mm in inputs}:
         frontier = [grad]
         while frontier:
             node = frontier.pop()
             for user in node.users:
-                if user.target in VIEW_OPS:
+                if user.target in VIEW_OPS or float8 and (is_copy(user) or user.target in FLOAT8_CAST_STEPS
+                                                          and user.args[0] is node):
                     frontier.append(user)
                 elif user.target in MATMULS and user not in inputs and user not in out:
                     out.append(user)

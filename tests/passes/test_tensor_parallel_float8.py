@@ -25,11 +25,13 @@ LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)
 ROWWISE = dict(loss=1e-4, grad=0.1)
 # The amax all-reduces (max) each recipe's graphs hold on two layers of q, k, v (colwise) and out
-# (rowwise): float8_linear.SPLIT_OPERANDS says which operand's amax spans a split dimension; the
-# forward also holds the vocabulary-parallel loss's one.
-AMAX_REDUCTIONS = {"tensorwise": {"forward": 2 * 5 + 1, "backward": 2 * 11},
-                   "rowwise": {"forward": 2 * 2 + 1, "backward": 2 * 6},
-                   "rowwise_with_gw_hp": {"forward": 2 * 2 + 1, "backward": 2 * 7}}
+# (rowwise): float8_linear.SPLIT_OPERANDS says which operand's amax spans a split dimension. Those
+# of weights (and, in the backward, of saved activations) are one all-reduce at the start of each
+# graph (picofx.parallel.maxima); the others are one each, a gradient and its transpose one for
+# both (tensorwise); the forward also holds the vocabulary-parallel loss's one.
+AMAX_REDUCTIONS = {"tensorwise": {"forward": 1 + 2 * 1 + 1, "backward": 1 + 2 * 3},
+                   "rowwise": {"forward": 1 + 2 * 1 + 1, "backward": 1 + 2 * 3},
+                   "rowwise_with_gw_hp": {"forward": 1 + 2 * 1 + 1, "backward": 1 + 2 * 3}}
 
 
 @functools.cache

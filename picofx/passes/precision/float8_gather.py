@@ -41,20 +41,28 @@ def reduce_scatter(t: Tensor, dim: int, ranks: int, group: str) -> Tensor:
     return part.movedim(0, dim).contiguous()
 
 
+def weight_cast(w: Tensor, group: str) -> tuple[Tensor, Tensor]:
+    """A colwise piece (N/tp, K) in e4m3 with the whole weight's scale, and that scale."""
+    w_scale = float8_scale(w, E4M3, None, False, split_dim=0, group=group)
+    return to_float8(w, w_scale, E4M3), w_scale                             # w8.t(): column-major
+
+
 class Float8GatheredLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: Tensor, dtype: torch.dtype, dim: int, ranks: int, group: str, *weights: Tensor):
         x_shard = shard.to(dtype)                                             # (B, T/tp, K)
         scale = float8_scale(x_shard, E4M3, None, False, split_dim=dim, group=group)
+        # The weights' scales come from one all-reduce at the graph's start (picofx.parallel.maxima), so
+        # their casts run while the shard's amax travels (the first) and while the rows do (the others).
+        casts = [weight_cast(weights[0], group)]
         x8 = gather_bytes(to_float8(x_shard, scale, E4M3), dim, ranks, group)  # (B, T, K) in e4m3
         x2 = x8.reshape(-1, x8.shape[-1])                                     # (M, K)
+        casts += [weight_cast(w, group) for w in weights[1:]]
         outs = []
-        for w in weights:                                                     # (N/tp, K): colwise pieces
-            w_scale = float8_scale(w, E4M3, None, False, split_dim=0, group=group)
-            w8 = to_float8(w, w_scale, E4M3)                                  # w8.t(): column-major
+        for w8, w_scale in casts:
             out = torch._scaled_mm(x2, w8.t(), scale_a=scale.reciprocal(), scale_b=w_scale.reciprocal(),
                                    out_dtype=dtype, use_fast_accum=True)
-            outs.append(out.reshape(*x8.shape[:-1], w.shape[0]))
+            outs.append(out.reshape(*x8.shape[:-1], w8.shape[0]))
         ctx.save_for_backward(x8, scale, *weights)
         ctx.layout = (shard.dtype, dim, ranks, group)
         return tuple(outs)

@@ -23,6 +23,8 @@ Under tensor parallelism (`split` "colwise" or "rowwise", the weight's piece on 
 operand's scale is the one of the whole tensor: where its amax spans a dimension split over the
 ranks, the amax is the maximum over `group` (an all-reduce of one value, or of one per row), so
 each rank casts its piece exactly as one process casts the whole (torchao's DTensor amax).
+Written here beside each cast, those all-reduces are scheduled in the graphs that run by
+tensor_parallel's lowering (picofx.parallel.maxima): the weights' in one collective at the start.
 """
 from __future__ import annotations
 

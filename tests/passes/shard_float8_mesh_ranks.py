@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import picofx
+from picofx.models import zoo
 from picofx.parallel import ParallelMesh
 from picofx.passes import Precision, Shard, TensorParallel
 
@@ -20,6 +21,11 @@ from overlap_ranks import shard
 # there; the output projection, in tp's loss, has no module path), so every scenario and the one
 # process run the same layers in float8.
 LAYERS = ("decoder_layers.*.attention.*",)
+BATCH = 8  # 4 data-parallel ranks of 2 sequences of 24: 48 tokens, a multiple of the kernels' 16
+
+
+def float8_model():
+    return zoo.reference_llama("tiny", batch=BATCH, seq=24)
 
 
 def precision() -> Precision:
@@ -41,7 +47,7 @@ def mesh_step(rank: int, world: int, sizes: dict, tp: dict | None = None, **shar
     forward's matmuls read, the shard pass's notes and the forward graph's all-reduces."""
     mesh = ParallelMesh.build(**sizes)
     index, replicas = replica(mesh)
-    z = shard_float8_ranks.float8_model()
+    z = float8_model()
     inputs = shard(z.example_inputs, index, replicas)
     passes = [precision(), Shard(**shard_options)] + ([TensorParallel(**tp)] if tp is not None else [])
     with warnings.catch_warnings():

@@ -20,7 +20,6 @@ import picofx
 from picofx.parallel import ParallelMesh
 from picofx.passes import Shard, TensorParallel
 from picofx.passes.precision.float8_linear import E4M3, float8_scale, to_float8
-from picofx.passes.precision.precision import FLOAT8_TOLERANCE
 
 import shard_float8_mesh_ranks as ranks_of
 import shard_float8_ranks
@@ -47,7 +46,7 @@ def fake_four_ranks():
 
 
 def test_beside_tensor_parallel_each_rank_gathers_its_tp_piece_in_float8(fake_four_ranks):
-    z = shard_float8_ranks.float8_model()
+    z = ranks_of.float8_model()
     inputs = shard(z.example_inputs, 0, 2)
     mesh = ParallelMesh.build(dp_shard=2, tp=2, world=4)
     with warnings.catch_warnings():
@@ -72,7 +71,7 @@ def test_beside_tensor_parallel_each_rank_gathers_its_tp_piece_in_float8(fake_fo
 def reference(replicas: int):
     """One process, float8 on the same layers, no parallelism: the replicas' micro-batches
     accumulated, the mean loss, and each float8 weight's cast and inverse scale before the step."""
-    z = shard_float8_ranks.float8_model()
+    z = ranks_of.float8_model()
     casts = {}
     for name, w in float8_weights(z.model).items():
         scale = float8_scale(w.detach(), E4M3, None, False)
@@ -102,9 +101,12 @@ def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).double().norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
-# scenario: the gradient's normwise tolerance against one process (float8's, with bf16 on the wire 1e-2 more)
-SCENARIOS = {"tensor_parallel": FLOAT8_TOLERANCE[0], "sequence_parallel": FLOAT8_TOLERANCE[0],
-             "hsdp": FLOAT8_TOLERANCE[0], "compressed_bf16": FLOAT8_TOLERANCE[0] + 1e-2}
+# scenario: the gradients' normwise tolerance against one process running float8 on the same
+# micro-batches. The weights' casts are the same bit for bit; the ranks sum in another order (tp's
+# partial products, the reduce-scatter), which tips some later float8 roundings of activations and
+# gradients: 1e-2 (measured worst 2e-3 beside tp, a k projection), far inside the precision pass's
+# float8 tolerance (FLOAT8_TOLERANCE, 0.25, against bf16); bf16 on the wire rounds every gradient: 1e-2 more.
+SCENARIOS = {"tensor_parallel": 1e-2, "sequence_parallel": 1e-2, "hsdp": 1e-2, "compressed_bf16": 2e-2}
 
 
 @pytest.mark.slow  # four spawned ranks, four optimized models: minutes on a shared 2-core CPU

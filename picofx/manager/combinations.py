@@ -12,7 +12,9 @@ itself), so overlap with shard is HSDP. Shard's stages 1 and 2 (shard_stage1, sh
 shard, in rows of their own beside tp (with and without sequence parallelism), pp and cp, with
 HSDP, and on the 3-D meshes tp + pp, sp + pp, tp + cp and pp + cp; "shard" alone is stage 3. Each parallel feature spans 2 ranks of its mesh dimension,
 so a cell's world is the product of its dimensions' sizes. float8 is the precision pass with
-float8 linear layers (tensorwise, every layer the kernels take): it implies precision.
+float8 linear layers (tensorwise, every layer the kernels take): it implies precision; Shard's
+float8 gather has rows of its own beside tp (with and without sequence parallelism) and with each
+compressor (float8_cells).
 """
 from __future__ import annotations
 
@@ -189,9 +191,17 @@ def stage_cells() -> list[Cell]:
     return [Cell(closed({stage, *other})) for stage in SHARD_STAGES for other in STAGE_NEIGHBOURS]
 
 
+def float8_cells() -> list[Cell]:
+    """Shard's float8 gather beside tensor parallelism (with and without sequence parallelism) and
+    with each compressor of its reduce-scatter (HSDP with float8 is a pair)."""
+    return [Cell(closed({"shard", "float8", other})) for other in ("tensor_parallel", "sequence_parallel",
+                                                                     *COMPRESSION)]
+
+
 def cells() -> list[Cell]:
-    """Every distinct cell: the pairs, then the 3-D and 4-D combinations, then Shard's stages, each once."""
-    return list(dict.fromkeys(pairs() + layered() + stage_cells()))
+    """Every distinct cell: the pairs, then the 3-D and 4-D combinations, then Shard's stages, then
+    Shard's float8 gather beside other features, each once."""
+    return list(dict.fromkeys(pairs() + layered() + stage_cells() + float8_cells()))
 
 
 def features_of(passes, mesh=None) -> frozenset:

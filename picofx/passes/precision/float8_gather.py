@@ -47,49 +47,63 @@ def weight_cast(w: Tensor, group: str) -> tuple[Tensor, Tensor]:
     return to_float8(w, w_scale, E4M3), w_scale                             # w8.t(): column-major
 
 
+def cast_or_given(w: Tensor, given: tuple, group: str) -> tuple[Tensor, Tensor]:
+    """The weight's e4m3 cast and scale: the pair Shard gathered ahead, else cast here."""
+    return given if given[0] is not None else weight_cast(w, group)
+
+
 class Float8GatheredLinears(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: Tensor, dtype: torch.dtype, dim: int, ranks: int, group: str, *weights: Tensor):
+    def forward(ctx, shard: Tensor, dtype: torch.dtype, dim: int, ranks: int, group: str, given: tuple,
+                *weights: Tensor):
         x_shard = shard.to(dtype)                                             # (B, T/tp, K)
         scale = float8_scale(x_shard, E4M3, None, False, split_dim=dim, group=group)
         # The weights' scales come from one all-reduce at the graph's start (picofx.parallel.maxima), so
         # their casts run while the shard's amax travels (the first) and while the rows do (the others).
-        casts = [weight_cast(weights[0], group)]
+        casts = [cast_or_given(weights[0], given[0], group)]
         x8 = gather_bytes(to_float8(x_shard, scale, E4M3), dim, ranks, group)  # (B, T, K) in e4m3
         x2 = x8.reshape(-1, x8.shape[-1])                                     # (M, K)
-        casts += [weight_cast(w, group) for w in weights[1:]]
-        outs = []
-        for w8, w_scale in casts:
+        casts += [cast_or_given(w, pair, group) for w, pair in zip(weights[1:], given[1:])]
+        outs, kept = [], []
+        for w, (w8, w_scale), (given8, _) in zip(weights, casts, given):     # (N/tp, K): colwise pieces
+            kept += [w] if given8 is None else [w8, w_scale]  # a weight cast ahead: its cast, not its values
             out = torch._scaled_mm(x2, w8.t(), scale_a=scale.reciprocal(), scale_b=w_scale.reciprocal(),
                                    out_dtype=dtype, use_fast_accum=True)
-            outs.append(out.reshape(*x8.shape[:-1], w8.shape[0]))
-        ctx.save_for_backward(x8, scale, *weights)
+            outs.append(out.reshape(*x8.shape[:-1], w.shape[0]))
+        ctx.given, ctx.weight_dtypes = [pair[0] is not None for pair in given], [w.dtype for w in weights]
+        ctx.save_for_backward(x8, scale, *kept)
         ctx.layout = (shard.dtype, dim, ranks, group)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        x8, scale, *weights = ctx.saved_tensors
+        x8, scale, *saved = ctx.saved_tensors
         shard_dtype, dim, ranks, group = ctx.layout
         recipe, splits = RECIPES["tensorwise"], SPLIT_OPERANDS["colwise"]
         x2 = x8.reshape(-1, x8.shape[-1])                                     # (M, K)
         grad_x, grad_weights = None, []
-        for grad, w in zip(grads, weights):
+        for grad, cast_ahead, weight_dtype in zip(grads, ctx.given, ctx.weight_dtypes):
+            w, b_float8 = saved[0], (tuple(saved[:2]) if cast_ahead else None)
+            saved = saved[1 + cast_ahead:]
             grad2 = grad.reshape(-1, grad.shape[-1])                          # (M, N/tp)
-            partial = scaled_matmul(grad2, w, recipe.grad_input, False, False, splits["grad_input"], group)
+            partial = scaled_matmul(grad2, w, recipe.grad_input, False, False, splits["grad_input"], group,
+                                    b_float8=b_float8)
             grad_x = partial if grad_x is None else grad_x + partial
             g_scale = float8_scale(grad2.t(), E5M2, None, False, split_dim=0, group=group)
             g8 = to_float8(grad2.t(), g_scale, E5M2).contiguous()            # (N/tp, M)
             grad_w = torch._scaled_mm(g8, x2.t().contiguous().t(), scale_a=g_scale.reciprocal(),
                                       scale_b=scale.reciprocal(), out_dtype=grad.dtype, use_fast_accum=False)
-            grad_weights.append(grad_w.to(w.dtype))                           # (N/tp, K)
+            grad_weights.append(grad_w.to(weight_dtype))                      # (N/tp, K)
         grad_shard = reduce_scatter(grad_x.reshape(x8.shape).to(shard_dtype), dim, ranks, group)
-        return (grad_shard, None, None, None, None, *grad_weights)
+        return (grad_shard, None, None, None, None, None, *grad_weights)
 
 
 def float8_gathered_linears(shard: Tensor, dtype: torch.dtype, dim: int, ranks: int, group: str,
-                            *weights: Tensor) -> tuple[Tensor, ...]:
-    return Float8GatheredLinears.apply(shard, dtype, dim, ranks, group, *weights)
+                            *weights: Tensor, weights8: tuple = (), weight_scales: tuple = ()) -> tuple[Tensor, ...]:
+    """weights8, weight_scales: per weight, its e4m3 cast and scale made ahead (the shard pass gathers
+    them), or None; where given, the weight's values are not read, only its gradient taken."""
+    given = tuple(zip(weights8, weight_scales)) or ((None, None),) * len(weights)
+    return Float8GatheredLinears.apply(shard, dtype, dim, ranks, group, given, *weights)
 
 
 def gather_in_float8(gm: fx.GraphModule, recipe: str) -> int:

@@ -5,6 +5,7 @@ In the forward graph, once per step, before the first gather (one collective for
 
     amaxes = stack([shard_i.abs().amax() ...])                  # (W,) this rank's padded shards
     amaxes = wait_tensor(all_reduce(amaxes, "max", group))       # (W,) the whole weights' amaxes
+    amaxes = wait_tensor(all_reduce(amaxes, "max", tp_group))    # beside tensor parallelism: over tp too
     scale_i = E4M3_MAX / amaxes[i]                               # as precision's float8_scale computes it
 
 and per bucket (the buckets hold these weights apart from other parameters):
@@ -13,6 +14,12 @@ and per bucket (the buckets hold these weights apart from other parameters):
     bytes = wait_tensor(all_gather(flat, N, group))                          # (N * M,)
     weight8_i = bytes.view(N, M)[:, off_i:off_i + m_i].reshape(N * P_i, K).view(e4m3)[:rows_i]
     float8_linear(x, link_i, "tensorwise", weight8=weight8_i, weight_scale=scale_i)  # no second cast
+
+Beside tensor parallelism a shard is one of the tp-local piece's rows, and the scale is still the whole
+weight's (its amax the maximum over dp_shard and tp, the one TP's own float8 cast computes), so the
+float8 linears keep their split and group: `float8_linear(x, link_i, "tensorwise", split, group,
+weight8=..., weight_scale=...)`, and sequence parallelism's `float8_gathered_linears(shard, dtype, dim,
+ranks, group, *links, weights8=..., weight_scales=...)`.
 
 gloo gathers no float8 dtype, so the bytes travel as uint8. The weight's gradient reaches the shards
 through link_i, an output of `ScatterGradients`: its forward moves nothing (a zero expanded to the
@@ -27,6 +34,7 @@ import torch
 from torch import fx
 
 from picofx.capture.vocabulary import FLOAT8_META, input_slot, is_parameter
+from picofx.parallel.layouts import layouts_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -34,6 +42,18 @@ GATHER = torch.ops._c10d_functional_autograd.all_gather_into_tensor.default
 E4M3 = torch.float8_e4m3fn
 FLOAT8_VIEWS = (aten.view.dtype, aten.detach.default)  # what reads the gathered bytes as float8 weights
 SMALLEST_AMAX = 1e-12  # precision's float8_scale's floor: an all-zero weight gets a finite scale
+GATHERED_WEIGHTS = 5  # float8_gathered_linears(shard, dtype, dim, ranks, group, *weights): its weights' index
+
+
+def reads_as_weight(user: fx.Node, node: fx.Node) -> bool:
+    """Whether float8 node `user` reads `node` as a weight only: float8_linear(x, w, recipe[, split,
+    group]), or sequence parallelism's float8_gathered_linears (a dtype second, then its weights)."""
+    args = user.args
+    if not user.meta.get(FLOAT8_META) or user.kwargs or len(args) < 3:
+        return False
+    if isinstance(args[1], torch.dtype):
+        return node in args[GATHERED_WEIGHTS:] and node not in args[:GATHERED_WEIGHTS]
+    return len(args) in (3, 5) and args[1] is node and node not in (args[0], *args[2:])
 
 
 def float8_weights(gm: fx.GraphModule) -> tuple[dict[fx.Node, list[fx.Node]], dict[str, str]]:
@@ -43,8 +63,7 @@ def float8_weights(gm: fx.GraphModule) -> tuple[dict[fx.Node, list[fx.Node]], di
     for node in gm.graph.nodes:
         if not is_parameter(node):
             continue
-        linears = [u for u in node.users if u.meta.get(FLOAT8_META) and len(u.args) == 3 and u.args[1] is node
-                   and node not in (u.args[0], *u.kwargs.values())]
+        linears = [u for u in node.users if reads_as_weight(u, node)]
         others = [u for u in node.users if u not in linears]
         recipes = {u.meta[FLOAT8_META] for u in linears} - {"tensorwise"}
         if linears and (recipes or others):
@@ -110,12 +129,17 @@ def scatter_gradients(world: int, group: str, rows: tuple, reduce_dtype, *shards
 
 
 def scale_weights(graph: fx.Graph, weights: list[fx.Node], dim, before: fx.Node) -> dict[fx.Node, fx.Node]:
-    """The whole weights' scales from one all-reduce (max) of the shards' amaxes, issued before
-    `before`; returns each weight's scale node (a 0-d fp32 tensor)."""
+    """The whole weights' scales from one all-reduce (max) of the shards' amaxes, and one more over the
+    tp ranks where tensor parallelism splits the weights, issued before `before`; returns each weight's
+    scale node (a 0-d fp32 tensor)."""
+    tp = layouts_of(graph.owning_module).tensor_parallel
+    groups = [dim.group_name] + ([tp.dim.group_name] if tp is not None and tp.world > 1 else [])
     with graph.inserting_before(before):
         amaxes = graph.call_function(local_amaxes, tuple(weights))
-        reduced = graph.call_function(c10d.all_reduce.default, (amaxes, "max", dim.group_name))
-        scales = graph.call_function(scales_of, (graph.call_function(c10d.wait_tensor.default, (reduced,)),))
+        for group in groups:
+            reduced = graph.call_function(c10d.all_reduce.default, (amaxes, "max", group))
+            amaxes = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        scales = graph.call_function(scales_of, (amaxes,))
         return {w: graph.call_function(aten.select.int, (scales, 0, i)) for i, w in enumerate(weights)}
 
 
@@ -167,6 +191,21 @@ def wait_and_unpack_float8(graph: fx.Graph, bucket: list, gathered: fx.Node, dim
                 whole = graph.call_function(aten.slice.Tensor, (whole, 0, 0, shape[0]))
             link = graph.call_function(operator.getitem, (links, k))
             for linear in users[node]:
-                linear.args = (linear.args[0], link, linear.args[2])
-                linear.kwargs = {"weight8": whole, "weight_scale": scales[node]}
+                hand_over(linear, node, link, whole, scales[node])
             offset += size
+
+
+def hand_over(linear: fx.Node, weight: fx.Node, link: fx.Node, weight8: fx.Node, scale: fx.Node) -> None:
+    """`linear` reads the gathered float8 weight and its scale, and `link` (the gradient's way back) where
+    it read `weight`."""
+    args = list(linear.args)
+    if isinstance(args[1], torch.dtype):  # float8_gathered_linears: one float8 weight and scale per weight
+        count = len(args) - GATHERED_WEIGHTS
+        at = args.index(weight) - GATHERED_WEIGHTS
+        given = {k: list(linear.kwargs.get(k, (None,) * count)) for k in ("weights8", "weight_scales")}
+        given["weights8"][at], given["weight_scales"][at] = weight8, scale
+        args[GATHERED_WEIGHTS + at] = link
+        linear.args, linear.kwargs = tuple(args), {k: tuple(v) for k, v in given.items()}
+        return
+    args[1] = link
+    linear.args, linear.kwargs = tuple(args), {"weight8": weight8, "weight_scale": scale}

@@ -14,6 +14,9 @@ from picofx.planner.pipeline import virtual_stage_counts
 from picofx.planner.recipe import refusal
 
 
+DEEPER_GAIN = 0.01  # of the step: a count of stages per rank saving less ends the search for deeper ones
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -73,18 +76,19 @@ def plan_layouts(run: Run, compress: tuple = ()) -> list[Prediction]:
     if run.costs.seq >= LONG_SEQUENCE or not any(p.fits for p in predictions):
         predictions += [predict(run, layout) for layout in enumerate_layouts(run, compress, context=True)
                         if layout.cp > 1]
-    predictions += deeper_interleaving(run, predictions)
     # a float8 layout none of whose linears pays in float8 is its bf16 twin: left out
     predictions = [p for p in predictions if p.layout.precision == "bf16" or runs_float8(p)]
+    predictions += deeper_interleaving(run, predictions)
     predictions.sort(key=lambda p: (not p.fits, p.step_s if p.fits else p.memory_per_gpu))
     return predictions
 
 
 def deeper_interleaving(run: Run, predictions: list[Prediction]) -> list[Prediction]:
     """The interleaved plans of `predictions` with more stages per rank (picofx.planner.pipeline's counts),
-    each count tried while the one before it pays: it does not fit yet, or it is faster than the count
-    below it. A slower count that fits is the last: the bubble falls as 1 / v and the sends grow as v,
-    so the step only grows from there, and the memory it would save is not needed."""
+    each count tried while the one before it pays: it does not fit yet, or it saves DEEPER_GAIN of the
+    step of the count below it. Past a count that fits and saves less, the bubble deeper counts remove
+    shrinks as 1 / v while the sends they add grow as v: where the counts double, all of them together
+    save less than that count did."""
     predicted = {p.layout: p for p in predictions}
     deeper = []
     for plan in predictions:
@@ -93,7 +97,7 @@ def deeper_interleaving(run: Run, predictions: list[Prediction]) -> list[Predict
         counts = virtual_stage_counts(run.costs.layers, plan.layout.pp)
         below = predicted.get(dataclasses.replace(plan.layout, virtual_stages=1, schedule="1F1B"))
         for v in counts[counts.index(2) + 1:]:
-            if below is not None and below.fits and plan.step_s >= below.step_s:
+            if below is not None and below.fits and plan.step_s > below.step_s * (1 - DEEPER_GAIN):
                 break
             layout = dataclasses.replace(plan.layout, virtual_stages=v)
             if valid(run, layout) is not None:

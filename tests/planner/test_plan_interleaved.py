@@ -62,9 +62,10 @@ def test_the_micro_batch_rule_is_torchs(schedule, pp, virtual):
     than the stages where torch does); the order an accepted multi-stage schedule runs by (a single-stage
     one runs its own loop) runs to the end."""
     stages = [ScheduledStage(pp * j, pp, virtual) for j in range(virtual)]
+    stages = stages if schedule in INTERLEAVED_SCHEDULES else stages[0]
     for microbatches in range(1, 3 * pp * virtual + 2):
         try:
-            made = get_schedule_class(schedule)(stages if schedule in INTERLEAVED_SCHEDULES else stages[0], microbatches)
+            made = get_schedule_class(schedule)(stages, microbatches)
         except ValueError:
             made = None
         assert (microbatch_refusal(pp, microbatches, schedule) is None) == (made is not None), microbatches

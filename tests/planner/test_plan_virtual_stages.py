@@ -1,6 +1,6 @@
 """Pipeline stages per rank in the search: 1, 2 and the counts that split a rank's layers evenly (Llama 3's
 126 layers as 16 ranks x 8 chunks, the embedding and head filling two), each deeper count tried while the
-one before it pays; suggestions name the next count either way; published layouts pass the one rule."""
+one before it saved 1% of the step; suggestions name the next count either way; published layouts pass the one rule."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from picofx.planner.layouts import Run
 from picofx.planner.models import model_config, parameter_count
 from picofx.planner.pipeline import pipeline_refusal, virtual_stage_counts
 from picofx.planner.recipe import refusal
-from picofx.planner.search import plan_layouts
+from picofx.planner.search import DEEPER_GAIN, plan_layouts
 from picofx.planner.suggest import Neighbourhood
 
 
@@ -49,7 +49,7 @@ def test_more_stages_per_rank_are_planned_where_the_bubble_pays_for_their_sends(
     assert best.layout.virtual_stages == 8, best.layout.describe()
 
 
-def test_a_count_slower_than_the_one_below_it_is_the_last_tried(nvlink):
+def test_a_count_saving_less_than_one_percent_on_the_one_below_it_is_the_last_tried(nvlink):
     slow_sends = synthetic(10e-3)  # 10 ms a send
     for run, plans in [nvlink, (slow_sends, plan_layouts(slow_sends))]:
         predicted = {p.layout: p for p in plans}
@@ -58,7 +58,7 @@ def test_a_count_slower_than_the_one_below_it_is_the_last_tried(nvlink):
             i = counts.index(plan.layout.virtual_stages)
             below, lower = (predicted[dataclasses.replace(plan.layout, virtual_stages=v, schedule="1F1B")]
                             for v in (counts[i - 1], counts[i - 2]))
-            assert not lower.fits or below.step_s < lower.step_s, plan.layout.describe()
+            assert not lower.fits or below.step_s <= lower.step_s * (1 - DEEPER_GAIN), plan.layout.describe()
     stopped = [p for p in deep(plans, 2) if p.fits and dataclasses.replace(p.layout, virtual_stages=4) not in predicted]
     assert stopped and len(deep(plans, 8)) < len(deep(nvlink[1], 8))
 

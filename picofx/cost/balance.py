@@ -33,7 +33,7 @@ INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B") -> str | None:
     """The one micro-batch rule (the planner, the recipe, the pipeline pass and picofx train ask it): why
     `microbatches` cannot run `pp` pipeline ranks under `schedule` (None: they can). It is torch 2.13's own,
-    schedule by schedule (tests/planner/test_microbatch_rule.py builds torch's schedules to check it):
+    schedule by schedule (tests/planner/test_plan_interleaved.py builds torch's schedules to check it):
     Schedule1F1B refuses fewer micro-batches than ranks; ScheduleInterleaved1F1B runs them in
     max(1, microbatches // pp) rounds that must divide them, however many stages each rank holds (Llama 3's
     16 micro-batches on 16 ranks of 8 stages run); GPipe and LoopedBFS take any number."""

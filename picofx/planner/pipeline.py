@@ -9,10 +9,9 @@ pp) and puts the head beside the last stage's share: `even_stages`.
 Slots. A step of m micro-batches on pp ranks of v stages each runs m + (pp - 1) / v micro-batches
 of one rank's work: the fill and drain of an interleaved schedule run chunks of 1/v of a rank.
 
-Stages per rank. The search tries 1, 2 and each count that splits a rank's layers into equal chunks;
+Stages per rank. A plan may have 1, 2 or each count that splits a rank's layers into equal chunks;
 the embedding and the head may each take a chunk's place (Llama 3 runs its 126 layers as 16 ranks x 8
-chunks). More chunks shrink the bubble as 1/v and add sends as v, so a count slower than the one
-below it, which fits, is the last one tried (`deeper_interleaving`).
+chunks). The search tries the deeper counts while they pay (`picofx.planner.search.deeper_interleaving`).
 """
 from __future__ import annotations
 

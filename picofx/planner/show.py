@@ -4,8 +4,8 @@ prediction is not enough.
 - stages: the best pipelined plan's model captured on the meta device (bf16, one micro-batch of the
   plan's size) and cut by pass `pipeline`'s own analysis, uniform layers against cost-balanced cuts
   (`picofx.cost.balance.balanced_cuts`, memory within the GPU), for GPipe, 1F1B and interleaved
-  1F1B (the plan's stages per GPU, at least 2): step, bubble, slowest stage, peak memory of each GPU (16 bytes of
-  training state per parameter, divided over the plan's tp and shard ranks; every value the
+  1F1B (the plan's stages per GPU, at least 2): step, bubble, slowest stage, peak memory of each GPU
+  (16 bytes of training state per parameter, divided over the plan's tp and shard ranks; every value the
   forward computes counted as kept: an upper bound without checkpointing), where each stage begins.
 - buckets: the best plan of replicated data parallel alone, its gradients (the whole model's) in
   the order the backward makes them (fake tensors; fuse + precision) bucketed by pass `overlap`'s

@@ -88,8 +88,10 @@ def deeper_interleaving(run: Run, predictions: list[Prediction]) -> list[Predict
     each count tried while the one before it pays: it does not fit yet, or it saves DEEPER_GAIN of the
     step of the count below it. Past a count that fits and saves less, the bubble deeper counts remove
     shrinks as 1 / v while the sends they add grow as v: where the counts double, all of them together
-    save less than that count did."""
+    save less than that count did. Nor is a plan deepened that cannot win: deeper counts save at most
+    its bubble, and its step less its bubble is no faster than the fastest plan that fits."""
     predicted = {p.layout: p for p in predictions}
+    fastest = min((p.step_s for p in predictions if p.fits), default=float("inf"))
     deeper = []
     for plan in predictions:
         if plan.layout.virtual_stages != 2:
@@ -97,6 +99,8 @@ def deeper_interleaving(run: Run, predictions: list[Prediction]) -> list[Predict
         counts = virtual_stage_counts(run.costs.layers, plan.layout.pp)
         below = predicted.get(dataclasses.replace(plan.layout, virtual_stages=1, schedule="1F1B"))
         for v in counts[counts.index(2) + 1:]:
+            if plan.step_s - plan.time["bubble"] >= fastest:
+                break
             if below is not None and below.fits and plan.step_s > below.step_s * (1 - DEEPER_GAIN):
                 break
             layout = dataclasses.replace(plan.layout, virtual_stages=v)
@@ -104,4 +108,5 @@ def deeper_interleaving(run: Run, predictions: list[Prediction]) -> list[Predict
                 break
             below, plan = plan, predict(run, layout)
             deeper.append(plan)
+            fastest = min(fastest, plan.step_s) if plan.fits else fastest
     return deeper

@@ -63,7 +63,8 @@ def llama3(gpus: int, cp: int, per_replica: int, mfu: float) -> dict:
     schedule, the first and last stages a layer fewer, so that the first chunk of the first stage holds
     the embedding alone: a chunk is one layer's place, 126 layers + embedding + head = 16 ranks x 8
     chunks (8 stages per rank). Micro-batches of one sequence: at 16,384 GPUs each replica's 16
-    sequences must fill the 16 ranks (the 8,192-GPU run assumed alike). Assumed, not in the paper:
+    sequences must fill the 16 ranks (the 8,192-GPU run assumed alike); torch's interleaved 1F1B runs
+    16 micro-batches on 16 x 8 stages (one round), as the one micro-batch rule says. Assumed, not in the paper:
     selective checkpointing (the paper ran 8K sequences without any; picofx's layer, keeping fp32 norms
     and residual stream, would not fit without it)."""
     dp = gpus // (8 * 16 * cp)

@@ -30,18 +30,19 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 INTERLEAVED_SCHEDULES = ("Interleaved1F1B", "LoopedBFS")
 
 
-def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B", virtual: int | None = None) -> str | None:
-    """The one micro-batch rule (the planner, the recipe and picofx train ask it): why `microbatches`
-    cannot run `pp` pipeline ranks under `schedule` (None: they can). Each stage needs one at least
-    (fewer can stall the schedule), each of an interleaved schedule's `virtual` stages per rank too
-    (default 2), and torch's interleaved schedules run them in whole rounds (of microbatches // pp)."""
+def microbatch_refusal(pp: int, microbatches: int, schedule: str = "1F1B") -> str | None:
+    """The one micro-batch rule (the planner, the recipe, the pipeline pass and picofx train ask it): why
+    `microbatches` cannot run `pp` pipeline ranks under `schedule` (None: they can). It is torch 2.13's own,
+    schedule by schedule (tests/planner/test_plan_interleaved.py builds torch's schedules to check it):
+    Schedule1F1B refuses fewer micro-batches than ranks; ScheduleInterleaved1F1B runs them in
+    max(1, microbatches // pp) rounds that must divide them, however many stages each rank holds (Llama 3's
+    16 micro-batches on 16 ranks of 8 stages run); GPipe and LoopedBFS take any number."""
     if pp == 1:  # micro-batches of one stage: gradient accumulation, which the planner plans too
         return None
-    stages = pp * ((virtual or 2) if schedule in INTERLEAVED_SCHEDULES else 1)
-    if microbatches < stages:
-        return f"{microbatches} micro-batches are fewer than the {stages} pipeline stages, which can stall the schedule"
+    if schedule == "1F1B" and microbatches < pp:
+        return f"{microbatches} micro-batches are fewer than the {pp} pipeline stages: torch's 1F1B refuses them"
     rounds = max(1, microbatches // pp)
-    if schedule in INTERLEAVED_SCHEDULES and microbatches % rounds:
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
         return (f"{schedule} runs micro-batches in rounds of {pp} (one per stage rank): {microbatches} is not a "
                 f"whole number of rounds; {rounds * pp} is")
     return None

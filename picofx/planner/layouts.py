@@ -51,7 +51,7 @@ from picofx.cost.shard import ADAMW_STATE_BYTES, Layer
 from picofx.planner.context import cp_refusal, gathered_kv_kept, kv_exchange_seconds
 from picofx.planner.compress import exchange as gradient_exchange, scatter_exchange
 from picofx.planner.costs import ModelCosts
-from picofx.planner.pipeline import busiest_rank, pipeline_slots  # noqa: F401 (pipeline_slots: its old home)
+from picofx.planner.pipeline import busiest_rank, pipeline_refusal, pipeline_slots
 from picofx.planner.float8 import at_precision, gather_bytes_per_parameter, refusal as float8_refusal
 from picofx.planner.recipe import refusal
 from picofx.planner.sharding import RESHARD_AFTER_FORWARD, sharded_step
@@ -96,7 +96,6 @@ PRECISIONS = ("bf16", "float8", "float8_rowwise")  # float8: torchao's tensorwis
 CP_METHODS = ("allgather", "ring")
 INTERLEAVED = "Interleaved1F1B"
 SHARD_STAGES = (1, 2, 3)
-VIRTUAL = (1, 2)  # pipeline stages per rank the search tries (2: interleaved 1F1B)
 
 
 @dataclass(frozen=True, init=False)
@@ -371,14 +370,10 @@ def valid(run: Run, layout: Layout) -> str | None:
         return f"tp {layout.tp} spans more than a node ({run.gpus_per_node} GPUs)"
     if config.num_attention_heads % layout.tp or config.num_key_value_heads % layout.tp:
         return f"tp {layout.tp} does not divide the heads ({config.num_attention_heads}, kv {config.num_key_value_heads})"
-    if layout.pp > config.num_hidden_layers:
-        return f"pp {layout.pp} exceeds the {config.num_hidden_layers} layers"
     if run.global_batch % (layout.dp * layout.microbatches):
         return f"the global batch {run.global_batch} does not split into {layout.dp} x {layout.microbatches}"
-    if layout.virtual_stages > 1 and layout.pp == 1:
-        return "virtual_stages without a pipeline (pp 1)"
-    if layout.virtual_stages > 1 and layout.pp * layout.virtual_stages > config.num_hidden_layers:
-        return f"pp {layout.pp} x {layout.virtual_stages} stages per rank exceeds the {config.num_hidden_layers} layers"
+    if pipeline_refusal(config.num_hidden_layers, layout.pp, layout.virtual_stages):
+        return pipeline_refusal(config.num_hidden_layers, layout.pp, layout.virtual_stages)
     if layout.shard and layout.shard_stage < 3 and layout.compress:
         return "a compressed gradient exchange is planned with shard stage 3 only: drop the compressor or the stage"
     return refusal(layout)  # what the passes cannot run: the micro-batch rule, the composability table

@@ -8,6 +8,10 @@ pp) and puts the head beside the last stage's share: `even_stages`.
 
 Slots. A step of m micro-batches on pp ranks of v stages each runs m + (pp - 1) / v micro-batches
 of one rank's work: the fill and drain of an interleaved schedule run chunks of 1/v of a rank.
+
+Stages per rank. A plan may have 1, 2 or each count that splits a rank's layers into equal chunks;
+the embedding and the head may each take a chunk's place (Llama 3 runs its 126 layers as 16 ranks x 8
+chunks). The search tries the deeper counts while they pay (`picofx.planner.search.deeper_interleaving`).
 """
 from __future__ import annotations
 
@@ -45,3 +49,28 @@ def pipeline_slots(microbatches: int, pp: int, virtual: int = 1) -> float:
     backward): the m micro-batches, and the fill and drain of (pp - 1) / virtual (1F1B: one stage per
     rank; interleaved 1F1B: each of the rank's `virtual` stages holds 1/virtual of its layers)."""
     return microbatches + (pp - 1) / virtual
+
+
+END_CHUNKS = 2  # the embedding and the head: each may fill a chunk of its own
+
+
+def virtual_stage_counts(layers: int, pp: int) -> list[int]:
+    """Stages per rank a plan of `layers` decoder layers on `pp` ranks may have, fewest first: 1; with a
+    pipeline, 2 and every divisor of a rank's layers, as long as the chunks find a place each."""
+    if pp == 1:
+        return [1]
+    per_rank = -(-layers // pp)
+    counts = {1, 2} | {v for v in range(2, per_rank + 1) if per_rank % v == 0}
+    return sorted(v for v in counts if pp * v <= layers + END_CHUNKS)
+
+
+def pipeline_refusal(layers: int, pp: int, virtual: int) -> str | None:
+    """Why `pp` ranks of `virtual` stages each cannot hold `layers` decoder layers (None: they can)."""
+    if pp > layers:
+        return f"pp {pp} exceeds the {layers} layers"
+    if virtual > 1 and pp == 1:
+        return "virtual_stages without a pipeline (pp 1)"
+    if pp * virtual > layers + END_CHUNKS:
+        return (f"pp {pp} x {virtual} stages per rank exceeds the {layers} layers and the embedding and head "
+                f"({layers + END_CHUNKS} chunks)")
+    return None

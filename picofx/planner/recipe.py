@@ -103,7 +103,7 @@ def refusal(layout: Layout, compute=()) -> str | None:
     (picofx.cost.balance) and the composability table (picofx.manager.combinations), asked of the
     passes and mesh this recipe makes (with the `compute` passes). The planner, `picofx plan` and
     `picofx train` ask here."""
-    reason = microbatch_refusal(layout.pp, layout.microbatches, layout.schedule, layout.virtual_stages)
+    reason = microbatch_refusal(layout.pp, layout.microbatches, layout.schedule)
     if reason is not None:
         return reason
     try:

@@ -4,8 +4,8 @@ prediction is not enough.
 - stages: the best pipelined plan's model captured on the meta device (bf16, one micro-batch of the
   plan's size) and cut by pass `pipeline`'s own analysis, uniform layers against cost-balanced cuts
   (`picofx.cost.balance.balanced_cuts`, memory within the GPU), for GPipe, 1F1B and interleaved
-  1F1B (2 stages per GPU): step, bubble, slowest stage, peak memory of each GPU (16 bytes of
-  training state per parameter, divided over the plan's tp and shard ranks; every value the
+  1F1B (the plan's stages per GPU, at least 2): step, bubble, slowest stage, peak memory of each GPU
+  (16 bytes of training state per parameter, divided over the plan's tp and shard ranks; every value the
   forward computes counted as kept: an upper bound without checkpointing), where each stage begins.
 - buckets: the best plan of replicated data parallel alone, its gradients (the whole model's) in
   the order the backward makes them (fake tensors; fuse + precision) bucketed by pass `overlap`'s
@@ -35,7 +35,7 @@ def micro_batch(run: Run, layout) -> int:
 def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
     """Per schedule and cut: the pipeline of `layout` (its pp ranks, micro-batches and micro-batch size)."""
     from picofx.capture.export import capture
-    from picofx.cost.balance import balanced_cuts, plan_for
+    from picofx.cost.balance import balanced_cuts, microbatch_refusal, plan_for
     from picofx.cost.chain import chain_units, layer_bounds, state_per_parameter_byte
     from picofx.models.llama import Llama, causal_lm_loss
 
@@ -51,8 +51,9 @@ def stage_rows(run: Run, layout) -> tuple[list[dict], str]:
                   state_per_parameter_byte=state_per_parameter_byte(model) / split)
     rows = []
     for schedule, virtual in SCHEDULES:
+        virtual = max(virtual, layout.virtual_stages) if virtual > 1 else 1  # interleaved: the plan's own count
         stages = layout.pp * virtual
-        if stages > len(units) or (virtual > 1 and layout.microbatches % layout.pp):
+        if stages > len(units) or microbatch_refusal(layout.pp, layout.microbatches, schedule):
             continue
         plans = {}
         if stages <= config.num_hidden_layers:

@@ -4,7 +4,8 @@ first, each naming the bottleneck it addresses: the time term it shrinks most, o
 
 Neighbours: twice or half the micro-batches, sequence parallelism on or off, each other checkpointing
 (none, selective, full), each other precision the device multiplies in (bf16, the float8 recipes),
-sharded or replicated data parallelism, each other compressor planned, and another tp, pp or cp
+sharded or replicated data parallelism, each other compressor planned, the next count of pipeline stages
+per rank either way (or none), and another tp, pp or cp
 (twice or half, the data-parallel ranks making up the GPUs; the micro-batches the fastest of those
 that divide the replicas' batch). A neighbour the run cannot have (its batch does
 not divide, tp past a node) is left out. Every neighbour is predicted as it would be planned on its
@@ -14,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, SHARD_STAGES, VIRTUAL, Checkpointing,
-                                    Layout, Prediction, Run, predict, valid)
+from picofx.planner.layouts import (BOTTLENECKS, CHECKPOINTS, DOES_NOT_FIT, SHARD_STAGES, Checkpointing, Layout,
+                                    Prediction, Run, predict, valid)
+from picofx.planner.pipeline import virtual_stage_counts
 from picofx.planner.search import compressed, divisors, precisions
 from picofx.planner.sharding import STAGE_NAMES
 
@@ -84,7 +86,7 @@ class Neighbourhood:
         if layout.pp > 1:
             changes += [(f"interleaved 1F1B, {v} stages per rank" if v > 1 else "no interleaving",
                          replace(layout, virtual_stages=v, schedule="1F1B"))
-                        for v in VIRTUAL if v != layout.virtual_stages]
+                        for v in neighbouring_counts(self.run.costs.layers, layout.pp, layout.virtual_stages)]
         plain = replace(layout, compress=None)
         if layout.compress:
             changes.append(("uncompressed gradients", plain))
@@ -144,6 +146,13 @@ class Neighbourhood:
         if not helping:
             return [Suggestion(NONE_HELPS, plan.bottleneck, 0.0, 0.0)]
         return helping
+
+
+def neighbouring_counts(layers: int, pp: int, virtual: int) -> list[int]:
+    """Stages per rank one step from `virtual` among those planned: the next count either way, and none."""
+    counts = virtual_stage_counts(layers, pp)
+    fewer, more = [v for v in counts if v < virtual], [v for v in counts if v > virtual]
+    return sorted({*fewer[-1:], *more[:1], *([1] if virtual > 1 else [])})
 
 
 def micro_batches(m: int) -> str:

@@ -1,14 +1,16 @@
 """Interleaved 1F1B as the planner prices it, against torch.distributed.pipelining's own schedule:
 ScheduleInterleaved1F1B's per-rank order of forwards and backwards (built without ranks), run
 with each chunk's forward and backward taking one tick and every dependency honoured, lasts
-exactly the planner's slots; and a plan's bubble and sends follow the stages per rank."""
+exactly the planner's slots; the one micro-batch rule accepts what torch's schedules accept and run without
+deadlock, and refuses the rest; and a plan's bubble and sends follow the stages per rank."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, get_schedule_class
 
+from picofx.cost.balance import INTERLEAVED_SCHEDULES, microbatch_refusal
 from picofx.planner import plan_run
 from picofx.planner.layouts import Layout, pipeline_slots, predict
 
@@ -24,7 +26,8 @@ class ScheduledStage:
 def ticks(order: dict, stages: int) -> int:
     """Ticks until every rank has run its actions in its order, each action one tick, a forward after
     the previous stage's, a backward after the next stage's backward and its own forward."""
-    actions = {rank: [a for a in acts if a is not None] for rank, acts in order.items()}
+    actions = {rank: [a for a in acts if a is not None and a.computation_type.value in "FB"]
+               for rank, acts in order.items()}
     done, at, tick = {}, dict.fromkeys(actions, 0), 0
     while any(at[r] < len(actions[r]) for r in actions):
         ready = []
@@ -44,12 +47,35 @@ def ticks(order: dict, stages: int) -> int:
 
 
 @pytest.mark.parametrize("pp, virtual, microbatches",
-                         [(4, 2, 8), (4, 2, 4), (2, 3, 4), (4, 2, 16), (8, 4, 16), (4, 1, 8)])
+                         [(4, 2, 8), (4, 2, 4), (2, 3, 4), (4, 2, 16), (8, 4, 16), (4, 1, 8), (16, 8, 16)])
 def test_torchs_interleaved_order_lasts_the_planners_slots(pp, virtual, microbatches):
     stages = [ScheduledStage(pp * j, pp, virtual) for j in range(virtual)]
     order = ScheduleInterleaved1F1B(stages, microbatches).pipeline_order
     # a slot is one micro-batch's forward and backward of all the rank's stages: 2 x virtual ticks
     assert ticks(order, pp * virtual) == 2 * virtual * pipeline_slots(microbatches, pp, virtual)
+
+
+@pytest.mark.parametrize("schedule, pp, virtual", [("GPipe", 4, 1), ("1F1B", 4, 1), ("Interleaved1F1B", 4, 2),
+                                                   ("Interleaved1F1B", 2, 3), ("LoopedBFS", 4, 2)])
+def test_the_micro_batch_rule_is_torchs(schedule, pp, virtual):
+    """The rule refuses exactly the counts of micro-batches torch's schedule refuses (it accepts fewer
+    than the stages where torch does); the order an accepted multi-stage schedule runs by (a single-stage
+    one runs its own loop) runs to the end."""
+    stages = [ScheduledStage(pp * j, pp, virtual) for j in range(virtual)]
+    stages = stages if schedule in INTERLEAVED_SCHEDULES else stages[0]
+    for microbatches in range(1, 3 * pp * virtual + 2):
+        try:
+            made = get_schedule_class(schedule)(stages, microbatches)
+        except ValueError:
+            made = None
+        assert (microbatch_refusal(pp, microbatches, schedule) is None) == (made is not None), microbatches
+        if made is not None and schedule in INTERLEAVED_SCHEDULES:
+            ticks(made.pipeline_order, pp * virtual)
+
+
+def test_llama_3s_sixteen_micro_batches_on_sixteen_ranks_of_eight_stages_run():
+    assert microbatch_refusal(16, 16, "Interleaved1F1B") is None  # Dubey et al. 2024, 16,384 GPUs
+    assert microbatch_refusal(16, 33, "Interleaved1F1B") is not None  # 2 rounds (33 // 16) do not divide 33
 
 
 def test_an_interleaved_plan_has_the_bubble_over_its_stages_per_rank_and_sends_each_chunk():

@@ -83,7 +83,7 @@ class Pipeline:
                              f"{'several stages' if self.schedule in INTERLEAVED_SCHEDULES else 'one stage'} per "
                              f"rank, but virtual={self.virtual}; use virtual=1 with GPipe/1F1B, virtual>=2 with "
                              f"{INTERLEAVED_SCHEDULES}.")
-        refusal = microbatch_refusal(self.stages, self.microbatches, self.schedule, self.virtual)
+        refusal = microbatch_refusal(self.stages, self.microbatches, self.schedule)
         if refusal:
             raise ValueError(f"Pipeline: {refusal}; raise microbatches.")
         if isinstance(self.balance, str) and self.balance not in ("cost", "layers"):

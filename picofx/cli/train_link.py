@@ -6,20 +6,18 @@ would be mixed)."""
 from __future__ import annotations
 
 
-def parallel_dimensions(args) -> dict[str, int]:
-    """The run's mesh dimensions of more than one rank, by name."""
-    from picofx.cli.train_layout import run_layout
-
-    layout = run_layout(args)
+def parallel_dimensions(layout) -> dict[str, int]:
+    """The mesh dimensions of more than one rank of `layout` (the run's Layout), by name."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
     return {name: size for name, size in sizes.items() if size > 1}
 
 
-def measured_link(args, every: list[dict]) -> tuple[dict, str]:
-    """({mesh dimension: link_rates' per kind}, what the summary says of it)."""
+def measured_link(layout, every: list[dict]) -> tuple[dict, str]:
+    """({mesh dimension: link_rates' per kind}, what the summary says of it); `layout`: the Layout
+    that ran (picofx.cli.train's ranks.layout, --layout auto's choice included)."""
     from picofx.diagnose.collectives import SMALL_BYTES, Collective, fastest_of_ranks, link_rates
 
-    dims = parallel_dimensions(args)
+    dims = parallel_dimensions(layout)
     if not dims:
         return {}, "one rank: no link to calibrate"
     if len(dims) > 1:

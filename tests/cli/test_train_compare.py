@@ -8,6 +8,7 @@ import torch
 from picofx.cli.train_compare import components, measured_components, stage_balance_lines
 from picofx.cost.device import device_for
 from picofx.planner.device_profile import read_device_profile, scaled, write_device_profile
+from picofx.planner.layouts import Layout
 from picofx.report_html import render
 
 
@@ -55,12 +56,6 @@ def test_the_report_draws_each_rank_measured_beside_the_predicted():
     assert "Measured step per rank" not in render()
 
 
-def link_args(*argv: str):
-    from picofx.cli.train_args import parse_args
-
-    return parse_args(list(argv), environ={"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
-
-
 def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
     from picofx.cli.train_link import measured_link
 
@@ -71,16 +66,19 @@ def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
                                 {"kind": "all_reduce", "nbytes": mib, "seconds": large_s},
                                 {"kind": "gather", "nbytes": 12, "seconds": 0.5}]}  # not a ring: not fitted
     # 4 ranks on dp: 6 ring steps; the rank that arrived last times each collective alone
-    rates, said = measured_link(link_args("--dp", "4"), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
-                                                         rank(0.012, 0.4)])
+    rates, said = measured_link(Layout(dp=4), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
+                                               rank(0.012, 0.4)])
     fitted = rates["dp"]["all_reduce"]
     assert fitted["latency_s"] == pytest.approx(0.003 / 6)
     assert fitted["bandwidth"] == pytest.approx(6 / 4 * mib / (0.2 - 0.003))
     assert said.startswith("dp link ") and "from 2 traced all-reduces" in said
     device = with_link_device(rates["dp"])
     assert device.link_bandwidth == fitted["bandwidth"] and device.link_latency == fitted["latency_s"]
-    rates, said = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
+    rates, said = measured_link(Layout(dp=2, tp=2), [rank(0.003, 0.2)] * 4)
     assert rates == {} and "link not calibrated" in said and "dp x tp" in said
+    # the layout the run ran (--layout auto's choice on 4 ranks), not one rebuilt from options that name none
+    rates, said = measured_link(Layout(tp=4), [rank(0.003, 0.2)] * 4)
+    assert list(rates) == ["tp"] and said.startswith("tp link "), said
 
 
 def with_link_device(rates):

@@ -33,8 +33,8 @@ PREFIX = "picofx/watchdog"
 DONE = "done"
 FAILED = "failed:"  # the place of a rank that stopped because a collective failed (not itself a dead rank)
 STOPPED_BEATS = 2   # a peer whose count has not moved for this many beats has stopped beating
-# What a backend's error says when the rank at the other end of a connection died: gloo says either
-# of the first two, depending on whether it was reading or writing when the peer went.
+# What a backend's error says when the rank at the other end of a connection died (gloo's words
+# differ from one death to the next: either of the first two).
 PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe")
 
 

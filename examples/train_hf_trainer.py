@@ -98,3 +98,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # the group Trainer made: gloo's threads must not outlive the interpreter's teardown
+        dist.destroy_process_group()

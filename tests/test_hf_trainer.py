@@ -242,7 +242,9 @@ def stop(launcher: subprocess.Popen) -> None:
 
 
 def run_under_torchrun(tmp_path, names: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    # faulthandler: a rank that dies of a signal (a SIGSEGV seen once in CI) prints every thread's stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1]),
+           "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                __file__, str(tmp_path), *names]
     ranks = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

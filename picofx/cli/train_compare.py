@@ -12,14 +12,12 @@ COMMUNICATION = ("tensor_parallel_comm", "context_parallel_comm", "pipeline_send
                  "data_parallel_exposed", "compression")
 
 
-def predicted_layout(args, device):
-    """The planner's Prediction of the layout that ran (None where it plans no such layout)."""
+def predicted_layout(args, ran, device):
+    """The planner's Prediction of `ran`, the Layout that ran (None where it plans no such layout)."""
     import picofx
-    from picofx.cli.train_layout import run_layout
     from picofx.cli.train_model import planned_shape
     from picofx.planner.layouts import Checkpointing
 
-    ran = run_layout(args)
     config, _ = planned_shape(args)
     same = dict(dp=ran.dp, tp=ran.tp, pp=ran.pp, shard=ran.shard, cp=ran.cp, precision=ran.precision)
     if ran.pp > 1:
@@ -54,14 +52,15 @@ def measured_components(mean: dict) -> dict:
             "exposed_comm": mean["exposed_comm"], "step": mean["seconds"] - mean["data"] - mean["checkpoint"]}
 
 
-def compare_with_plan(args, session, every: list[dict], found: dict) -> list[str]:
-    """The summary's line of predicted against measured; `found` gets the prediction's components."""
+def compare_with_plan(args, layout, session, every: list[dict], found: dict) -> list[str]:
+    """The summary's line of predicted against measured for `layout`, the run's; `found` gets the
+    prediction's components."""
     mean = every[0]["mean"]
     if not mean:
         return []
     device, source = device_to_predict_with(args)
     try:
-        prediction = predicted_layout(args, device)
+        prediction = predicted_layout(args, layout, device)
     except Exception as e:  # noqa: BLE001  a summary line, not a failed run
         return [f"  predicted: the planner could not predict this layout ({type(e).__name__}: {e})"]
     if prediction is None:
@@ -73,7 +72,7 @@ def compare_with_plan(args, session, every: list[dict], found: dict) -> list[str
     lines = [f"  predicted against measured (rank 0, per step, data wait and checkpoint aside; device {source}): "
              + "; ".join(parts)]
     if args.calibrate:
-        lines.append("  " + calibrate(args, device, prediction, predicted, measured, session, every))
+        lines.append("  " + calibrate(args, layout, device, prediction, predicted, measured, session, every))
     return lines
 
 
@@ -83,7 +82,7 @@ def ratio(measured: float, predicted: float) -> str:
     return f" ({measured / predicted:.2g}x)"
 
 
-def calibrate(args, device, prediction, predicted: dict, measured: dict, session, every: list[dict]) -> str:
+def calibrate(args, layout, device, prediction, predicted: dict, measured: dict, session, every: list[dict]) -> str:
     """A device whose compute and optimizer rates give the measured times and whose link the traced
     collectives' rates (picofx.cli.train_link), stored for `picofx plan`."""
     from picofx.cli.train_link import measured_link
@@ -96,10 +95,10 @@ def calibrate(args, device, prediction, predicted: dict, measured: dict, session
     factor = measured["compute"] / predicted["compute"]
     tensors = sum(1 for _ in session.opt_model.parameters()) or 1
     first = scaled(device, factor, device.optimizer_tensor_overhead)
-    again = components(predicted_layout(args, first))
+    again = components(predicted_layout(args, layout, first))
     overhead = device.optimizer_tensor_overhead + (measured["optimizer"] - again["optimizer"]) / tensors
     how = f"picofx train --profile {args.profile} --calibrate on {args.world} rank(s)"
-    links = measured_link(args, every)
+    links = measured_link(args, layout, every)
     calibrated = with_link(scaled(device, factor, overhead), links.levels, how)
     path = write_device_profile(calibrated, args.world, how, communication=links.dimensions)
     return (f"calibrated: compute {factor:.3g}x the device's figures, AdamW {overhead * 1e6:.0f} us per tensor; "

@@ -16,11 +16,8 @@ import os
 LEVELS = {"node": "in-node", "network": "across nodes"}
 
 
-def parallel_dimensions(args) -> dict[str, int]:
-    """The run's mesh dimensions of more than one rank, by name."""
-    from picofx.cli.train_layout import run_layout
-
-    layout = run_layout(args)
+def parallel_dimensions(layout) -> dict[str, int]:
+    """The mesh dimensions of more than one rank of `layout` (the run's Layout), by name."""
     sizes = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
     return {name: size for name, size in sizes.items() if size > 1}
 
@@ -58,13 +55,14 @@ def level_of(dim: str, sizes: dict[str, int], ranks_per_node: int) -> str:
     return "node" if spanned <= ranks_per_node else "network"
 
 
-def measured_link(args, every: list[dict]) -> MeasuredLinks:
-    """--calibrate's links from every rank's --profile figures (traced_collectives')."""
+def measured_link(args, layout, every: list[dict]) -> MeasuredLinks:
+    """--calibrate's links from every rank's --profile figures (traced_collectives'); `layout`: the
+    Layout that ran (picofx.cli.train's ranks.layout, --layout auto's choice included)."""
     ranks_per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", args.world)), args.world)
     per_rank, sizes = collectives_of(every), (every[0].get("mesh") if every else None)
     if sizes:  # named by group (HSDP's dp_replicate x dp_shard too, one "dp" to the layout)
         return per_dimension(sizes, per_rank, ranks_per_node)
-    dims = parallel_dimensions(args)
+    dims = parallel_dimensions(layout)
     if not dims:
         return MeasuredLinks({}, {}, "one rank: no link to calibrate")
     if len(dims) > 1:

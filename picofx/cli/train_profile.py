@@ -102,7 +102,7 @@ class RunProfile:
         lines = [f"where the time went ({len(self.traced_steps)} traced steps, traces in {traces}):"]
         lines += [f"  rank {r}: {where_the_time_went(figures['mean'])}" for r, figures in enumerate(every)]
         lines += layers_line(every[0]["attribution"])
-        lines += predicted_lines(self.args, self.session, every, self.predicted)
+        lines += predicted_lines(self.args, ranks.layout, self.session, every, self.predicted)
         self.measured = every
         return lines
 
@@ -172,10 +172,10 @@ def stage_times(session, mean: dict) -> dict:
             "measured_s": mean["forward"] + mean["backward"]}
 
 
-def predicted_lines(args, session, every: list[dict], predicted: dict) -> list[str]:
-    """The planner's prediction of the layout that ran, component by component, beside rank 0's
+def predicted_lines(args, layout, session, every: list[dict], predicted: dict) -> list[str]:
+    """The planner's prediction of `layout` (the one that ran), component by component, beside rank 0's
     measured mean (the prediction's components also into `predicted`); and under --pp each stage's share
     of the measured and of the predicted time."""
     from picofx.cli.train_compare import compare_with_plan, stage_balance_lines
 
-    return compare_with_plan(args, session, every, predicted) + stage_balance_lines(every)
+    return compare_with_plan(args, layout, session, every, predicted) + stage_balance_lines(every)

@@ -14,9 +14,10 @@ that does not answer at all is stopped for. A rank that ends its run says so, an
 The process group's own timeout should be longer than `timeout`, so that this line comes first.
 
 A rank that dies (killed, its machine gone) breaks its connections at once: the others' collectives
-fail with the backend's own error (gloo's "connection reset by peer") well before the timeout. A
-rank whose collective failed asks the watchdog (`stop_if_a_peer_died`) whose heartbeat stopped, and
-if one did, stops with one line naming it instead of the backend's traceback.
+fail with the backend's own error (gloo's "connection reset by peer" or "closed by peer": PEER_GONE)
+well before the timeout. A rank whose collective failed asks the watchdog (`stop_if_a_peer_died`)
+whose heartbeat stopped, and if one did, stops with one line naming it instead of the backend's
+traceback.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ PREFIX = "picofx/watchdog"
 DONE = "done"
 FAILED = "failed:"  # the place of a rank that stopped because a collective failed (not itself a dead rank)
 STOPPED_BEATS = 2   # a peer whose count has not moved for this many beats has stopped beating
+# What a backend's error says when the rank at the other end of a connection died (gloo's words
+# differ from one death to the next: either of the first two).
+PEER_GONE = ("Connection reset", "Connection closed", "Broken pipe")
 
 
 def stop_process(line: str, speaks: bool) -> None:
@@ -186,7 +190,7 @@ def collective_error(error: BaseException | None) -> BaseException | None:
     while error is not None:
         text = str(error)
         if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and any(
-                mark in text for mark in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL"))):
+                mark in text for mark in (*PEER_GONE, "gloo", "NCCL"))):
             return error
         error = error.__cause__ or error.__context__
     return None

@@ -8,6 +8,7 @@ import torch
 from picofx.cli.train_compare import components, measured_components, stage_balance_lines
 from picofx.cost.device import device_for
 from picofx.planner.device_profile import read_device_profile, scaled, write_device_profile
+from picofx.planner.layouts import Layout
 from picofx.report_html import render
 
 
@@ -71,8 +72,8 @@ def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
                                 *[{"kind": "all_reduce", "nbytes": mib, "seconds": large_s}] * 3,
                                 {"kind": "gather", "nbytes": 12, "seconds": 0.5}]}  # not a ring: not fitted
     # 4 ranks on dp: 6 ring steps; the rank that arrived last times each collective alone
-    links = measured_link(link_args("--dp", "4"), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
-                                                   rank(0.012, 0.4)])
+    links = measured_link(link_args("--dp", "4"), Layout(dp=4), [rank(0.003, 0.5), rank(0.006, 0.2), rank(0.009, 0.3),
+                                                                  rank(0.012, 0.4)])
     fitted = links.dimensions["dp"]["link"]
     assert fitted["latency_s"] == pytest.approx(0.003 / 6)
     assert fitted["bandwidth"] == pytest.approx(6 / 4 * mib / (0.2 - 0.003))
@@ -82,11 +83,14 @@ def test_calibrate_fits_the_link_from_each_collective_at_its_fastest_rank():
     assert device.link_bandwidth == fitted["bandwidth"] and device.link_latency == fitted["latency_s"]
     assert device.network_bandwidth == fitted["bandwidth"]  # one machine: gloo's loopback is its only link
     one_large = [{"collectives": rank(0.003, 0.2)["collectives"][:2]}] * 4
-    links = measured_link(link_args("--dp", "4"), one_large)
+    links = measured_link(link_args("--dp", "4"), Layout(dp=4), one_large)
     assert links.levels == {} and links.said == ("link not calibrated on dp: 1 ring collective of 64 KiB or more, "
                                                  "at least 2 needed")
-    links = measured_link(link_args("--dp", "2", "--tp", "2"), [rank(0.003, 0.2)] * 4)
+    links = measured_link(link_args("--dp", "2", "--tp", "2"), Layout(dp=2, tp=2), [rank(0.003, 0.2)] * 4)
     assert links.levels == {} and "link not calibrated" in links.said and "dp x tp" in links.said
+    # the layout the run ran (--layout auto's choice on 4 ranks), not one rebuilt from options that name none
+    links = measured_link(link_args(), Layout(tp=4), [rank(0.003, 0.2)] * 4)
+    assert list(links.dimensions) == ["tp"] and links.said.startswith("tp link "), links.said
 
 
 def with_link(device, levels, how):

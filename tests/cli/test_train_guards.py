@@ -20,7 +20,7 @@ import torch.distributed as dist
 from picofx.api import OptimizedModule
 from picofx.cli.train_args import parse_args
 from picofx.cli.train_guards import group_timeout
-from picofx.runtime.watchdog import Watchdog, beat_interval
+from picofx.runtime.watchdog import PEER_GONE, Watchdog, beat_interval
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "passes"))  # the rank harness, beside the pass tests
 from spawn_ranks import run_ranks  # noqa: E402
@@ -277,7 +277,7 @@ def test_a_stopped_rank_stops_the_others_within_the_timeout_under_torchrun(tmp_p
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_others_with_one_line_naming_it_under_torchrun(tmp_path):
-    """SIGKILL: the others' collectives fail at once (gloo's connection reset), and each says which
+    """SIGKILL: the others' collectives fail at once (gloo's connection reset or closed), and each says which
     rank died instead of gloo's traceback (--save: torchrun's SIGTERM to them waits for the next step)."""
     metrics = tmp_path / "m.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "picofx",
@@ -301,5 +301,6 @@ def test_a_killed_rank_ends_the_others_with_one_line_naming_it_under_torchrun(tm
     lines = [line for line in err.splitlines() if "picofx train: error" in line]
     assert proc.returncode != 0 and err.count("Traceback") <= 1, err[-3000:]  # torchrun's own
     assert len(lines) == 1 and "picofx train: error: rank 1 died: no heartbeat for " in lines[0], err[-3000:]
-    assert "rank 0's collective in step " in lines[0] and "Connection reset by peer" in lines[0], lines[0]
+    assert "rank 0's collective in step " in lines[0], lines[0]
+    assert any(said in lines[0] for said in PEER_GONE), lines[0]  # gloo's words differ with what it was doing
     assert "exitcode  : 1 " in err, err[-3000:]  # rank 0 stopped itself, with status 1

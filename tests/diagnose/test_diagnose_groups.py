@@ -9,6 +9,7 @@ from picofx.cost.device import device_for
 from picofx.diagnose.collectives import Collective
 from picofx.diagnose.groups import groups_of, named, threads_of
 from picofx.planner.device_profile import with_link
+from picofx.planner.layouts import Layout
 
 KIB, MIB = 2**10, 2**20
 TP = {"bandwidth": 1e9, "latency": 1e-3}  # tp's ring: 1 GB/s, 1 ms a step
@@ -54,7 +55,7 @@ def mesh_args():
 
 def test_each_dimension_gets_its_own_link_and_one_node_shares_them(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # every rank in one node
-    links = measured_link(mesh_args(), named_figures())
+    links = measured_link(mesh_args(), Layout(dp=2, tp=2), named_figures())
     tp, dp = links.dimensions["tp"]["link"], links.dimensions["dp_shard"]["link"]
     assert tp["bandwidth"] == pytest.approx(TP["bandwidth"]) and tp["latency_s"] == pytest.approx(TP["latency"])
     # an all-gather's traced input is one rank's piece: (n-1) x it crosses the link
@@ -75,7 +76,7 @@ def test_each_dimension_gets_its_own_link_and_one_node_shares_them(monkeypatch):
 
 def test_a_dimension_across_nodes_prices_the_network_and_the_device_carries_both(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # tp 2 inside a node, dp_shard across the two
-    links = measured_link(mesh_args(), named_figures())
+    links = measured_link(mesh_args(), Layout(dp=2, tp=2), named_figures())
     assert links.dimensions["tp"]["level"] == "node" and links.dimensions["dp_shard"]["level"] == "network"
     device = with_link(device_for("cpu"), links.levels, "a test")
     assert device.intra_node_link.bandwidth == pytest.approx(TP["bandwidth"])
@@ -87,7 +88,7 @@ def test_a_dimension_across_nodes_prices_the_network_and_the_device_carries_both
 
 def test_a_dimension_with_too_few_collectives_is_named_and_not_fitted(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    links = measured_link(mesh_args(), named_figures(dp_large=0))  # dp_shard's all-gathers all small
+    links = measured_link(mesh_args(), Layout(dp=2, tp=2), named_figures(dp_large=0))  # dp_shard's all-gathers all small
     assert links.dimensions["dp_shard"]["link"]["bandwidth"] is None
     assert "dp_shard not fitted: 0 ring collectives of 64 KiB or more, at least 2 needed" in links.said
     assert "across nodes link not calibrated" in links.said and set(links.levels) == {"node"}
@@ -98,7 +99,7 @@ def test_a_dimension_with_too_few_collectives_is_named_and_not_fitted(monkeypatc
 
 def test_collectives_not_told_apart_by_group_calibrate_no_link():
     unnamed = [{"collectives": rank_figures(rank)["collectives"]} for rank in range(4)]
-    links = measured_link(mesh_args(), unnamed)
+    links = measured_link(mesh_args(), Layout(dp=2, tp=2), unnamed)
     assert links.levels == {} and "not told apart by group" in links.said
 
 
@@ -128,7 +129,7 @@ def test_hsdp_fits_its_two_data_parallel_dimensions_apart(monkeypatch):
     every = [{"collectives": [{**c, "group": renamed.get(c["group"])} for c in figures["collectives"]],
               "mesh": {"dp_replicate": 2, "dp_shard": 2}} for figures in named_figures()]
     args = parse_args(["--shard", "--dp-replicate", "2"], environ={"RANK": "0", "WORLD_SIZE": "4"})
-    links = measured_link(args, every)
+    links = measured_link(args, Layout(dp=4), every)
     assert links.dimensions["dp_shard"]["size"] == 2 and links.dimensions["dp_replicate"]["size"] == 2
     assert links.dimensions["dp_shard"]["link"]["bandwidth"] == pytest.approx(TP["bandwidth"])
     assert links.dimensions["dp_replicate"]["link"]["bandwidth"] == pytest.approx(DP["bandwidth"])

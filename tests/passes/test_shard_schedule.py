@@ -1,6 +1,6 @@
-"""The shard pass's backward schedule on graphs built by hand: the ranks' agreement on one order, and
-an order that does not depend on how a set of nodes iterates (ranks issuing their collectives in
-different orders hang)."""
+"""The shard pass's backward schedule on graphs built by hand: the ranks' agreement on one order, an
+order that does not depend on how a set of nodes iterates (ranks issuing their collectives in
+different orders hang), and the memory guard's answer to a peak at a reduce-scatter's own wait."""
 from __future__ import annotations
 
 import pytest
@@ -95,3 +95,36 @@ def test_prefetched_gathers_sharing_an_ancestor_are_placed_alike_whatever_the_se
         return [n.name for n in graph.nodes]
 
     assert backward(True) == backward(False)
+
+
+def test_a_reduce_scatter_waited_at_the_peak_waits_at_once_and_the_others_stay_behind_the_next_bucket():
+    """The memory guard, where the predicted peak is a late reduce-scatter's own wait (its input lives
+    up to it): that one is waited at once, the others still wait behind the next bucket's matmuls.
+    Inductor's graphs of the reference LLaMA met this, and every wait went back to its scatter."""
+    from types import SimpleNamespace
+
+    from torch import fx
+
+    from picofx.passes.shard.schedule import schedule_backward, waits_of
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    y, scatters, waits = x, [], []
+    for _ in range(3):  # autograd's order: each bucket's scatter waited at once
+        y = graph.call_function(aten.mm.default, (y, w))
+        scatters.append(graph.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 2, "0")))
+        waits.append(graph.call_function(c10d.wait_tensor.default, (scatters[-1],)))
+    graph.output(waits)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+
+    def timeline(gm):  # the first bucket's gradient is the large one: the longer in flight, the higher the peak
+        nodes = list(gm.graph.nodes)
+        return SimpleNamespace(peak=nodes.index(waits[0]) - nodes.index(scatters[0]), peak_node=waits[0])
+
+    notes = schedule_backward(gm, 0, timeline)
+    assert notes["waited_after_next_bucket"] == 1 and notes["waited_before_the_peak"] == 0, notes
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.index(waits[0]) == order.index(scatters[0]) + 1, order  # waited at once
+    next_matmul = scatters[2].args[0]
+    assert order.index(scatters[1]) < order.index(next_matmul) < order.index(waits[1]), order  # behind the next bucket

@@ -15,8 +15,9 @@ FSDP2's reduce-scatter stream. A bucket's phase is the first reduce-scatter a no
 phases are ordered by how much of the graph each reduce-scatter needs. A collective's work holds
 its input until its wait, so a later wait (and an earlier gather) can raise the step's peak: the cost
 model's prediction of the backward's live bytes decides. While the peak is above autograd's order's,
-each reduce-scatter in flight at the peak node is waited just before that node instead, and each
-gather issued early that is live there goes back to where autograd put it.
+each reduce-scatter in flight at the peak node is waited just before that node instead (one whose
+wait is the peak node, at once), and each gather issued early that is live there goes back to where
+autograd put it.
 """
 from __future__ import annotations
 
@@ -118,10 +119,13 @@ def schedule_backward(gm: fx.GraphModule, prefetch: int, timeline: Callable[[fx.
         if line is None or line.peak <= before or not (late or early):
             break
         # in flight at the peak only because of this order: a wait moves to just before the peak
-        # node, a gather back to where autograd put it
+        # node, a gather back to where autograd put it; a reduce-scatter whose wait is the peak node
+        # (its input lives up to it) is waited at once, as autograd had it
         blamed = in_flight_at(gm, set(late) | early, line.peak_node, original)
-        if not blamed:
+        waited_at_peak = {s for s in late if waits_of(s)[0] is line.peak_node}
+        if not (blamed or waited_at_peak):
             late, early = {}, set()
+        late = {s: at for s, at in late.items() if s not in waited_at_peak}
         late.update(dict.fromkeys(blamed & set(late), line.peak_node))
         early -= blamed
     else:

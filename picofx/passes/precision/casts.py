@@ -4,8 +4,9 @@
 input cast to its dtype; the cast of a value to a dtype is made once, before its first user, and shared
 by all later users (so a weight is cast once per step, and the backward reuses the forward's
 cast through autograd). A planned node in `rounded_after` keeps its inputs and gets its `out_dtype`
-argument set to its dtype instead (the fused norms: fp32 inside, one rounding of the output). Unplanned nodes follow their inputs' new dtypes by ATen type promotion;
-an op that needs equal dtypes (index_put, scatter) gets its inputs cast to their promotion.
+argument set to its dtype instead (the fused norms: fp32 inside, one rounding of the output).
+Unplanned nodes follow their inputs' new dtypes by ATen type promotion; an op that needs equal
+dtypes (index_put, scatter) gets its inputs cast to their promotion.
 Ops outside ATen and picofx (a library's custom op, such as an MoE grouped matmul, or a user's
 own) are not known to accept other dtypes: their inputs are cast back, at the op's boundary, to
 the dtypes they were captured with, unless the plan names the op. Graph outputs keep the dtypes
@@ -108,7 +109,7 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype], rounded_a
         changed = False
         if dtype is not None and node in rounded_after:
             changed = _set_argument(node, "out_dtype", dtype)
-            inserter.counts["rounded_outputs"] += changed
+            inserter.counts["rounded_outputs"] += changed and dtype in LOW_PRECISION
         elif dtype is not None:
             changed = inserter.cast_inputs(node, lambda d, dtype=dtype: dtype)
             if _keep_loss_in_fp32(node):

@@ -60,6 +60,26 @@ def test_rms_norm_bf16_input(weight_dtype):
     check_matches_unfused(ops.rms_norm, rms_norm_unfused, x, weight, EPS, low_precision=True)
 
 
+def test_norms_with_out_dtype_compute_in_fp32_and_round_once_at_the_end():
+    """An fp32 stream and weight with out_dtype=bf16: the fp32 norm, then one cast (the unfused norm
+    under autocast, whose next matmul rounds it); bit for bit, forward and every gradient, and the
+    backward of the bf16 output reaches the fp32 inputs."""
+    def add_rms_norm_then_cast(x, residual, weight, eps):
+        total, normed = add_rms_norm_unfused(x, residual, weight, eps)
+        return total, normed.to(torch.bfloat16)
+
+    x, residual, weight = randn(3, 5, 48), randn(3, 5, 48), randn(48)
+    check_matches_unfused(lambda *a: ops.rms_norm(*a, out_dtype=torch.bfloat16),
+                          lambda *a: rms_norm_unfused(*a).to(torch.bfloat16), x, weight, EPS)
+    check_matches_unfused(lambda *a: ops.add_rms_norm(*a, out_dtype=torch.bfloat16), add_rms_norm_then_cast,
+                          x, residual, weight, EPS)
+    total, normed = ops.add_rms_norm(x, residual, weight, EPS, out_dtype=torch.bfloat16)
+    assert (total.dtype, normed.dtype) == (torch.float32, torch.bfloat16)
+    with torch._subclasses.FakeTensorMode():  # the fake agrees
+        fake = ops.rms_norm(torch.empty(2, 48), torch.empty(48), EPS, out_dtype=torch.bfloat16)
+    assert fake.dtype == torch.bfloat16
+
+
 def test_rms_norm_strided_input():
     x = randn(48, 6).T  # (6, 48), column-major
     check_matches_unfused(ops.rms_norm, rms_norm_unfused, x, randn(48), EPS)

@@ -79,6 +79,16 @@ def test_rms_norm_forward(x_dtype, weight_dtype):
 
 
 @runs_kernels
+def test_rms_norm_forward_with_out_dtype():
+    x, residual, weight = randn(2, 5, 40), randn(2, 5, 40), randn(40)
+    bf16 = torch.bfloat16
+    assert_close(triton_rms_norm.rms_norm(x, weight, EPS, bf16), rms_norm_reference(x, weight, EPS, out_dtype=bf16))
+    for actual, expected in zip(triton_rms_norm.add_rms_norm(x, residual, weight, EPS, bf16),
+                                add_rms_norm_reference(x, residual, weight, EPS, out_dtype=bf16)):
+        assert_close(actual, expected)
+
+
+@runs_kernels
 @pytest.mark.parametrize("x_dtype,weight_dtype", DTYPES)
 @pytest.mark.parametrize("with_grad_sum", [False, True])
 def test_rms_norm_backward(x_dtype, weight_dtype, with_grad_sum):

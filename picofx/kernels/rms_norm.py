@@ -1,15 +1,17 @@
 """RMSNorm, alone and fused with the residual add before it.
 
-    picofx::rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor
+    picofx::rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0, ScalarType? out_dtype=None) -> Tensor
         (weight + offset) * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(x.dtype), with xf = x.float().
         Statistics in fp32; the output dtype is the promotion of weight's and x's dtypes
-        (an fp32 weight times a bf16 x gives fp32). weight is (C,), x is (..., C). offset is 0
+        (an fp32 weight times a bf16 x gives fp32), or out_dtype where given: the product is then
+        rounded to it once, at the end (the precision pass hands bf16 matmuls the norm of an fp32
+        stream so, as autocast does). weight is (C,), x is (..., C). offset is 0
         for LLaMA's norm, 1 for Gemma's, which scales by (1 + weight).
 
-    picofx::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset=0.0)
-        -> (Tensor sum, Tensor normed)
-        sum = x + residual; normed = rms_norm(sum, weight, eps), in one pass over the row.
-        x and residual have the same shape.
+    picofx::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float offset=0.0,
+                         ScalarType? out_dtype=None) -> (Tensor sum, Tensor normed)
+        sum = x + residual; normed = rms_norm(sum, weight, eps, offset, out_dtype), in one pass over
+        the row. x and residual have the same shape; out_dtype applies to normed only.
 
     picofx::rms_norm_backward(Tensor grad_out, Tensor x, Tensor weight, float eps, Tensor? grad_sum)
         -> (Tensor grad_x, Tensor grad_weight)
@@ -38,15 +40,17 @@ def _scale(weight: Tensor, offset: float) -> Tensor:
     return weight + offset if offset else weight
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+                       out_dtype: Optional[torch.dtype] = None) -> Tensor:
     xf = x.float()
-    return _scale(weight, offset) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = _scale(weight, offset) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
-def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                           offset: float = 0.0) -> tuple[Tensor, Tensor]:
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+                           out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     total = x + residual
-    return total, rms_norm_reference(total, weight, eps, offset)
+    return total, rms_norm_reference(total, weight, eps, offset, out_dtype)
 
 
 def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, weight: Tensor, eps: float,
@@ -67,32 +71,33 @@ def rms_norm_backward_reference(grad_out: Tensor, x: Tensor, weight: Tensor, eps
     return grad_xf.to(x.dtype), grad_weight
 
 
-def _out_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, weight.dtype)
+def _out_dtype(x: Tensor, weight: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    return out_dtype if out_dtype is not None else torch.promote_types(x.dtype, weight.dtype)
 
 
 # ---- picofx::rms_norm -------------------------------------------------------------------
 
 @torch.library.custom_op("picofx::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
-    return rms_norm_reference(x, weight, eps, offset).contiguous()
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+             out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    return rms_norm_reference(x, weight, eps, offset, out_dtype).contiguous()
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, offset=0.0):
-    return x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+def _(x, weight, eps, offset=0.0, out_dtype=None):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, weight, out_dtype))
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
-    x, weight, eps, *offset = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.offset = eps, (offset or [0.0])[0]
+    x, weight, eps, *rest = inputs
+    ctx.save_for_backward(x, weight)  # x as it came: with out_dtype, an fp32 stream stays fp32 here
+    ctx.eps, ctx.offset = eps, (rest or [0.0])[0]
 
 
 def _rms_norm_backward(ctx, grad_out):
     x, weight = ctx.saved_tensors
     grad_x, grad_weight = torch.ops.picofx.rms_norm_backward(grad_out, x, _scale(weight, ctx.offset), ctx.eps, None)
-    return grad_x, grad_weight, None, None
+    return grad_x, grad_weight, None, None, None
 
 
 rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
@@ -101,24 +106,25 @@ rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_con
 # ---- picofx::add_rms_norm ---------------------------------------------------------------
 
 @torch.library.custom_op("picofx::add_rms_norm", mutates_args=())
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
-    total, normed = add_rms_norm_reference(x, residual, weight, eps, offset)
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    total, normed = add_rms_norm_reference(x, residual, weight, eps, offset, out_dtype)
     return total.contiguous(), normed.contiguous()
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps, offset=0.0):
+def _(x, residual, weight, eps, offset=0.0, out_dtype=None):
     torch._check(x.shape == residual.shape, lambda: "add_rms_norm: x and residual must have the same shape")
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    normed_dtype = torch.promote_types(sum_dtype, weight.dtype)
+    normed_dtype = out_dtype if out_dtype is not None else torch.promote_types(sum_dtype, weight.dtype)
     return x.new_empty(x.shape, dtype=sum_dtype), x.new_empty(x.shape, dtype=normed_dtype)
 
 
 def _add_rms_norm_setup_context(ctx, inputs, output):
-    x, residual, weight, eps, *offset = inputs
+    x, residual, weight, eps, *rest = inputs
     total, _ = output
     ctx.save_for_backward(total, weight)
-    ctx.eps, ctx.offset = eps, (offset or [0.0])[0]
+    ctx.eps, ctx.offset = eps, (rest or [0.0])[0]
     ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
 
 
@@ -126,7 +132,7 @@ def _add_rms_norm_backward(ctx, grad_sum, grad_normed):
     total, weight = ctx.saved_tensors
     grad_total, grad_weight = torch.ops.picofx.rms_norm_backward(grad_normed, total, _scale(weight, ctx.offset),
                                                                  ctx.eps, grad_sum)
-    return grad_total.to(ctx.x_dtype), grad_total.to(ctx.residual_dtype), grad_weight, None, None
+    return grad_total.to(ctx.x_dtype), grad_total.to(ctx.residual_dtype), grad_weight, None, None, None
 
 
 add_rms_norm.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup_context)
@@ -150,15 +156,15 @@ def _(grad_out, x, weight, eps, grad_sum=None):
 # The kernels take the scale: with an offset, weight + offset is one (C,) op before them.
 
 if triton_rms_norm is not None:
-    def _rms_norm_kernel(x, weight, eps, offset=0.0):
+    def _rms_norm_kernel(x, weight, eps, offset=0.0, out_dtype=None):
         if not triton_rms_norm.supports(x):
-            return rms_norm_reference(x, weight, eps, offset).contiguous()
-        return triton_rms_norm.rms_norm(x, _scale(weight, offset), eps)
+            return rms_norm_reference(x, weight, eps, offset, out_dtype).contiguous()
+        return triton_rms_norm.rms_norm(x, _scale(weight, offset), eps, out_dtype)
 
-    def _add_rms_norm_kernel(x, residual, weight, eps, offset=0.0):
+    def _add_rms_norm_kernel(x, residual, weight, eps, offset=0.0, out_dtype=None):
         if not triton_rms_norm.supports(x):
-            return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps, offset))
-        return triton_rms_norm.add_rms_norm(x, residual, _scale(weight, offset), eps)
+            return tuple(t.contiguous() for t in add_rms_norm_reference(x, residual, weight, eps, offset, out_dtype))
+        return triton_rms_norm.add_rms_norm(x, residual, _scale(weight, offset), eps, out_dtype)
 
     def _rms_norm_backward_kernel(grad_out, x, weight, eps, grad_sum=None):
         if not triton_rms_norm.supports(x):

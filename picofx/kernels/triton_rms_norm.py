@@ -80,11 +80,12 @@ def _rms_norm_backward_kernel(
     tl.store(grad_weight_partial_ptr + pid * n_cols + cols, grad_weight, mask=mask)
 
 
-def _forward(x, residual, weight, eps):
+def _forward(x, residual, weight, eps, out_dtype=None):
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols).contiguous()  # (N, C)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(sum_dtype, weight.dtype), device=x.device)
+    out_dtype = out_dtype if out_dtype is not None else torch.promote_types(sum_dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     total = None
     if residual is not None:
         residual = residual.reshape(-1, n_cols).contiguous()
@@ -97,12 +98,12 @@ def _forward(x, residual, weight, eps):
     return total, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _forward(x, None, weight, eps)[1]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=None) -> torch.Tensor:
+    return _forward(x, None, weight, eps, out_dtype)[1]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return _forward(x, residual, weight, eps)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=None):
+    return _forward(x, residual, weight, eps, out_dtype)
 
 
 def rms_norm_backward(grad_out, x, weight, eps, grad_sum=None):

@@ -5,12 +5,14 @@ import copy
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 from precision_models import BF16, FP16, FP32, calls, dtype, float_casts, float_inputs, model_loss, relative_errors
 
 import picofx
 from picofx.models import zoo
 from picofx.models.llama import Llama, LlamaConfig, causal_lm_loss
 from picofx.passes import Precision
+from picofx.passes.precision.casts import is_plain_cast
 from picofx.passes.precision.rules import op_name
 from picofx.testing import markov_batches, train_losses
 
@@ -108,7 +110,7 @@ def test_fp16_overflowing_steps_are_skipped_and_training_recovers():
 
 def test_composes_with_fuse():
     z = zoo.build("llama-tiny")
-    reference = copy.deepcopy(z.model)
+    reference, autocast_model = copy.deepcopy(z.model), copy.deepcopy(z.model)
     opt = picofx.optimize(z.model, z.example_inputs, ["fuse", "precision"], backend="eager", loss_fn=z.loss_fn)
     gm = opt.graph_module
     fused = [n for n in gm.graph.nodes if (op_name(n.target) or "").startswith("picofx.")]
@@ -120,13 +122,23 @@ def test_composes_with_fuse():
         "picofx.linear_cross_entropy": 1}
     for node in calls(gm, "matmul", "attention", "fused"):
         assert {dtype(a) for a in float_inputs(node)} == {BF16}, node.format_node()
+    for node in calls(gm, "fused_norms"):  # the fp32 stream and weight as they come, as autocast's norm reads them
+        assert not any(is_plain_cast(a) for a in node.all_input_nodes), node.format_node()
+        weight_at = 2 if node.target is torch.ops.picofx.add_rms_norm.default else 1
+        stream, weight = node.args[:weight_at], node.args[weight_at]
+        assert dtype(weight) == FP32 and FP32 in {dtype(a) for a in stream}, node.format_node()
+        assert tree_leaves(node.meta["val"])[-1].dtype == BF16, node.format_node()
     loss_node = next(n for n in fused if op_name(n.target) == "picofx.linear_cross_entropy")
     assert loss_node.meta["val"][0].dtype == FP32
     loss = opt(**z.example_inputs)
     expected = model_loss(z, reference, z.example_inputs)
+    with torch.autocast("cpu", BF16):
+        autocast_loss = model_loss(z, autocast_model, z.example_inputs)
     loss.backward()
     expected.backward()
     assert abs(loss.item() - expected.item()) < 1e-3 * expected.item()
+    # Norms fed a bf16-rounded stream put the loss 4e-5 off autocast's; computed as autocast does, 1e-7.
+    assert abs(loss.item() - autocast_loss.item()) < 1e-6 * autocast_loss.item()
     errors = relative_errors([p.grad for p in z.model.parameters()], [p.grad for p in reference.parameters()])
     assert max(errors) < 2e-2
 

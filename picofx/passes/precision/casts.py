@@ -1,10 +1,12 @@
 """Rewrite a graph to a per-node dtype plan: insert casts, shared by every user, and retype nodes.
 
-`insert_casts(gm, plan)` walks the graph in order. A planned node gets each floating input cast
-to its dtype; the cast of a value to a dtype is made once, before its first user, and shared
+`insert_casts(gm, plan, rounded_after)` walks the graph in order. A planned node gets each floating
+input cast to its dtype; the cast of a value to a dtype is made once, before its first user, and shared
 by all later users (so a weight is cast once per step, and the backward reuses the forward's
-cast through autograd). Unplanned nodes follow their inputs' new dtypes by ATen type promotion;
-an op that needs equal dtypes (index_put, scatter) gets its inputs cast to their promotion.
+cast through autograd). A planned node in `rounded_after` keeps its inputs and gets its `out_dtype`
+argument set to its dtype instead (the fused norms: fp32 inside, one rounding of the output).
+Unplanned nodes follow their inputs' new dtypes by ATen type promotion; an op that needs equal
+dtypes (index_put, scatter) gets its inputs cast to their promotion.
 Ops outside ATen and picofx (a library's custom op, such as an MoE grouped matmul, or a user's
 own) are not known to accept other dtypes: their inputs are cast back, at the op's boundary, to
 the dtypes they were captured with, unless the plan names the op. Graph outputs keep the dtypes
@@ -91,9 +93,10 @@ class CastInserter:
             _raise_rejected(node, error)
 
 
-def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counter:
-    """Make every node in `plan` compute in its dtype; returns what changed: casts inserted by kind
-    ("weight", "activation", "output") and "loss_upcast" (fused losses set to compute in fp32)."""
+def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype], rounded_after=frozenset()) -> Counter:
+    """Make every node in `plan` compute in its dtype (those in `rounded_after`: write their output in
+    it); returns what changed: casts inserted by kind ("weight", "activation", "output"),
+    "loss_upcast" (fused losses set to compute in fp32) and "rounded_outputs" (out_dtype set)."""
     inserter = CastInserter(gm)
     output = gm.graph.output_node()
     captured = {n: dtype_of(n) for n in output.all_input_nodes}
@@ -104,7 +107,10 @@ def insert_casts(gm: fx.GraphModule, plan: dict[fx.Node, torch.dtype]) -> Counte
             continue
         dtype = plan.get(node)
         changed = False
-        if dtype is not None:
+        if dtype is not None and node in rounded_after:
+            changed = _set_argument(node, "out_dtype", dtype)
+            inserter.counts["rounded_outputs"] += changed and dtype in LOW_PRECISION
+        elif dtype is not None:
             changed = inserter.cast_inputs(node, lambda d, dtype=dtype: dtype)
             if _keep_loss_in_fp32(node):
                 inserter.counts["loss_upcast"] += 1
@@ -244,16 +250,20 @@ def _promoted(node: fx.Node) -> torch.dtype:
 def _keep_loss_in_fp32(node: fx.Node) -> bool:
     """The fused linear + cross-entropy computes its matmul in the compute dtype and its loss in
     fp32 only with upcast=True; set it."""
-    if op_name(node.target) != "picofx.linear_cross_entropy":
-        return False
-    names = [a.name for a in node.target._schema.arguments]
-    index = names.index("upcast")
+    return op_name(node.target) == "picofx.linear_cross_entropy" and _set_argument(node, "upcast", True)
+
+
+def _set_argument(node: fx.Node, name: str, value) -> bool:
+    """Set the op's argument `name` (given by position or keyword, or left to its default) to
+    `value`; True if that changed it."""
+    argument = next(a for a in node.target._schema.arguments if a.name == name)
+    index = node.target._schema.arguments.index(argument)
     if len(node.args) > index:
-        if node.args[index] is True:
+        if node.args[index] == value:
             return False
-        node.args = (*node.args[:index], True, *node.args[index + 1:])
+        node.args = (*node.args[:index], value, *node.args[index + 1:])
         return True
-    if node.kwargs.get("upcast", True) is True:
+    if node.kwargs.get(name, argument.default_value if argument.has_default_value() else None) == value:
         return False
-    node.kwargs = {**node.kwargs, "upcast": True}
+    node.kwargs = {**node.kwargs, name: value}
     return True

@@ -3,8 +3,9 @@
     Precision(dtype="bf16", overrides={"final_proj": "fp32"}, fp32_ops=("aten.tanh",),
               sensitivity=None, loss_scale=None)
 
-Matmuls, attention and fused ops compute in `dtype`; norm statistics, softmax, RoPE tables and
-losses stay fp32 (the rules in rules.py); everything else follows its inputs.
+Matmuls, attention and fused ops compute in `dtype` (the fused norms in fp32, writing their output
+in `dtype`); norm statistics, softmax, RoPE tables and losses stay fp32 (the rules in rules.py);
+everything else follows its inputs.
 `overrides` maps module-path globs to a dtype for the matmul/attention/fused nodes of the
 matching modules and their submodules (a later entry wins over an earlier one).
 `float8` ("tensorwise", "rowwise", "rowwise_with_gw_hp": torchao's recipes) runs the linear layers
@@ -92,14 +93,16 @@ class Precision:
             check_device(ctx.device)
             if not isinstance(self.float8_layers, str):
                 check_globs(gm, dict.fromkeys(self.float8_layers), what="float8_layers glob")
-        plan, rules, matched = assign_dtypes(gm, compute, overrides, rule_table(resolve_op_names(self.fp32_ops)))
+        table = rule_table(resolve_op_names(self.fp32_ops))
+        plan, rules, matched = assign_dtypes(gm, compute, overrides, table)
+        rounded_after = {n for n in plan if table[op_name(n.target)].kind == "output"}
         kept = {}
         if self.sensitivity is not None:
             low = {n: d for n, d in plan.items() if d in LOW_PRECISION}
-            errors = measure_errors(gm, ctx.example_inputs, low)
+            errors = measure_errors(gm, ctx.example_inputs, low, rounded_after)
             kept = {n: e for n, e in errors.items() if e > self.sensitivity}
             plan.update({n: torch.float32 for n in kept})
-        changes = insert_casts(gm, plan)
+        changes = insert_casts(gm, plan, rounded_after)
         if self.float8 is not None:
             float8_notes = self.float8_rewrite(gm, ctx)
         planned = set(plan.values())
@@ -112,6 +115,7 @@ class Precision:
             "fp32_nodes": sum(d == torch.float32 for d in plan.values()),
             "weight_casts": changes["weight"], "activation_casts": changes["activation"],
             "output_casts": changes["output"], "loss_upcast": changes["loss_upcast"],
+            "rounded_outputs": changes["rounded_outputs"],
             "rules": dict(rules), "overrides": dict(matched),
         }
         if self.sensitivity is not None:  # a line for the report's table, and every measured error
@@ -213,26 +217,30 @@ def check_globs(gm: fx.GraphModule, overrides: dict, what: str = "override") -> 
                          f"paths look like: {examples}. Globs use fnmatch ('decoder_layers.0.*').")
 
 
-def measure_errors(gm: fx.GraphModule, example_inputs: list, candidates: dict) -> dict:
+def measure_errors(gm: fx.GraphModule, example_inputs: list, candidates: dict, rounded_after=frozenset()) -> dict:
     """Each candidate node's own error: its fp32 inputs (from an fp32 run on the example inputs),
-    rounded to its planned dtype and computed in it, against its fp32 output."""
+    rounded to its planned dtype and computed in it (for a node in `rounded_after`: computed from
+    them as they are, its output written in that dtype), against its fp32 output."""
     if example_inputs is None:
         raise ValueError("Precision(sensitivity=...) measures on the example inputs; the context has none.")
-    probe = _ErrorProbe(gm, candidates)
+    probe = _ErrorProbe(gm, candidates, rounded_after)
     with torch.no_grad():
         probe.run(*example_inputs)
     return probe.errors
 
 
 class _ErrorProbe(fx.Interpreter):
-    def __init__(self, gm, candidates):
+    def __init__(self, gm, candidates, rounded_after):
         super().__init__(gm)
-        self.candidates, self.errors = candidates, {}
+        self.candidates, self.rounded_after, self.errors = candidates, rounded_after, {}
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
         dtype = self.candidates.get(node)
-        if dtype is not None:
+        if dtype is not None and node in self.rounded_after:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            self.errors[node] = relative_error(node.target(*args, **{**kwargs, "out_dtype": dtype}), result)
+        elif dtype is not None:
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(dtype) if is_float_tensor(t) and t.dtype != torch.float64 else t,

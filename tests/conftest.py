@@ -4,6 +4,8 @@ turns it on in a temporary directory of its own."""
 import os
 
 os.environ.setdefault("PICOFX_CACHE", "0")
+# A spawned group whose rank dies of a native crash (a signal) runs once more: picofx.parallel.launch.
+os.environ.setdefault("PICOFX_RANK_CRASH_RETRIES", "1")
 
 import importlib  # noqa: E402
 import multiprocessing  # noqa: E402

@@ -1,6 +1,22 @@
 """The tests' rank harness is picofx's own (picofx.parallel.launch): gloo ranks in spawned processes,
 a hard timeout, every process it started killed at the end."""
+import contextlib
+
 from picofx.parallel.launch import RankError, free_port, run_ranks  # noqa: F401
+
+
+@contextlib.contextmanager
+def fake_ranks(world: int):
+    """A `world`-rank process group in this process whose collectives move nothing (rank 0 of it):
+    enough to build a distributed run's graphs without spawning ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def scenarios(rank: int, world: int, calls) -> dict:

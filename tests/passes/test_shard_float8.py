@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from picofx.passes.precision.float8_linear import E4M3, float8_scale, to_float8
 
 import shard_float8_ranks
 from overlap_ranks import shard
-from spawn_ranks import run_scenarios
+from spawn_ranks import fake_ranks, run_scenarios
 
 LOSS = dict(rtol=1e-5, atol=1e-7)
 GRAD = dict(rtol=1e-4, atol=1e-6)  # the ranks sum in another order than one process
@@ -39,12 +37,8 @@ def gathered_bytes(graph) -> tuple[int, int]:
 
 @pytest.fixture
 def fake_two_ranks():
-    """A two-rank process group in this process whose collectives move nothing: enough to build graphs."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_ranks(2):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_forward_gathers_float8_weights_in_one_byte_each_half_of_bf16(fake_two_ranks):

@@ -13,8 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import picofx
 from picofx.parallel import ParallelMesh
@@ -24,7 +22,7 @@ from picofx.passes.precision.float8_linear import E4M3, float8_scale, to_float8
 import shard_float8_mesh_ranks as ranks_of
 import shard_float8_ranks
 from overlap_ranks import shard
-from spawn_ranks import run_scenarios
+from spawn_ranks import fake_ranks, run_scenarios
 from test_shard_float8 import gathered_bytes
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -37,12 +35,8 @@ def float8_weights(model) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def fake_four_ranks():
-    """A four-rank process group in this process whose collectives move nothing: enough to build graphs."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_ranks(4):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_beside_tensor_parallel_each_rank_gathers_its_tp_piece_in_float8(fake_four_ranks):

@@ -8,8 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import picofx
 from picofx.capture.vocabulary import VIEW_OPS
@@ -17,6 +15,7 @@ from picofx.models import zoo
 from picofx.passes import TensorParallel
 
 import tensor_parallel_float8_ranks as ranks
+from spawn_ranks import fake_ranks
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -27,8 +26,7 @@ WEIGHTS = 2 * 4  # q, k, v, out of both layers
 @pytest.fixture(scope="module")
 def graphs():
     """{"tp" | "sp": {"forward" | "backward": graph}}."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_ranks(2):
         built = {}
         for case, options in {"tp": {}, "sp": {"sequence_parallel": True, "async_overlap": False}}.items():
             z = zoo.build("llama-tiny")
@@ -40,8 +38,6 @@ def graphs():
             opt.forward_backward(**z.example_inputs)
             built[case] = {role: opt.graphs[role].graph for role in ("forward", "backward")}
         yield built
-    finally:
-        dist.destroy_process_group()
 
 
 def issued(graph, target, *args) -> list[tuple]:
